@@ -1,0 +1,320 @@
+"""Run configuration: frozen dataclass sections, YAML files, `--set a.b=c` and `--mesh` overrides.
+
+Every field is typed; `load_config` rejects unknown keys, values of the wrong type and impossible
+values with one `ConfigError` that names the field (`optimizer.lr`) and says how to fix it,
+before any model is loaded. Values given on the command line are parsed as YAML scalars
+(`--set optimizer.lr=1e-5`, `--set rollout.engine=vllm`, `--set optimizer.betas=[0.9,0.95]`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Student and teacher: an HF checkpoint directory or a preset name (`tiny_llama`, ...)."""
+    student: str = "demo:student"
+    teacher: str = "demo:teacher"
+    # Tokenizer directory or name (tiny_bpe, tiny_unigram, qwen2.5, llama3); "" = the model's dir.
+    student_tokenizer: str = ""
+    teacher_tokenizer: str = ""
+    dtype: Literal["float32", "bfloat16"] = "float32"        # compute dtype
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: bool = False                                      # gradient checkpointing per layer
+
+
+@dataclass(frozen=True)
+class MeshSection:
+    """Mesh axis sizes; one may be -1 to take the remaining devices."""
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    engine: Literal["jax", "vllm"] = "jax"
+    rollout_batch_size: int = 8          # prompts per iteration
+    n_samples_per_prompt: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                      # -1 disables top-k filtering
+    generate_max_len: int = 64           # max new tokens
+    max_prompt_len: int = 256
+    vllm_gpu_memory_utilization: float = 0.5
+
+
+@dataclass(frozen=True)
+class AlgorithmSection:
+    name: str = "topk_strict"            # registry name, see ctopd_jax.algorithms
+    kd_loss_fn: Literal["kl", "rkl", "jsd", "skl", "srkl", "akl", "tvd", "top1_ce"] = "rkl"
+    kd_ratio: float = 1.0                # (1 - kd_ratio) * CE + kd_ratio * KD
+    kd_temperature: float = 1.0
+    ctkd_topk: int = 128
+    jsd_beta: float = 0.5
+    skl_lambda: float = 0.1
+    akl_alpha: float = 0.5
+    implementation: Literal["reference", "xla", "pallas"] = "xla"
+    chunked_loss_size: int = 2048        # rows per lm_head/loss chunk
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    schedule: Literal["cosine_with_min_lr", "constant"] = "cosine_with_min_lr"
+    warmup_ratio: float = 0.05
+    min_lr: float = 1e-8
+    train_batch_size: int = 8            # responses per optimizer step
+    micro_batch_size: int = 8            # responses per forward/backward
+
+
+@dataclass(frozen=True)
+class DataSection:
+    path: str = "demo:train"             # jsonl / parquet file, or a named set
+    prompt_key: str = "prompt"           # string prompt or chat `messages` list
+    system_prompt: str = ""
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    dir: str = ""                        # "" = <output_dir>/checkpoints
+    every: int = 10                      # steps between checkpoints; 0 = only the last
+    keep: int = 3
+    async_save: bool = True
+    export_hf: bool = True               # write the final student as HF safetensors
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    jsonl: bool = True
+    tensorboard: bool = True
+    progress: bool = True
+    log_every: int = 1
+
+
+@dataclass(frozen=True)
+class EvaluationSection:
+    dataset: str = ""                    # "" disables evaluation inside training
+    samples: int = 1
+    greedy: bool = True
+    every: int = 0                       # evaluate every N steps (0 = only at the end)
+    max_problems: int = 0                # 0 = all
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    run_name: str = "run"
+    output_dir: str = "runs/run"
+    seed: int = 0
+    steps: int = 10                      # on-policy iterations (optimizer steps)
+    model: ModelSection = field(default_factory=ModelSection)
+    mesh: MeshSection = field(default_factory=MeshSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    data: DataSection = field(default_factory=DataSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    evaluation: EvaluationSection = field(default_factory=EvaluationSection)
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.optimizer.train_batch_size // self.optimizer.micro_batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+# ----------------------------------------------------------------------------- building
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """Check `value` against the type hint `hint`, converting only lossless cases."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            choices = ", ".join(repr(c) for c in typing.get_args(hint))
+            raise ConfigError(f"{name}: {value!r} is not one of {choices}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            try:
+                return _coerce(value, option, name)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{name}: {value!r} does not have type {hint}")
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{name}: expected a list of {len(args)} values like "
+                              f"[{', '.join(a.__name__ for a in args)}], got {value!r}")
+        return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if hint is type(None):
+        if value is not None:
+            raise ConfigError(f"{name}: expected null, got {value!r}")
+        return None
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name}: expected a string, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, name)
+    raise ConfigError(f"{name}: unsupported type {hint}")
+
+
+def _build(cls: type, values: Any, prefix: str = "") -> Any:
+    where = prefix or "config"
+    if values is None:
+        values = {}
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of keys, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        dotted = ", ".join(f"{prefix + '.' if prefix else ''}{k}" for k in unknown)
+        raise ConfigError(f"unknown config key(s) {dotted}; known keys of {where}: "
+                          f"{', '.join(sorted(known))}")
+    kwargs = {k: _coerce(v, hints[k], f"{prefix + '.' if prefix else ''}{k}")
+              for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: {key!r} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=c` -> ("a.b", yaml-parsed c)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r}: write section.key=value, e.g. --set optimizer.lr=1e-5")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {key}: cannot parse value {raw!r}: {err}") from None
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
+                mesh: str | None = None) -> TrainConfig:
+    """Read a YAML file, apply `--set` overrides and a `--mesh` flag, build and validate."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: file not found; pass a YAML file such as "
+                              "configs/tiny_cpu.yaml")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--config {path}: not valid YAML: {err}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    if mesh:
+        from ctopd_jax.mesh import parse_mesh
+        tree["mesh"] = {**{"data": 1}, **parse_mesh(mesh)}
+    config = _build(TrainConfig, tree)
+    validate(config)
+    return config
+
+
+def from_dict(tree: Mapping[str, Any]) -> TrainConfig:
+    config = _build(TrainConfig, dict(tree))
+    validate(config)
+    return config
+
+
+def _require(condition: bool, field_name: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+def validate(config: TrainConfig, device_count: int | None = None) -> None:
+    """Impossible values; with `device_count`, also that the mesh fits the devices."""
+    r, a, o = config.rollout, config.algorithm, config.optimizer
+    _require(config.steps >= 1, "steps", f"{config.steps} must be >= 1")
+    _require(r.rollout_batch_size >= 1, "rollout.rollout_batch_size", "must be >= 1")
+    _require(r.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "must be >= 1")
+    _require(r.temperature >= 0, "rollout.temperature", "must be >= 0 (0 = greedy)")
+    _require(0 < r.top_p <= 1, "rollout.top_p", f"{r.top_p} must be in (0, 1]")
+    _require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "must be -1 (off) or >= 1")
+    _require(r.generate_max_len >= 1, "rollout.generate_max_len", "must be >= 1")
+    _require(r.max_prompt_len >= 1, "rollout.max_prompt_len", "must be >= 1")
+    _require(0 <= a.kd_ratio <= 1, "algorithm.kd_ratio", f"{a.kd_ratio} must be in [0, 1]")
+    _require(a.kd_temperature > 0, "algorithm.kd_temperature", "must be > 0")
+    _require(a.ctkd_topk >= 1, "algorithm.ctkd_topk",
+             "must be >= 1 (and <= |V∩|, checked once the tokenizers are loaded)")
+    _require(0 < a.jsd_beta < 1, "algorithm.jsd_beta", "must be strictly inside (0, 1)")
+    _require(0 <= a.skl_lambda <= 1, "algorithm.skl_lambda", "must be in [0, 1]")
+    _require(0 < a.akl_alpha < 1, "algorithm.akl_alpha", "must be inside (0, 1)")
+    _require(a.chunked_loss_size >= 1, "algorithm.chunked_loss_size", "must be >= 1")
+    _require(o.lr > 0, "optimizer.lr", "must be > 0")
+    _require(all(0 <= b < 1 for b in o.betas), "optimizer.betas", "each must be in [0, 1)")
+    _require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
+    _require(o.max_grad_norm > 0, "optimizer.max_grad_norm", "must be > 0")
+    _require(0 <= o.warmup_ratio < 1, "optimizer.warmup_ratio", "must be in [0, 1)")
+    _require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", "must be in [0, optimizer.lr]")
+    _require(o.micro_batch_size >= 1, "optimizer.micro_batch_size", "must be >= 1")
+    _require(o.train_batch_size % o.micro_batch_size == 0, "optimizer.train_batch_size",
+             f"{o.train_batch_size} must be a multiple of optimizer.micro_batch_size "
+             f"{o.micro_batch_size}")
+    responses = r.rollout_batch_size * r.n_samples_per_prompt
+    _require(responses % o.train_batch_size == 0, "optimizer.train_batch_size",
+             f"rollout_batch_size * n_samples_per_prompt = {responses} responses per iteration "
+             f"must be a multiple of train_batch_size {o.train_batch_size}")
+    _require(config.checkpoint.every >= 0, "checkpoint.every", "must be >= 0")
+    _require(config.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+    _require(config.logging.log_every >= 1, "logging.log_every", "must be >= 1")
+    _require(config.evaluation.samples >= 1, "evaluation.samples", "must be >= 1")
+    for axis in ("data", "fsdp", "tensor"):
+        size = getattr(config.mesh, axis)
+        _require(size == -1 or size >= 1, f"mesh.{axis}", "must be >= 1 or -1 (fill)")
+    if device_count is not None:
+        from ctopd_jax.mesh import MeshError, resolve_mesh_shape
+        try:
+            resolve_mesh_shape(dataclasses.asdict(config.mesh), device_count)
+        except MeshError as err:
+            raise ConfigError(str(err)) from None
