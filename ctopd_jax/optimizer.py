@@ -35,8 +35,11 @@ class OptimizerSettings:
     warmup_ratio: float = 0.05
     min_lr: float = 1e-8
     total_steps: int = 100
+    schedule: str = "cosine_with_min_lr"   # or "constant" (lr throughout, no warmup)
 
     def __post_init__(self):
+        if self.schedule not in ("cosine_with_min_lr", "constant"):
+            raise ValueError(f"optimizer.schedule must be cosine_with_min_lr or constant, got {self.schedule!r}")
         if self.learning_rate <= 0:
             raise ValueError(f"optimizer.learning_rate must be > 0, got {self.learning_rate}")
         if not 0 <= self.warmup_ratio <= 1:
@@ -97,8 +100,11 @@ def decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(settings: OptimizerSettings) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    schedule = cosine_with_min_lr_schedule(settings.learning_rate, settings.total_steps,
-                                           settings.warmup_ratio, settings.min_lr)
+    if settings.schedule == "constant":
+        schedule = optax.constant_schedule(settings.learning_rate)
+    else:
+        schedule = cosine_with_min_lr_schedule(settings.learning_rate, settings.total_steps,
+                                               settings.warmup_ratio, settings.min_lr)
     b1, b2 = settings.betas
     parts = []
     if settings.max_grad_norm is not None:
@@ -121,4 +127,5 @@ def settings_from_config(optimizer_cfg: Any, total_steps: int) -> OptimizerSetti
         warmup_ratio=float(get("warmup_ratio", get("lr_warmup_ratio", 0.05))),
         min_lr=float(get("min_lr", 1e-8)),
         total_steps=int(total_steps),
+        schedule=str(get("schedule", "cosine_with_min_lr")),
     )

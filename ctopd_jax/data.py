@@ -1,0 +1,170 @@
+"""Prompt pipelines over jsonl / parquet files, deterministic and exactly resumable.
+
+A prompt file holds one row per prompt with either a `prompt` string or a chat `messages`
+list ([{"role": ..., "content": ...}, ...]); which column is read is `data.prompt_key` (when
+that column is absent and `messages` is present, `messages` is used). Every row is validated
+when the file is opened, so a bad row fails with `file:line` before any model is loaded.
+
+Order: a grain `MapDataset` shuffled by `seed` and repeated forever; grain draws a fresh
+permutation per epoch. Batch k is rows [k*B, (k+1)*B) of that infinite sequence, so the
+iterator state is one integer (the next batch index): saving it and restoring it gives exactly
+the same batches as an uninterrupted run (step-indexed data, as in levanter).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import grain
+
+
+class DataError(ValueError):
+    """A prompt file or row that cannot be used; the message names file and line."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as chat messages; `source` is "file:line" for error messages and logs."""
+    messages: tuple[dict[str, str], ...]
+    source: str
+    extra: dict[str, Any] = field(default_factory=dict)  # other columns (answer, id, ...)
+
+    @property
+    def text(self) -> str:
+        """The last user turn (what a plain `prompt` row held)."""
+        return self.messages[-1]["content"]
+
+
+def _as_messages(value: Any, key: str, where: str) -> tuple[dict[str, str], ...]:
+    if isinstance(value, str):
+        if not value.strip():
+            raise DataError(f"{where}: column {key!r} is an empty string; remove the row")
+        return ({"role": "user", "content": value},)
+    if hasattr(value, "tolist"):  # numpy arrays from parquet list columns
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not value:
+        raise DataError(f"{where}: column {key!r} must be a non-empty string or a non-empty "
+                        f"list of {{role, content}} messages, got {type(value).__name__}")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: {key}[{i}] must be an object with string 'role' and "
+                            f"'content', got {message!r}")
+        messages.append({"role": message["role"], "content": message["content"]})
+    if messages[-1]["role"] != "user":
+        raise DataError(f"{where}: the last message of {key!r} has role "
+                        f"{messages[-1]['role']!r}; a prompt must end with a user turn")
+    return tuple(messages)
+
+
+def _row_to_prompt(row: Any, prompt_key: str, where: str, system_prompt: str) -> Prompt:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
+    key = prompt_key if prompt_key in row else ("messages" if "messages" in row else None)
+    if key is None:
+        raise DataError(f"{where}: no {prompt_key!r} column (nor 'messages'); columns are "
+                        f"{sorted(row)}; set data.prompt_key to the prompt column")
+    messages = _as_messages(row[key], key, where)
+    if system_prompt and messages[0]["role"] != "system":
+        messages = ({"role": "system", "content": system_prompt},) + messages
+    extra = {k: v for k, v in row.items() if k not in (key,)}
+    return Prompt(messages=messages, source=where, extra=extra)
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open("r", encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            where = f"{path}:{number}"
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{where}: not valid JSON ({err.msg}); fix or remove the line") from None
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # pyarrow raises several types for damaged files
+        raise DataError(f"{path}: cannot read as parquet: {err}") from None
+    for number, row in enumerate(table.to_pylist(), start=1):
+        yield f"{path}:row {number}", row
+
+
+def load_prompts(path: str | Path, prompt_key: str = "prompt", system_prompt: str = "") -> list[Prompt]:
+    """All prompts of a .jsonl / .json(l) / .parquet file, validated row by row."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data.path {path}: file not found; give a .jsonl or .parquet "
+                                "prompt file")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        rows = _read_jsonl(path)
+    elif suffix == ".parquet":
+        rows = _read_parquet(path)
+    else:
+        raise DataError(f"data.path {path}: unsupported extension {suffix!r}; use .jsonl or .parquet")
+    prompts = [_row_to_prompt(row, prompt_key, where, system_prompt) for where, row in rows]
+    if not prompts:
+        raise DataError(f"data.path {path}: the file holds no prompts")
+    return prompts
+
+
+class PromptStream:
+    """Batches of prompts by index; `state()` / `restore()` carry the next batch index."""
+
+    def __init__(self, prompts: Sequence[Prompt], batch_size: int, seed: int = 0, shuffle: bool = True):
+        if batch_size < 1:
+            raise DataError(f"batch size must be >= 1, got {batch_size}")
+        self.prompts = list(prompts)
+        self.batch_size = batch_size
+        dataset = grain.MapDataset.source(self.prompts)
+        if shuffle:
+            dataset = dataset.shuffle(seed=seed)
+        self._dataset = dataset.repeat(None)
+        self.position = 0
+
+    def batch(self, index: int) -> list[Prompt]:
+        start = index * self.batch_size
+        return [self._dataset[start + j] for j in range(self.batch_size)]
+
+    def next_batch(self) -> list[Prompt]:
+        batch = self.batch(self.position)
+        self.position += 1
+        return batch
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    def state(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+
+
+def resolve_named_source(name: str) -> Path:
+    """`demo:train` style names: files written by a module that owns the data set."""
+    owner, _, split = name.partition(":")
+    if owner == "demo":
+        try:
+            from ctopd_jax.demo import data as demo_data  # owned by the demo module
+        except ImportError as err:
+            raise DataError(f"data.path {name!r}: the demo data module is unavailable ({err})") from None
+        return Path(demo_data.prompt_file(split))
+    raise DataError(f"data.path {name!r}: unknown named source {owner!r}; give a file path")
+
+
+def stream_from_config(data_cfg: Any, batch_size: int) -> PromptStream:
+    path = data_cfg.path
+    if ":" in path and not Path(path).exists() and not Path(path).drive:
+        path = resolve_named_source(path)
+    prompts = load_prompts(path, data_cfg.prompt_key, data_cfg.system_prompt)
+    return PromptStream(prompts, batch_size, seed=data_cfg.seed, shuffle=data_cfg.shuffle)
