@@ -1,0 +1,9 @@
+"""Llama-3.x / Qwen2 decoder in Flax NNX, its KV cache, configs and HF weight conversion."""
+
+from ctopd_jax.models.config import (ModelConfig, ModelConfigError, PRESETS, llama3_2_3b,
+                                     qwen2_5_7b, tiny_llama, tiny_qwen2)
+from ctopd_jax.models.decoder import Decoder
+from ctopd_jax.models.kv_cache import KVCache, init_cache, prefill_positions
+
+__all__ = ["ModelConfig", "ModelConfigError", "PRESETS", "llama3_2_3b", "qwen2_5_7b",
+           "tiny_llama", "tiny_qwen2", "Decoder", "KVCache", "init_cache", "prefill_positions"]

@@ -1,0 +1,242 @@
+"""One Flax NNX decoder for Llama-3.x and Qwen2/2.5.
+
+GQA attention, RMSNorm, SwiGLU MLP, rotate-half RoPE (optionally with "llama3" frequency
+scaling), optional q/k/v bias (Qwen2), tied or untied embeddings.
+
+Decisions:
+- Parameters are stored in ``cfg.param_dtype`` and cast to ``cfg.dtype`` where they are used;
+  RMSNorm statistics, RoPE angles and the attention softmax are computed in float32.
+  Logits are returned in float32 (the lm_head matmul accumulates in float32).
+- Every parameter carries its logical axis names in the flax ``out_sharding`` metadata
+  (``eager_sharding=False`` so creation never needs a mesh); ``ctopd_jax.mesh.shard_module``
+  or ``nnx.get_partition_spec`` under ``nnx.logical_axis_rules`` turn them into shardings.
+- Kernels keep the head structure ([H, heads, head_dim]) so heads can be sharded on "tensor"
+  without reshapes; weights.py owns the mapping to HF's flat [out, in] matrices.
+- Masked attention scores use the most negative finite float, not -inf, so rows with nothing
+  to attend to (left pads) give finite garbage instead of NaN; those rows are never used.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ctopd_jax.models.config import ModelConfig
+from ctopd_jax.models.kv_cache import KVCache, init_cache  # noqa: F401  (re-exported)
+
+_INIT_STD = 0.02
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, init="normal") -> nnx.Param:
+    if init == "normal":
+        value = jax.random.normal(rngs.params(), shape, jnp.float32) * _INIT_STD
+    elif init == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    else:
+        value = jnp.zeros(shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), out_sharding=tuple(axes), eager_sharding=False)
+
+
+# ---------------------------------------------------------------------- RoPE
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim/2], with the "llama3" piecewise rescaling when configured.
+
+    llama3 scaling: wavelengths longer than original_len/low_freq_factor are divided by
+    `factor`, shorter than original_len/high_freq_factor are kept, and the band in between is
+    interpolated linearly in original_len/wavelength.
+    """
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    scaling = cfg.rope_scaling_dict
+    if scaling is not None:
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        orig = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (orig / wavelen - low) / (high - low)
+        interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = np.where(wavelen > orig / low, inv_freq / factor,
+                            np.where(wavelen < orig / high, inv_freq, interpolated))
+    return inv_freq.astype(np.float32)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: jax.Array):
+    """cos, sin [B, T, head_dim] in float32 for integer positions [B, T]."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, N, D]; rotate-half convention (the HF Llama/Qwen2 layout)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------------- blocks
+class RMSNorm(nnx.Module):
+    def __init__(self, size: int, eps: float, param_dtype, *, rngs: nnx.Rngs):
+        self.scale = _param(rngs, (size,), (None,), param_dtype, init="ones")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed.astype(x.dtype) * self.scale[...].astype(x.dtype))
+
+
+def attend(q, k, v, mask):
+    """Grouped-query attention. q [B,T,Nq,D], k/v [B,S,Nkv,D], mask [B,T,S] bool."""
+    b, t, nq, d = q.shape
+    nkv = k.shape[2]
+    q = q.reshape(b, t, nkv, nq // nkv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(d))
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, nq, d)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        h, nq, nkv, d, pd = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                             cfg.params_dtype)
+        self.q_proj = _param(rngs, (h, nq, d), ("embed", "q_heads", "head_dim"), pd)
+        self.k_proj = _param(rngs, (h, nkv, d), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_proj = _param(rngs, (h, nkv, d), ("embed", "kv_heads", "head_dim"), pd)
+        self.o_proj = _param(rngs, (nq, d, h), ("q_heads", "head_dim", "embed"), pd)
+        if cfg.qkv_bias:
+            self.q_bias = _param(rngs, (nq, d), ("q_heads", "head_dim"), pd, init="zeros")
+            self.k_bias = _param(rngs, (nkv, d), ("kv_heads", "head_dim"), pd, init="zeros")
+            self.v_bias = _param(rngs, (nkv, d), ("kv_heads", "head_dim"), pd, init="zeros")
+        self.qkv_bias = cfg.qkv_bias
+        self.dtype = cfg.compute_dtype
+
+    def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, layer: int = 0):
+        dt = self.dtype
+        q = jnp.einsum("bth,hnd->btnd", x, self.q_proj[...].astype(dt))
+        k = jnp.einsum("bth,hnd->btnd", x, self.k_proj[...].astype(dt))
+        v = jnp.einsum("bth,hnd->btnd", x, self.v_proj[...].astype(dt))
+        if self.qkv_bias:
+            q = q + self.q_bias[...].astype(dt)
+            k = k + self.k_bias[...].astype(dt)
+            v = v + self.v_bias[...].astype(dt)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            start = (layer, 0, cache.index, 0, 0)
+            k_all = jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start)
+            v_all = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start)
+            cache = cache._replace(k=k_all, v=v_all)
+            k, v = k_all[layer].astype(dt), v_all[layer].astype(dt)
+        out = attend(q, k, v, mask)
+        return jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(dt)), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        h, i, pd = cfg.hidden_size, cfg.intermediate_size, cfg.params_dtype
+        self.gate_proj = _param(rngs, (h, i), ("embed", "mlp"), pd)
+        self.up_proj = _param(rngs, (h, i), ("embed", "mlp"), pd)
+        self.down_proj = _param(rngs, (i, h), ("mlp", "embed"), pd)
+        self.dtype = cfg.compute_dtype
+
+    def __call__(self, x):
+        dt = self.dtype
+        gate = x @ self.gate_proj[...].astype(dt)
+        up = x @ self.up_proj[...].astype(dt)
+        return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(dt)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.params_dtype, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.params_dtype,
+                                      rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask, cache=None, layer=0):
+        attn_out, cache = self.attn(self.input_norm(x), cos, sin, mask, cache, layer)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attn_norm(x))
+        return x, cache
+
+
+def _layer_no_cache(layer: DecoderLayer, x, cos, sin, mask):
+    return layer(x, cos, sin, mask)[0]
+
+
+_layer_remat = nnx.remat(_layer_no_cache)
+
+
+class Decoder(nnx.Module):
+    """Causal LM: ``model(input_ids, positions, attention_mask=None, cache=None)``.
+
+    - ``input_ids``, ``positions``: int32 [B, T]. ``attention_mask``: bool [B, T], True on real
+      tokens (pads may be on the left or the right); None means all real.
+    - Returns float32 logits [B, T, V]; with a ``KVCache`` returns ``(logits, new_cache)``
+      (see ``kv_cache.py`` for the cache contract).
+    - ``hidden_states(...)`` returns the final-normed hidden [B, T, H] (compute dtype) and
+      ``lm_head_weight()`` the [H, V] projection (the embedding transposed when tied), so a loss
+      can apply the lm_head chunk by chunk.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pd = cfg.params_dtype
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
+
+    def lm_head_weight(self) -> jax.Array:
+        """[H, V] in the parameter dtype."""
+        if self.cfg.tie_word_embeddings:
+            return self.embed[...].T
+        return self.lm_head[...]
+
+    def hidden_states(self, input_ids, positions, attention_mask=None, cache=None):
+        cfg = self.cfg
+        b, t = input_ids.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((b, t), jnp.bool_)
+        attention_mask = attention_mask.astype(jnp.bool_)
+        x = jnp.take(self.embed[...], input_ids, axis=0).astype(cfg.compute_dtype)
+        cos, sin = rope_cos_sin(cfg, positions)
+
+        if cache is None:
+            causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+            mask = causal[None] & attention_mask[:, None, :]
+            for layer in self.layers:
+                if cfg.remat:
+                    x = _layer_remat(layer, x, cos, sin, mask)
+                else:
+                    x = layer(x, cos, sin, mask)[0]
+            return self.final_norm(x)
+
+        slots = cache.index + jnp.arange(t, dtype=jnp.int32)  # [T] slot of each new token
+        valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask, (0, cache.index))
+        s = jnp.arange(cache.max_len, dtype=jnp.int32)
+        mask = valid[:, None, :] & (s[None, None, :] <= slots[None, :, None])
+        cache = cache._replace(valid=valid)
+        for i, layer in enumerate(self.layers):
+            x, cache = layer(x, cos, sin, mask, cache, i)
+        cache = cache._replace(
+            lengths=cache.lengths + attention_mask.sum(axis=1, dtype=jnp.int32),
+            index=cache.index + t)
+        return self.final_norm(x), cache
+
+    def __call__(self, input_ids, positions, attention_mask=None, cache=None):
+        out = self.hidden_states(input_ids, positions, attention_mask, cache)
+        hidden, new_cache = (out, None) if cache is None else out
+        w = self.lm_head_weight().astype(self.cfg.compute_dtype)
+        logits = jnp.einsum("bth,hv->btv", hidden, w, preferred_element_type=jnp.float32)
+        return logits if cache is None else (logits, new_cache)
