@@ -1,0 +1,138 @@
+"""One entry point for the strict objectives: `strict_kd_sum(..., implementation=...)`.
+
+Implementations, tried in this order from the one asked for (ordered fallback):
+  "pallas"    -> fused Pallas chunk kernels (interpret mode on CPU, compiled on GPU); akl and
+                 top-k with k > PALLAS_MAX_TOPK are not supported there and fall back to xla.
+  "xla"       -> row-chunked custom-VJP driver (kernels.row_chunks) with jnp chunk functions.
+  "reference" -> plain jnp autodiff over the whole batch (the oracle; most memory).
+All return the same number: Σ_r row_weight[r] · D_r over the given rows (float32 scalar),
+differentiable w.r.t. the student logits (or hidden states and lm_head).
+"""
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from ctopd_jax import losses
+from ctopd_jax.kernels import row_chunks
+from ctopd_jax.kernels.strict_full import reference as full_reference
+from ctopd_jax.kernels.strict_full import xla as full_xla
+from ctopd_jax.kernels.strict_topk import reference as topk_reference
+from ctopd_jax.kernels.strict_topk import xla as topk_xla
+
+IMPLEMENTATIONS = ("pallas", "xla", "reference")
+PALLAS_MAX_TOPK = 256
+DEFAULT_CHUNK_ROWS = 256
+_log = logging.getLogger(__name__)
+
+
+def _unsupported_reason(implementation: str, divergence: str, topk: int | None) -> str | None:
+    if implementation == "pallas":
+        if divergence == "akl":
+            return "akl needs a full sort of p_T per row"
+        if topk is not None and topk > PALLAS_MAX_TOPK:
+            return f"top-k selection in the kernel is limited to k <= {PALLAS_MAX_TOPK}"
+    return None
+
+
+def resolve_implementation(implementation: str, divergence: str, topk: int | None = None) -> str:
+    """The implementation that will run: the asked one or the next supported one after it."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}; use one of {IMPLEMENTATIONS}")
+    for candidate in IMPLEMENTATIONS[IMPLEMENTATIONS.index(implementation):]:
+        reason = _unsupported_reason(candidate, divergence, topk)
+        if reason is None:
+            return candidate
+        _log.info("implementation %s unsupported (%s); falling back", candidate, reason)
+    return "reference"
+
+
+def _validate(student, teacher, s_ids, row_weight, topk, t_ids):
+    if isinstance(student, tuple):
+        if len(student) != 2 or student[0].ndim != 2 or student[1].ndim != 2:
+            raise ValueError("student must be logits [R, V_S] or (hidden [R, H], lm_head [H, V_S])")
+        hidden, lm_head = student
+        if hidden.shape[1] != lm_head.shape[0]:
+            raise ValueError(f"hidden {hidden.shape} and lm_head {lm_head.shape} disagree on H")
+        rows, vocab_s = hidden.shape[0], lm_head.shape[1]
+    else:
+        if student.ndim != 2:
+            raise ValueError(f"student logits must be [R, V_S], got shape {student.shape}")
+        rows, vocab_s = student.shape
+    if s_ids.ndim != 1 or not jnp.issubdtype(s_ids.dtype, jnp.integer):
+        raise ValueError("s_ids must be a 1-D integer array (student ids of the overlap map)")
+    shared = s_ids.shape[0]
+    if shared < 1 or shared > vocab_s:
+        raise ValueError(f"|s_ids|={shared} must be in [1, V_S={vocab_s}]")
+    want_cols = shared if t_ids is None else None
+    if teacher.ndim != 2 or teacher.shape[0] != rows or (
+            want_cols is not None and teacher.shape[1] != want_cols):
+        raise ValueError(f"teacher must be [R={rows}, V∩={shared}] (projected) or [R, V_T] with "
+                         f"t_ids; got {teacher.shape}")
+    if t_ids is not None and (t_ids.ndim != 1 or t_ids.shape[0] != shared):
+        raise ValueError(f"t_ids must be 1-D of length |s_ids|={shared}")
+    if row_weight.shape != (rows,):
+        raise ValueError(f"row_weight must be [R={rows}], got {row_weight.shape}")
+    if topk is not None and not (isinstance(topk, int) and 1 <= topk <= shared):
+        raise ValueError(f"ctkd_topk={topk} must be an integer in [1, |V∩|={shared}]")
+
+
+def _chunk_fn(implementation, divergence, topk, temperature, div_items, interpret):
+    if implementation == "pallas":
+        if topk is None:
+            from ctopd_jax.kernels.strict_full import pallas as full_pallas
+            return full_pallas.make_chunk_fn(divergence, temperature, div_items, interpret)
+        from ctopd_jax.kernels.strict_topk import pallas as topk_pallas
+        return topk_pallas.make_chunk_fn(divergence, topk, temperature, div_items, interpret)
+    if topk is None:
+        return full_xla.make_chunk_fn(divergence, temperature, div_items)
+    return topk_xla.make_chunk_fn(divergence, topk, temperature, div_items)
+
+
+def strict_kd_sum(student, teacher_shared, s_ids, row_weight, *, divergence: str,
+                  topk: int | None = None, temperature: float = 1.0,
+                  implementation: str = "xla", chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                  t_ids=None, interpret: bool | None = None, jsd_beta: float = 0.5,
+                  skl_lambda: float = 0.1, akl_alpha: float = 0.5):
+    """Σ_r row_weight[r] · D(p̄_S[r], p̄_T[r]) over aligned rows (SPEC §4), float32 scalar.
+
+    student:        logits [R, V_S], or (hidden [R, H], lm_head [H, V_S]) for the chunked
+                    from-hidden path (lm_head applied per chunk of `chunk_rows`).
+    teacher_shared: teacher logits projected to V∩ [R, V∩] (a constant), or full [R, V_T] together
+                    with `t_ids` to project per chunk (never materialising [R, V∩]).
+    s_ids:          int [V∩] student column of each shared entry (same order as the teacher).
+    row_weight:     [R] (0 for padding rows; 1 for strict pairs).
+    topk:           None for strict full; k for strict top-k (1 <= k <= |V∩|).
+    interpret:      Pallas interpret mode; default True unless running on GPU.
+    Rows are already gathered by the caller (alignment row indices); use `gather_rows`.
+    """
+    losses.check_divergence_args(divergence, temperature=temperature, jsd_beta=jsd_beta,
+                                 skl_lambda=skl_lambda, akl_alpha=akl_alpha)
+    _validate(student, teacher_shared, s_ids, row_weight, topk, t_ids)
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows={chunk_rows} must be >= 1 (chunked_loss_size)")
+    impl = resolve_implementation(implementation, divergence, topk)
+    div_kwargs = dict(jsd_beta=jsd_beta, skl_lambda=skl_lambda, akl_alpha=akl_alpha)
+    if impl == "reference":
+        if topk is None:
+            return full_reference.strict_full_sum(student, teacher_shared, s_ids, row_weight,
+                                                  divergence=divergence, temperature=temperature,
+                                                  t_ids=t_ids, **div_kwargs)
+        return topk_reference.strict_topk_sum(student, teacher_shared, s_ids, row_weight,
+                                              divergence=divergence, topk=topk,
+                                              temperature=temperature, t_ids=t_ids, **div_kwargs)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    chunk_fn = _chunk_fn(impl, divergence, topk, float(temperature),
+                         tuple(sorted(div_kwargs.items())), bool(interpret))
+    loss_fn = row_chunks.make_chunked_loss(chunk_fn, int(chunk_rows), isinstance(student, tuple))
+    s_ids = s_ids.astype(jnp.int32)
+    t_ids = None if t_ids is None else t_ids.astype(jnp.int32)
+    return loss_fn(student, jax.lax.stop_gradient(teacher_shared), s_ids, t_ids, row_weight)
+
+
+def gather_rows(logits_flat, row_index):
+    """Rows of flat [B*T, V] logits at the alignment's int32 flat row indices -> [R, V]."""
+    return jnp.take(logits_flat, row_index.astype(jnp.int32), axis=0)

@@ -1,0 +1,154 @@
+"""Row-chunked loss driver with a custom VJP, shared by the xla and pallas implementations.
+
+A "chunk function" maps one chunk of projected rows to its weighted loss sum and the gradient
+of that sum with respect to the projected student logits:
+
+    chunk_fn(zs_bar [c, V∩] f32, zt_bar [c, V∩] f32, w [c] f32) -> (loss f32[], grad [c, V∩] f32)
+
+The driver walks the rows in chunks of `chunk_rows`, gathers the shared-vocabulary columns of
+that chunk only (and the teacher columns when the teacher arrives over its full vocabulary),
+calls the chunk function, and writes the gradient straight back into student-vocabulary layout.
+So no [R, V∩] gathered copy, softmax or gradient of all rows exists at once: the working set is
+O(chunk_rows · V) plus the gradient itself.
+
+Why the forward computes the gradient: the loss is a scalar at the end of the graph, so its
+cotangent is a scalar; computing the gradient while the chunk is hot in cache and scaling it in
+the backward avoids a second pass over [R, V] inputs (the fused-cross-entropy pattern).
+
+Memory decision for the logits path: the loop carry that receives the gradient is initialised
+FROM the student logits and each chunk is read before its gradient overwrites it. Under
+`jax.jit(..., donate_argnums=...)` of the student logits (or when the logits are an
+intermediate of a larger jit, as in training) XLA updates that buffer in place, so the gradient
+costs no memory beyond the logits. Without donation XLA makes one copy, the same as a zeros
+buffer would cost.
+
+Student columns outside the shared vocabulary get gradient 0 (SPEC §4). The column scatter is
+done as a gather through the inverse map (`inverse_ids`, V∩ marks "not shared" and points at an
+appended zero column): gathers are much cheaper than scatters on XLA:CPU.
+
+Hidden-state path (SPEC §1 chunked loss): `student = (hidden [R, H], lm_head [H, V_S])`. The
+shared columns of the lm_head are gathered once ([H, V∩]); each chunk computes its logits with
+float32 accumulation, so full student logits for all rows never exist. Gradients flow to hidden
+and lm_head (returned in their dtypes).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+ChunkFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def inverse_ids(s_ids, vocab_size: int):
+    """inv[j] = position of student column j in s_ids, or len(s_ids) when j is not shared."""
+    n = s_ids.shape[0]
+    return jnp.full((vocab_size,), n, jnp.int32).at[s_ids].set(jnp.arange(n, dtype=jnp.int32))
+
+
+def _to_student_layout(grad_bar, inv):
+    """[c, V∩] shared-column gradient -> [c, V_S] via the inverse map (zero where not shared)."""
+    padded = jnp.concatenate([grad_bar, jnp.zeros((grad_bar.shape[0], 1), grad_bar.dtype)], 1)
+    return jnp.take(padded, inv, axis=1)
+
+
+def _chunks(num_rows: int, chunk_rows: int):
+    """(number of full chunks, tail size) for a static row count."""
+    chunk_rows = max(1, min(chunk_rows, max(num_rows, 1)))
+    return chunk_rows, num_rows // chunk_rows, num_rows % chunk_rows
+
+
+def _teacher_chunk(teacher, t_ids, start, size):
+    rows = jax.lax.dynamic_slice_in_dim(teacher, start, size, axis=0)
+    if t_ids is not None:
+        rows = jnp.take(rows, t_ids, axis=1)
+    return rows.astype(jnp.float32)
+
+
+def _logits_loss_and_grad(chunk_fn, chunk_rows, student, teacher, s_ids, t_ids, weight):
+    num_rows, vocab = student.shape
+    inv = inverse_ids(s_ids, vocab)
+    size, n_full, tail = _chunks(num_rows, chunk_rows)
+
+    def one(start, rows, carry):
+        loss, grad_buf = carry
+        zs = jax.lax.dynamic_slice_in_dim(grad_buf, start, rows, axis=0)  # still the logits here
+        zs_bar = jnp.take(zs, s_ids, axis=1).astype(jnp.float32)
+        zt_bar = _teacher_chunk(teacher, t_ids, start, rows)
+        w = jax.lax.dynamic_slice_in_dim(weight, start, rows).astype(jnp.float32)
+        chunk_loss, g_bar = chunk_fn(zs_bar, zt_bar, w)
+        g = _to_student_layout(g_bar, inv).astype(grad_buf.dtype)
+        return loss + chunk_loss, jax.lax.dynamic_update_slice_in_dim(grad_buf, g, start, axis=0)
+
+    carry = (jnp.zeros((), jnp.float32), student)
+    if n_full:
+        carry = jax.lax.fori_loop(0, n_full, lambda i, c: one(i * size, size, c), carry)
+    if tail:
+        carry = one(n_full * size, tail, carry)
+    if num_rows == 0:
+        carry = (carry[0], jnp.zeros_like(student))
+    return carry
+
+
+def _hidden_loss_and_grad(chunk_fn, chunk_rows, hidden, lm_head, teacher, s_ids, t_ids, weight):
+    num_rows, hid = hidden.shape
+    vocab = lm_head.shape[1]
+    w_bar = jnp.take(lm_head, s_ids, axis=1)  # [H, V∩], gathered once
+    size, n_full, tail = _chunks(num_rows, chunk_rows)
+
+    def one(start, rows, carry):
+        loss, g_hidden, g_wbar = carry
+        h = jax.lax.dynamic_slice_in_dim(hidden, start, rows, axis=0)
+        zs_bar = jnp.dot(h, w_bar, preferred_element_type=jnp.float32)
+        zt_bar = _teacher_chunk(teacher, t_ids, start, rows)
+        w = jax.lax.dynamic_slice_in_dim(weight, start, rows).astype(jnp.float32)
+        chunk_loss, g_bar = chunk_fn(zs_bar, zt_bar, w)
+        gh = jnp.dot(g_bar.astype(w_bar.dtype), w_bar.T, preferred_element_type=jnp.float32)
+        g_wbar = g_wbar + jnp.dot(h.T, g_bar.astype(h.dtype), preferred_element_type=jnp.float32)
+        g_hidden = jax.lax.dynamic_update_slice_in_dim(g_hidden, gh.astype(g_hidden.dtype),
+                                                       start, axis=0)
+        return loss + chunk_loss, g_hidden, g_wbar
+
+    carry = (jnp.zeros((), jnp.float32), jnp.zeros_like(hidden),
+             jnp.zeros((hid, s_ids.shape[0]), jnp.float32))
+    if n_full:
+        carry = jax.lax.fori_loop(0, n_full, lambda i, c: one(i * size, size, c), carry)
+    if tail:
+        carry = one(n_full * size, tail, carry)
+    loss, g_hidden, g_wbar = carry
+    g_lm_head = _to_student_layout(g_wbar, inverse_ids(s_ids, vocab))
+    return loss, g_hidden, g_lm_head.astype(lm_head.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def make_chunked_loss(chunk_fn: ChunkFn, chunk_rows: int, from_hidden: bool):
+    """A differentiable f(student, teacher, s_ids, t_ids, weight) -> scalar loss sum.
+
+    `student` is logits [R, V_S] or, with from_hidden, a tuple (hidden, lm_head). Only `student`
+    receives gradient; the teacher, index arrays and weights get none (the teacher is a constant
+    by SPEC §4; weights are masks).
+    """
+
+    def run(student, teacher, s_ids, t_ids, weight):
+        if from_hidden:
+            loss, gh, gw = _hidden_loss_and_grad(chunk_fn, chunk_rows, *student, teacher, s_ids,
+                                                 t_ids, weight)
+            return loss, (gh, gw)
+        return _logits_loss_and_grad(chunk_fn, chunk_rows, student, teacher, s_ids, t_ids, weight)
+
+    @jax.custom_vjp
+    def loss_fn(student, teacher, s_ids, t_ids, weight):
+        return run(student, teacher, s_ids, t_ids, weight)[0]
+
+    def fwd(student, teacher, s_ids, t_ids, weight):
+        loss, grads = run(student, teacher, s_ids, t_ids, weight)
+        return loss, grads
+
+    def bwd(grads, cot):
+        scaled = jax.tree.map(lambda g: (g * cot.astype(g.dtype)), grads)
+        return scaled, None, None, None, None
+
+    loss_fn.defvjp(fwd, bwd)
+    return loss_fn

@@ -1,0 +1,37 @@
+"""XLA chunk function for the strict top-k objective (used by kernels.row_chunks).
+
+Per chunk: lax.top_k on the student's projected rows (lower column first among ties), teacher
+gathered at the same columns, divergence on the k entries, gradient into the k selected student
+logits only (placed back into the chunk's [c, V∩] layout with one small scatter).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ctopd_jax import losses
+
+
+@functools.lru_cache(maxsize=None)
+def make_chunk_fn(divergence: str, topk: int, temperature: float, div_items: tuple):
+    div_kwargs = dict(div_items)
+
+    def chunk_fn(zs_bar, zt_bar, w):
+        vals, idx = jax.lax.top_k(zs_bar, topk)
+        zt_k = jnp.take_along_axis(zt_bar, idx, axis=1)
+        log_pt = losses.log_softmax_f32(zt_k, temperature)
+
+        def loss_of(zs_k):
+            log_ps = losses.log_softmax_f32(zs_k, temperature)
+            per_row = losses.divergence_from_logprobs(divergence, log_ps, log_pt, **div_kwargs)
+            return losses.masked_sum(per_row, w)
+
+        loss, vjp = jax.vjp(loss_of, vals)
+        (g_k,) = vjp(jnp.ones((), jnp.float32))
+        rows = jnp.arange(zs_bar.shape[0])[:, None]
+        grad = jnp.zeros_like(zs_bar).at[rows, idx].set(g_k, unique_indices=True)
+        return loss, grad
+
+    return chunk_fn
