@@ -1,0 +1,94 @@
+"""Exact reading of numeric literals and the numeric equality rule of SPEC §10.
+
+Everything here runs in the grading process, so it must be cheap on any input: literals are
+read as ``fractions.Fraction`` from bounded-size strings (exponents limited to |e| <= 400),
+never through ``eval`` or sympy.
+
+Forms read: integers and decimals with optional sign ("-3", "0.50", "5."), fractions
+("3/4", "\\frac{3}{4}", "-\\frac{3}{4}", "\\frac{-3}{4}"), scientific notation ("1.5e3",
+"1.5\\times10^{3}", "1.5\\cdot10^3", "10^{-2}"), and percentages ("50%").
+
+Decision (SPEC says "numerically within 1e-6"): two numbers are equal if exactly equal, or
+if not both integers and |a - b| <= 1e-6 * max(1, |gold|). Integers compare exactly, so an
+off-by-one count like 1000000 vs 1000001 is wrong even though the relative gap is 1e-6.
+A percentage "p%" on either side matches both p and p/100 of the other side ("50%" ≡ "50"
+≡ "0.5"), since references and models disagree on whether the percent is part of the value.
+"""
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+_MAX_LITERAL_CHARS = 200
+_MAX_EXPONENT = 400
+TOLERANCE = 1e-6
+_TOLERANCE_EXACT = Fraction(1, 10**6)
+
+_DECIMAL = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)"
+_RE_DECIMAL = re.compile(rf"^{_DECIMAL}$")
+_RE_E_NOTATION = re.compile(rf"^({_DECIMAL})[eE]([+-]?\d+)$")
+_RE_TIMES_TEN = re.compile(rf"^(?:({_DECIMAL})(?:\\times|\\cdot|\*))?10\^(?:\{{([+-]?\d+)\}}|([+-]?\d))$")
+_RE_SLASH = re.compile(rf"^({_DECIMAL})/({_DECIMAL})$")
+_RE_FRAC = re.compile(rf"^([+-]?)\\frac\{{({_DECIMAL})\}}\{{({_DECIMAL})\}}$")
+
+
+def _decimal(text: str) -> Fraction:
+    return Fraction(text.replace("+", "") if text.startswith("+") else text)
+
+
+def parse_number(text: str | None) -> tuple[Fraction, bool] | None:
+    """(value, is_percent) for a normalised numeric literal, or None if it is not one."""
+    if not text or len(text) > _MAX_LITERAL_CHARS:
+        return None
+    s = text
+    percent = s.endswith("%")
+    if percent:
+        s = s[:-1]
+    if s.startswith("(") and s.endswith(")") and s.count("(") == 1:
+        s = s[1:-1]  # "(-3)" reads as -3; a single pair only, tuples are handled elsewhere
+    try:
+        if _RE_DECIMAL.match(s):
+            return _decimal(s), percent
+        m = _RE_E_NOTATION.match(s) or _RE_TIMES_TEN.match(s)
+        if m:
+            mantissa = m.group(1)
+            exponent = next(g for g in m.groups()[1:] if g is not None)
+            e = int(exponent)
+            if abs(e) > _MAX_EXPONENT:
+                return None
+            base = _decimal(mantissa) if mantissa else Fraction(1)
+            return base * Fraction(10) ** e, percent
+        m = _RE_SLASH.match(s)
+        if m:
+            den = _decimal(m.group(2))
+            return (None if den == 0 else (_decimal(m.group(1)) / den, percent))
+        m = _RE_FRAC.match(s)
+        if m:
+            den = _decimal(m.group(3))
+            if den == 0:
+                return None
+            value = _decimal(m.group(2)) / den
+            return (-value if m.group(1) == "-" else value), percent
+    except (ValueError, ZeroDivisionError):
+        return None
+    return None
+
+
+def _close(a: Fraction, gold: Fraction) -> bool:
+    if a == gold:
+        return True
+    if a.denominator == 1 and gold.denominator == 1:
+        return False
+    # Exact Fraction arithmetic: no float overflow on 1e400-sized literals.
+    return abs(a - gold) <= _TOLERANCE_EXACT * max(Fraction(1), abs(gold))
+
+
+def numbers_equal(pred: tuple[Fraction, bool], gold: tuple[Fraction, bool]) -> bool:
+    """SPEC §10 numeric rule on two ``parse_number`` results (see module docstring)."""
+    if pred[1] == gold[1]:
+        return _close(pred[0], gold[0])  # both or neither are percentages: plain values
+    marked, plain = (pred, gold) if pred[1] else (gold, pred)
+    candidates = (marked[0], marked[0] / 100)
+    if marked is pred:
+        return any(_close(c, plain[0]) for c in candidates)
+    return any(_close(plain[0], c) for c in candidates)
