@@ -5,7 +5,7 @@ synonym, and the brace-less form ``\\boxed 5`` (which LaTeX also renders) takes 
 
 Fallbacks (only when a dataset asks for them, see ``extract_answer(..., fallbacks=True)``):
 GSM8K references and GSM8K-style generators end with ``#### 42``; chatty models and the demo's
-synthetic task write ``The answer is 42``. These are tried only when no box is present, in the
+synthetic task write ``The answer is 42``; DAPO-style prompts ask for ``Answer: 42``. These are tried only when no box is present, in the
 order ``####`` then ``answer is``, each taking its last occurrence. MATH-style datasets keep
 the strict boxed-only rule of the harness, so a response without a box scores zero there.
 """
@@ -19,7 +19,7 @@ _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _HASHES = re.compile(r"####\s*([^\n]*)")
 # "The (final) answer is: 42." up to the end of its line; the trailing period is dropped later
 # by normalisation. Bounded character classes keep the regex linear on long responses.
-_ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*([^\n]*)", re.IGNORECASE)
+_ANSWER_IS = re.compile(r"answer(?:\s+is\s*:?|\s*:)\s*([^\n]*)", re.IGNORECASE)
 _LEADING_NUMBER = re.compile(r"\$?-?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?")
 
 

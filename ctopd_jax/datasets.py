@@ -1,0 +1,259 @@
+"""Evaluation datasets: problems with reference answers, from files or offline generators.
+
+``load_dataset(name_or_path)`` accepts:
+- a MATH500-layout directory holding ``test.jsonl``, or any ``.jsonl`` file whose rows have
+  ``problem`` + ``answer`` (optional ``unique_id``/``id``) — graded boxed-only (SPEC §10);
+- a GSM8K ``.jsonl`` (rows ``question`` + ``answer`` ending in ``#### 42``) — the reference is
+  the text after the last ``####``; responses may answer with a box, ``#### X`` or
+  ``The answer is X``;
+- a generic ``.jsonl`` with ``prompt`` (string or chat messages) + ``answer`` (the demo writes
+  these) — fallbacks allowed;
+- a ``.parquet`` of prompts in the paper's layout: a ``prompt`` column holding a string or a
+  chat-messages list, the reference in ``answer``, ``ground_truth`` or
+  ``reward_model.ground_truth`` (the verl/DAPO layout) — fallbacks allowed, since those prompts
+  ask for ``Answer: X``;
+- ``gsm_symbolic`` / ``gsm_symbolic:N`` — N (default 200) problems from reasoning-gym's
+  GSM-Symbolic generator, seed ``seed`` (deterministic);
+- ``champ`` — the 270 CHAMP competition problems (champ-dataset package). Many CHAMP answers
+  are prose ("No", "0 is the only possible value"); those are graded by normalised string
+  equality only, so scores there are a lower bound. ``champ:numeric`` keeps the problems whose
+  answer is a plain number;
+- ``demo`` — the held-out split of the demo's synthetic task (``ctopd_jax.demo.task``), graded
+  by the task's own grader, prompted without the math system prompt.
+
+A malformed row raises ``DatasetError`` naming ``file:line`` (parquet: ``file:row N``) and the fix,
+before any model is loaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ctopd_jax.grading.numeric import parse_number
+from ctopd_jax.grading.normalize import normalize_answer
+
+MATH_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+class DatasetError(ValueError):
+    """A dataset file or row that cannot be used; the message names file and line."""
+
+
+@dataclass(frozen=True)
+class EvalProblem:
+    id: str
+    problem: str  # the user-turn text
+    answer: str  # the reference answer string
+    messages: tuple[dict[str, str], ...] | None = None  # a full chat prompt, when the source has one
+    source: str = ""  # "file:line" (or generator name) for reports
+
+
+@dataclass(frozen=True)
+class EvalDataset:
+    name: str
+    problems: list[EvalProblem]
+    answer_fallbacks: bool = False  # accept "#### X" / "The answer is X" when unboxed
+    system_prompt: str | None = MATH_SYSTEM_PROMPT
+    grade_fn: Callable[[str, str], bool] | None = field(default=None, compare=False)
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path}:{line_no}: not valid JSON ({exc.msg}); "
+                                   "each line must be one JSON object") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}:{line_no}: expected a JSON object, got "
+                                   f"{type(row).__name__}")
+            rows.append((line_no, row))
+    if not rows:
+        raise DatasetError(f"{path}: no rows; an evaluation file needs at least one problem")
+    return rows
+
+
+def _text_field(row: dict, key: str, where: str, layout: str) -> str:
+    value = row.get(key)
+    if value is None:
+        raise DatasetError(f"{where}: missing field {key!r} ({layout} rows need it)")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and key == "answer":
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise DatasetError(f"{where}: field {key!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _messages(value: Any, where: str) -> tuple[tuple[dict[str, str], ...] | None, str]:
+    """(messages or None, user text) from a prompt cell: a string or a chat-messages list."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise DatasetError(f"{where}: field 'prompt' is an empty string")
+        return None, value
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not value:
+        raise DatasetError(f"{where}: field 'prompt' must be a string or a non-empty list of "
+                           f"{{role, content}} messages, got {type(value).__name__}")
+    msgs = []
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise DatasetError(f"{where}: prompt[{i}] must have string 'role' and 'content', "
+                               f"got {m!r}")
+        msgs.append({"role": m["role"], "content": m["content"]})
+    users = [m["content"] for m in msgs if m["role"] == "user"]
+    if not users:
+        raise DatasetError(f"{where}: prompt messages contain no 'user' turn")
+    return tuple(msgs), users[-1]
+
+
+def gsm8k_reference(answer: str, where: str) -> str:
+    """The final answer of a GSM8K reference solution: the text after the last '####'."""
+    if "####" not in answer:
+        raise DatasetError(f"{where}: GSM8K answer has no '#### <number>' line; the reference "
+                           "solution must end with '#### ' and the final answer")
+    final = answer.rsplit("####", 1)[1].strip()
+    if not final:
+        raise DatasetError(f"{where}: GSM8K answer has an empty '####' line")
+    return final
+
+
+def _load_jsonl(path: Path) -> EvalDataset:
+    rows = _read_jsonl(path)
+    first = rows[0][1]
+    if "problem" in first:
+        layout = "math"
+    elif "question" in first:
+        layout = "gsm8k"
+    elif "prompt" in first:
+        layout = "prompt"
+    else:
+        raise DatasetError(f"{path}:{rows[0][0]}: cannot tell the layout from fields "
+                           f"{sorted(first)}; use problem+answer (MATH), question+answer "
+                           "(GSM8K '#### X') or prompt+answer")
+    problems = []
+    for line_no, row in rows:
+        where = f"{path}:{line_no}"
+        row_id = str(row.get("unique_id", row.get("id", f"{path.stem}:{line_no}")))
+        if layout == "math":
+            problem = _text_field(row, "problem", where, "MATH")
+            answer = _text_field(row, "answer", where, "MATH")
+            problems.append(EvalProblem(row_id, problem, answer, None, where))
+        elif layout == "gsm8k":
+            question = _text_field(row, "question", where, "GSM8K")
+            answer = gsm8k_reference(_text_field(row, "answer", where, "GSM8K"), where)
+            problems.append(EvalProblem(row_id, question, answer, None, where))
+        else:
+            if "prompt" not in row:
+                raise DatasetError(f"{where}: missing field 'prompt' (prompt rows need it)")
+            messages, text = _messages(row["prompt"], where)
+            answer = _text_field(row, "answer", where, "prompt")
+            problems.append(EvalProblem(row_id, text, answer, messages, where))
+    return EvalDataset(str(path), problems, answer_fallbacks=layout != "math")
+
+
+def _parquet_answer(row: dict, where: str) -> str:
+    candidates = [row.get("answer"), row.get("ground_truth")]
+    reward = row.get("reward_model")
+    if isinstance(reward, dict):
+        candidates.append(reward.get("ground_truth"))
+    for value in candidates:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)
+        if isinstance(value, str) and value.strip():
+            return value
+    raise DatasetError(f"{where}: no reference answer; add an 'answer' column (or verl's "
+                       "reward_model.ground_truth) to evaluate these prompts")
+
+
+def _load_parquet(path: Path) -> EvalDataset:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    if "prompt" not in table.column_names:
+        raise DatasetError(f"{path}: no 'prompt' column (columns: {table.column_names})")
+    problems = []
+    for i, row in enumerate(table.to_pylist()):
+        where = f"{path}:row {i}"
+        messages, text = _messages(row["prompt"], where)
+        answer = _parquet_answer(row, where)
+        row_id = str(row.get("id") or (row.get("extra_info") or {}).get("index", f"{path.stem}:{i}"))
+        problems.append(EvalProblem(row_id, text, answer, messages, where))
+    if not problems:
+        raise DatasetError(f"{path}: no rows")
+    return EvalDataset(str(path), problems, answer_fallbacks=True)
+
+
+def _load_gsm_symbolic(size: int, seed: int) -> EvalDataset:
+    import reasoning_gym
+
+    generated = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
+    problems = [EvalProblem(f"gsm_symbolic:{seed}:{i}", item["question"], str(item["answer"]),
+                            None, f"reasoning_gym gsm_symbolic seed={seed} index={i}")
+                for i, item in enumerate(generated)]
+    return EvalDataset(f"gsm_symbolic:{size}", problems, answer_fallbacks=True)
+
+
+def _load_champ(numeric_only: bool) -> EvalDataset:
+    import champ_dataset
+
+    data = champ_dataset.load("v0")
+    problems = []
+    for pid, p in data.problems.items():
+        if numeric_only and parse_number(normalize_answer(p.answer)) is None:
+            continue
+        problems.append(EvalProblem(pid, p.text, p.answer, None, f"champ_dataset v0 {pid}"))
+    return EvalDataset("champ:numeric" if numeric_only else "champ", problems)
+
+
+def _load_demo() -> EvalDataset:
+    from ctopd_jax.demo import task  # lazy: the demo package is optional at evaluation time
+
+    problems = [EvalProblem(f"demo:{i}", p.prompt, str(p.answer), None, "demo held_out")
+                for i, p in enumerate(task.split("held_out"))]
+    return EvalDataset("demo", problems, answer_fallbacks=True, system_prompt=None,
+                       grade_fn=lambda response, answer: task.grade(response, answer))
+
+
+def load_dataset(name_or_path: str | os.PathLike, *, limit: int | None = None,
+                 seed: int = 0) -> EvalDataset:
+    """Load an evaluation set by registry name or path (see module docstring)."""
+    name = str(name_or_path)
+    if limit is not None and limit < 1:
+        raise DatasetError(f"limit must be >= 1, got {limit}")
+    m = re.fullmatch(r"gsm_symbolic(?::(\d+))?", name)
+    if m:
+        dataset = _load_gsm_symbolic(int(m.group(1) or 200), seed)
+    elif name in ("champ", "champ:numeric"):
+        dataset = _load_champ(name == "champ:numeric")
+    elif name == "demo":
+        dataset = _load_demo()
+    else:
+        path = Path(name)
+        if path.is_dir():
+            path = path / "test.jsonl"
+        if not path.exists():
+            raise DatasetError(f"{name!r} is neither a dataset name (gsm_symbolic[:N], champ, "
+                               "champ:numeric, demo) nor an existing file or MATH500 directory")
+        if path.suffix == ".parquet":
+            dataset = _load_parquet(path)
+        elif path.suffix in (".jsonl", ".json"):
+            dataset = _load_jsonl(path)
+        else:
+            raise DatasetError(f"{path}: unknown file type {path.suffix!r}; use .jsonl or .parquet")
+    if limit is not None:
+        dataset = EvalDataset(dataset.name, dataset.problems[:limit], dataset.answer_fallbacks,
+                              dataset.system_prompt, dataset.grade_fn)
+    return dataset
