@@ -1,0 +1,61 @@
+"""Tiny random HF transformers models (the independent reference) saved to disk, no download."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from ctopd_jax.models.config import ModelConfig, tiny_llama, tiny_qwen2
+
+# llama3 scaling bands chosen inside the frequency range of head_dim 32 / theta 10000 so the
+# three regimes (kept, interpolated, divided) all occur; positions in tests go past orig.
+_LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 256}
+
+VARIANTS = {
+    "llama_untied_llama3rope": lambda: tiny_llama(rope_theta=10000.0, rope_scaling=_LLAMA3),
+    "llama_tied": lambda: tiny_llama(tie_word_embeddings=True, rope_scaling=None),
+    "qwen2_tied_bias": lambda: tiny_qwen2(),
+    "qwen2_untied_bias": lambda: tiny_qwen2(tie_word_embeddings=False),
+}
+
+
+def hf_model(cfg: ModelConfig, seed: int = 0):
+    """A random HF model for `cfg`, with weights large enough that logits are O(1) and with
+    non-trivial norm scales and biases (HF initialises those to 1 / 0)."""
+    torch.manual_seed(seed)
+    config_cls, model_cls = ((LlamaConfig, LlamaForCausalLM) if cfg.family == "llama"
+                             else (Qwen2Config, Qwen2ForCausalLM))
+    hf_cfg = config_cls(**{**cfg.to_hf_dict(), "initializer_range": 0.08})
+    model = model_cls(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+            elif "norm" in name:
+                p.copy_(1.0 + torch.randn_like(p) * 0.1)
+    return model
+
+
+def save_hf(cfg: ModelConfig, directory, seed: int = 0, **save_kwargs):
+    model = hf_model(cfg, seed)
+    model.save_pretrained(directory, **save_kwargs)
+    return model
+
+
+def hf_logits(model, ids: np.ndarray, positions: np.ndarray | None = None,
+              mask: np.ndarray | None = None) -> np.ndarray:
+    kwargs = {}
+    if positions is not None:
+        kwargs["position_ids"] = torch.tensor(np.asarray(positions), dtype=torch.long)
+    if mask is not None:
+        kwargs["attention_mask"] = torch.tensor(np.asarray(mask), dtype=torch.long)
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids), dtype=torch.long), **kwargs).logits.float().numpy()
+
+
+def fp32(cfg: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(cfg, dtype="float32", param_dtype="float32")

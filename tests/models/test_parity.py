@@ -1,0 +1,125 @@
+"""Decoder vs HF transformers (PyTorch CPU) on tiny random configs, loaded by our loader."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from hf_fixtures import VARIANTS, hf_logits, hf_model, save_hf
+from ctopd_jax.models import weights
+from ctopd_jax.models.decoder import rope_inv_freq
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def loaded(request, tmp_path_factory):
+    cfg = VARIANTS[request.param]()
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_hf(cfg, path)
+    model, loaded_cfg = weights.load_hf_checkpoint(path)
+    return request.param, cfg, hf, model, loaded_cfg, path
+
+
+def test_loaded_config_matches_preset(loaded):
+    _, cfg, _, _, loaded_cfg, _ = loaded
+    assert loaded_cfg == cfg
+
+
+def test_logits_match_hf_with_left_and_right_padding(loaded):
+    name, cfg, hf, model, _, _ = loaded
+    rng = np.random.RandomState(1)
+    b, t = 3, 24
+    ids = rng.randint(0, cfg.vocab_size, (b, t))
+    mask = np.ones((b, t), bool)
+    mask[1, :5] = False    # left padded
+    mask[2, -7:] = False   # right padded
+    # Offset positions past original_max_position_embeddings so every RoPE band matters.
+    positions = np.maximum(np.cumsum(mask, 1) - 1, 0) + 300
+    ref = hf_logits(hf, ids, positions, mask)
+    ours = np.asarray(model(jnp.asarray(ids, jnp.int32), jnp.asarray(positions, jnp.int32),
+                            jnp.asarray(mask)))
+    assert ours.dtype == np.float32
+    assert np.abs(ref).max() > 0.5, "reference logits too small for a meaningful comparison"
+    err = np.abs(ours - ref)[mask].max()
+    assert err <= 1e-4, f"{name}: max abs logits error {err}"
+
+
+def test_hidden_states_times_lm_head_equals_logits(loaded):
+    _, cfg, hf, model, _, _ = loaded
+    ids = jnp.asarray(np.random.RandomState(2).randint(0, cfg.vocab_size, (2, 9)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+    hidden = model.hidden_states(ids, pos)
+    assert hidden.shape == (2, 9, cfg.hidden_size)
+    assert model.lm_head_weight().shape == (cfg.hidden_size, cfg.vocab_size)
+    ref = hf_logits(hf, np.asarray(ids))
+    np.testing.assert_allclose(np.asarray(hidden @ model.lm_head_weight()), ref, atol=1e-4)
+
+
+def test_llama3_inv_freq_matches_transformers():
+    cfg = VARIANTS["llama_untied_llama3rope"]()
+    hf_cfg = hf_model(cfg).config
+    ref, scaling = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg)
+    assert scaling == 1.0
+    ours = rope_inv_freq(cfg)
+    np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-6)
+    # The three regimes are all present, so the check covers the interpolation band.
+    plain = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2) / cfg.head_dim))
+    ratio = ours / plain
+    assert np.isclose(ratio, 1.0).any() and np.isclose(ratio, 1 / 8).any()
+    assert ((ratio < 0.99) & (ratio > 0.13)).any()
+
+
+def test_gradients_match_torch_with_remat(loaded):
+    """Training needs gradients too: d(sum(w * logits)) w.r.t. a few weights vs torch autograd,
+    with per-layer remat switched on (remat must not change values)."""
+    name, cfg, hf, _, _, path = loaded
+    model, _ = weights.load_hf_checkpoint(path, remat=True)
+    rng = np.random.RandomState(3)
+    ids = rng.randint(0, cfg.vocab_size, (2, 8))
+    w = rng.randn(2, 8, cfg.vocab_size).astype(np.float32)
+
+    hf.zero_grad()
+    logits = hf(torch.tensor(ids)).logits
+    (logits * torch.tensor(w)).sum().backward()
+    hf_grads = {n: p.grad.numpy() for n, p in hf.named_parameters()}
+
+    pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
+    grads = nnx.grad(lambda m: jnp.sum(m(jnp.asarray(ids, jnp.int32), pos) * w))(model)
+    grad_model = nnx.merge(nnx.graphdef(model), grads)
+    ours = dict(weights.hf_named_tensors(grad_model, include_tied_lm_head=False))
+    for hf_name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",
+                    "model.embed_tokens.weight", "model.norm.weight"):
+        np.testing.assert_allclose(ours[hf_name], hf_grads[hf_name], atol=2e-4, rtol=1e-3,
+                                   err_msg=f"{name}: {hf_name}")
+
+
+def test_bfloat16_compute_close_to_fp32_reference(loaded):
+    _, cfg, hf, _, _, path = loaded
+    model, bcfg = weights.load_hf_checkpoint(path, dtype="bfloat16", param_dtype="float32")
+    assert bcfg.compute_dtype == jnp.bfloat16
+    ids = np.random.RandomState(4).randint(0, cfg.vocab_size, (2, 12))
+    pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
+    ours = np.asarray(model(jnp.asarray(ids, jnp.int32), pos))
+    ref = hf_logits(hf, ids)
+    err = np.abs(ours - ref).max()
+    assert err < 0.1 * np.abs(ref).max(), err
+    leaf = jax.tree.leaves(nnx.state(model, nnx.Param))[0]
+    assert leaf.dtype == jnp.float32
+
+
+def test_jit_forward_matches_eager(loaded):
+    _, cfg, _, model, _, _ = loaded
+    ids = jnp.asarray(np.random.RandomState(5).randint(0, cfg.vocab_size, (2, 6)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state, ids, pos):
+        return nnx.merge(graphdef, state)(ids, pos)
+
+    np.testing.assert_allclose(np.asarray(forward(state, ids, pos)), np.asarray(model(ids, pos)),
+                               atol=1e-5)
