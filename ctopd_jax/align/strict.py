@@ -92,10 +92,11 @@ def strict_align(teacher: RetokenizedBatch, student: RetokenizedBatch) -> Strict
     t_rows, s_rows = token_rows(teacher), token_rows(student)
     one_to_one = ((groups.t_first == groups.t_last) & (groups.s_first == groups.s_last)
                   & ~groups.trailing)
-    t_tok = np.where(one_to_one, groups.t_last, 0)
-    s_tok = np.where(one_to_one, groups.s_last, 0)
-    strict = (one_to_one & (teacher.resp_byte_len[t_tok] > 0) & teacher.resp_pairable[t_tok]
-              & student.resp_pairable[s_tok]) if len(groups) else one_to_one
+    cand = np.flatnonzero(one_to_one)
+    t_tok, s_tok = groups.t_last[cand], groups.s_last[cand]
+    strict = np.zeros(len(groups), dtype=bool)
+    strict[cand] = ((teacher.resp_byte_len[t_tok] > 0) & teacher.resp_pairable[t_tok]
+                    & student.resp_pairable[s_tok])
     ok = np.flatnonzero(~mismatch)
     eos_t = teacher.row_base[ok] + teacher.response_lens[ok] - 1
     eos_s = student.row_base[ok] + student.response_lens[ok] - 1

@@ -5,6 +5,7 @@ Only the ``tokenizers`` library is used at run time (transformers is a test refe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -140,3 +141,9 @@ def load_tokenizer_side(name_or_path, *, eos_token: str | None = None,
         bos_id=token_id("bos_token", None, required=False),
         chat_template=template, special_token_strings={k: v for k, v in specials.items() if v},
         dummy_prefix=detect_dummy_prefix(spec) if kind == "metaspace" else "never")
+
+
+@functools.lru_cache(maxsize=8)
+def cached_tokenizer_side(name_or_path: str) -> TokenizerSide:
+    """``load_tokenizer_side`` memoised per name (the real vocabularies take seconds to load)."""
+    return load_tokenizer_side(name_or_path)
