@@ -7,7 +7,8 @@ Decisions where SPEC is silent (each is a rule a grader test pins down):
   commands ``\\, \\; \\: \\! \\quad \\qquad ~`` are dropped; ``\\displaystyle`` is dropped.
 - Dollar signs (math delimiters and currency), ``\\(``/``\\)``, degree marks (``^\\circ``, ``°``)
   and a trailing period are dropped; ``\\%`` becomes ``%`` (the numeric step reads it).
-- A lone "x = value" (one letter, one "=") keeps the value: MATH references box the value.
+- A lone "x = value" (one letter, one "=") or "x \\in S" keeps the value / set: MATH
+  references box the value.
 - Thousands separators ("1,000,000") are removed only in a full digit-group pattern; "1, 2"
   (with a space) stays a list.
 - ``\\frac12``/``\\frac1{2}``/``\\sqrt2`` gain braces; ``^{2}`` becomes ``^2``; all whitespace
@@ -43,7 +44,7 @@ _TRAILING_UNIT = re.compile(
     r"^(?P<value>.*?[\d}\)a-zA-Z])\s*(?:\\text\{)?\s*(?:" + _UNITS + r")\s*(?:\^\s*\{?[23]\}?)?\s*\}?\s*$"
 )
 _THOUSANDS = re.compile(r"(?<![\d.])(\d{1,3}(?:,\d{3})+)(?![\d,])")
-_ASSIGNMENT = re.compile(r"^\s*[a-zA-Z]\s*=\s*(?P<rhs>[^=]+)$")
+_ASSIGNMENT = re.compile(r"^\s*[a-zA-Z]\s*(?:=|\\in(?![a-zA-Z]))\s*(?P<rhs>[^=]+)$")
 _FRAC_SHORT = re.compile(r"\\frac\s*(\d)\s*(\d)")
 _FRAC_HALF_SHORT_NUM = re.compile(r"\\frac\s*(\d)\s*\{")
 _FRAC_HALF_SHORT_DEN = re.compile(r"\\frac\s*(\{[^{}]*\})\s*(\d)")
@@ -107,7 +108,7 @@ def normalize_answer(answer: str | None) -> str | None:
     s = s.strip().rstrip(".").strip()
     s = _strip_units(s)
     m = _ASSIGNMENT.match(s)
-    if m and "\\" not in s[:2]:
+    if m:
         s = m.group("rhs")
     s = _THOUSANDS.sub(lambda g: g.group(1).replace(",", ""), s)
     s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)

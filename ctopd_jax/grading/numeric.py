@@ -5,7 +5,7 @@ read as ``fractions.Fraction`` from bounded-size strings (exponents limited to |
 never through ``eval`` or sympy.
 
 Forms read: integers and decimals with optional sign ("-3", "0.50", "5."), fractions
-("3/4", "\\frac{3}{4}", "-\\frac{3}{4}", "\\frac{-3}{4}"), scientific notation ("1.5e3",
+("3/4", "\\frac{3}{4}", "-\\frac{3}{4}", "\\frac{-3}{4}"), mixed numbers ("2\\frac{1}{2}" = 5/2), scientific notation ("1.5e3",
 "1.5\\times10^{3}", "1.5\\cdot10^3", "10^{-2}"), and percentages ("50%").
 
 Decision (SPEC says "numerically within 1e-6"): two numbers are equal if exactly equal, or
@@ -30,6 +30,8 @@ _RE_E_NOTATION = re.compile(rf"^({_DECIMAL})[eE]([+-]?\d+)$")
 _RE_TIMES_TEN = re.compile(rf"^(?:({_DECIMAL})(?:\\times|\\cdot|\*))?10\^(?:\{{([+-]?\d+)\}}|([+-]?\d))$")
 _RE_SLASH = re.compile(rf"^({_DECIMAL})/({_DECIMAL})$")
 _RE_FRAC = re.compile(rf"^([+-]?)\\frac\{{({_DECIMAL})\}}\{{({_DECIMAL})\}}$")
+# "2\frac{1}{2}" is the mixed number 5/2 (how MATH references write it), not 2 x 1/2.
+_RE_MIXED = re.compile(r"^([+-]?)(\d+)\\frac\{(\d+)\}\{(\d+)\}$")
 
 
 def _decimal(text: str) -> Fraction:
@@ -62,6 +64,13 @@ def parse_number(text: str | None) -> tuple[Fraction, bool] | None:
         if m:
             den = _decimal(m.group(2))
             return (None if den == 0 else (_decimal(m.group(1)) / den, percent))
+        m = _RE_MIXED.match(s)
+        if m:
+            whole, num, den = int(m.group(2)), int(m.group(3)), int(m.group(4))
+            if den == 0 or num >= den:
+                return None  # "2\frac{3}{2}" is not a mixed number: leave it to sympy
+            value = whole + Fraction(num, den)
+            return (-value if m.group(1) == "-" else value), percent
         m = _RE_FRAC.match(s)
         if m:
             den = _decimal(m.group(3))

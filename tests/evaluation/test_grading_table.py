@@ -23,6 +23,9 @@ PAIRS = [
     ("-\\frac{1}{2}", "\\frac{-1}{2}", True),
     ("\\frac{-1}{2}", "\\frac{1}{2}", False),
     ("\\left(\\frac{1}{2}\\right)", "\\frac{1}{2}", True),
+    ("2\\frac{1}{2}", "\\frac{5}{2}", True),  # mixed number
+    ("-1\\frac{1}{2}", "-1.5", True),
+    ("2\\frac{1}{2}", "1", False),
     # --- integers, signs, separators, decimals
     ("-3", "-3", True),
     ("\u22123", "-3", True),  # unicode minus
@@ -87,6 +90,7 @@ PAIRS = [
     # --- intervals, tuples, sets, lists
     ("[0, 1)", "[0,1)", True),
     ("(0,1)", "[0,1)", False),
+    ("x \\in [2, 5)", "[2,5)", True),
     ("(0,1]", "(0,1)", False),
     ("(-\\infty, 3)", "(-\\infty,3)", True),
     ("(-\\infty,0)\\cup(1,\\infty)", "(-\\infty, 0) \\cup (1, \\infty)", True),
