@@ -125,7 +125,8 @@ def _report(dataset: str, samples: list[dict], k: int | None, timing: dict) -> E
 def evaluate_model(model, tokenizer_side, problems: EvalDataset | Sequence[EvalProblem], engine=None,
                    k: int = 1, *, greedy: bool = False, temperature: float = 1.0,
                    top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 512, seed: int = 0,
-                   grader: MathGrader | None = None, out_dir: str | Path | None = None) -> EvalReport:
+                   grader: MathGrader | None = None, out_dir: str | Path | None = None,
+                   mesh=None) -> EvalReport:
     """Generate ``k`` samples per problem with ``engine`` (default: a ``JaxSampler`` on
     ``model``), grade them and return the report; the trainer calls this at a step with its
     own engine (weights already synced). Writes the report files when ``out_dir`` is given."""
@@ -139,7 +140,8 @@ def evaluate_model(model, tokenizer_side, problems: EvalDataset | Sequence[EvalP
     if engine is None:
         from ctopd_jax.rollout.jax_sampler import JaxSampler
 
-        engine = JaxSampler(model, eos_ids=tokenizer_side.eos_id, pad_id=tokenizer_side.pad_id)
+        engine = JaxSampler(model, eos_ids=tokenizer_side.eos_id, pad_id=tokenizer_side.pad_id,
+                            mesh=mesh)
     prompts = [tokenizer_side.encode(build_prompt(tokenizer_side, p, dataset.system_prompt))
                for p in dataset.problems]
     params = SamplingParams(temperature=0.0 if greedy else temperature, top_p=top_p,
@@ -209,6 +211,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="run YAML (rollout sampling settings, model dtype, tokenizer)")
     p.add_argument("--set", action="append", default=[], metavar="A.B=C", help="config override")
     p.add_argument("--checkpoint", help="HF safetensors directory of the model to evaluate")
+    p.add_argument("--mesh", help="shard the model, e.g. data=2,fsdp=2,tensor=2 (default: one device)")
     p.add_argument("--tokenizer", help="tokenizer name or directory (default: see module doc)")
     p.add_argument("--eos-token", help="end-of-turn token string if not the tokenizer's eos_token")
     p.add_argument("--dataset", help="dataset name or file (see ctopd_jax.datasets)")
@@ -259,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> EvalReport:
 def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
     from ctopd_jax.config import load_config
 
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set, mesh=args.mesh)
     dataset_name = args.dataset or cfg.evaluation.dataset
     if not args.checkpoint:
         raise SystemExit("--checkpoint DIR is required unless --grade-only is given")
@@ -278,7 +281,12 @@ def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
 
     tokenizer = load_tokenizer_side(args.tokenizer or cfg.model.student_tokenizer or checkpoint,
                                     eos_token=args.eos_token)
-    model, _ = load_hf_checkpoint(checkpoint, dtype=cfg.model.dtype,
+    mesh = None
+    if args.mesh:
+        from ctopd_jax.mesh import make_mesh, parse_mesh
+
+        mesh = make_mesh(parse_mesh(args.mesh))
+    model, _ = load_hf_checkpoint(checkpoint, mesh=mesh, dtype=cfg.model.dtype,
                                   param_dtype=cfg.model.param_dtype)
     # --greedy / --no-greedy win; otherwise the config's evaluation.greedy, but only for K == 1
     # (K greedy samples would be K copies of one response).
@@ -287,7 +295,7 @@ def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
         model, tokenizer, dataset, k=k, greedy=greedy, temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p, top_k=max(0, cfg.rollout.top_k),
         max_new_tokens=args.max_new_tokens or cfg.rollout.generate_max_len, seed=args.seed,
-        grader=grader)
+        grader=grader, mesh=mesh)
 
 
 if __name__ == "__main__":

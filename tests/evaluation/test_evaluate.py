@@ -155,11 +155,12 @@ def test_end_to_end_sampled_mean_at_k_matches_independent_grading(tiny_run):
     assert regraded.mean_at_k == pytest.approx(expected_mean)
 
 
-def test_end_to_end_greedy_by_hand(tiny_run):
+@pytest.mark.parametrize("mesh", [None, "data=2,fsdp=2,tensor=2"])
+def test_end_to_end_greedy_by_hand(tiny_run, mesh):
     root, ckpt, data = tiny_run
     report = evaluate.main(["--checkpoint", str(ckpt), "--tokenizer", "tiny_bpe",
                             "--dataset", str(data), "--samples", "1", "--greedy",
-                            "--max-new-tokens", "8"])
+                            "--max-new-tokens", "8"] + (["--mesh", mesh] if mesh else []))
     # Greedy always writes \boxed{7}: right on q0 and q1 only.
     assert [s["response"] for s in report.samples] == ["\\boxed{7}"] * 4
     assert report.mean_at_k == pytest.approx(0.5)
