@@ -42,15 +42,16 @@ def gpt2_printable_table() -> dict[int, str]:
     return table
 
 
-_CHAR_TO_BYTE = {ch: b for b, ch in gpt2_printable_table().items()}
+# char -> chr(byte), so str.translate + latin-1 encode inverts the table at C speed
+_TO_LATIN1 = {ord(ch): b for b, ch in gpt2_printable_table().items()}
 
 
 def byte_level_token_bytes(token: str) -> bytes:
     """Bytes of a ByteLevel token string; a string outside the table (never produced by the
     model itself) falls back to its UTF-8."""
     try:
-        return bytes(_CHAR_TO_BYTE[ch] for ch in token)
-    except KeyError:
+        return token.translate(_TO_LATIN1).encode("latin-1")
+    except UnicodeEncodeError:
         return token.encode("utf-8")
 
 

@@ -81,11 +81,22 @@ class TokenizerSide:
         return self.render_chat(messages, add_generation_prompt=True)
 
 
-def _read_json(path: Path, what: str) -> dict:
+def _read_text(path: Path, what: str) -> str:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
         raise TokenizerLoadError(f"{what}: cannot read {path}: {err}") from err
+
+
+def _parse_json(text: str, path: Path, what: str) -> dict:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise TokenizerLoadError(f"{what}: cannot read {path}: {err}") from err
+
+
+def _read_json(path: Path, what: str) -> dict:
+    return _parse_json(_read_text(path, what), path, what)
 
 
 def load_tokenizer_side(name_or_path, *, eos_token: str | None = None,
@@ -97,9 +108,10 @@ def load_tokenizer_side(name_or_path, *, eos_token: str | None = None,
     to EOS when the config has none (padding positions are never attended or supervised).
     """
     path = resolve_tokenizer_dir(name_or_path)
-    spec = _read_json(path / "tokenizer.json", "tokenizer.json")
+    raw = _read_text(path / "tokenizer.json", "tokenizer.json")
+    spec = _parse_json(raw, path / "tokenizer.json", "tokenizer.json")
     try:
-        tokenizer = Tokenizer.from_str(json.dumps(spec))
+        tokenizer = Tokenizer.from_str(raw)
     except Exception as err:  # the Rust side raises a plain Exception
         raise TokenizerLoadError(f"tokenizer.json at {path} is not a valid tokenizer: {err}") from err
     config_path = path / "tokenizer_config.json"
