@@ -12,6 +12,11 @@ Decisions:
   or ``nnx.get_partition_spec`` under ``nnx.logical_axis_rules`` turn them into shardings.
 - Kernels keep the head structure ([H, heads, head_dim]) so heads can be sharded on "tensor"
   without reshapes; weights.py owns the mapping to HF's flat [out, in] matrices.
+- Activation sharding: under ``jax.set_mesh(mesh)`` (a mesh with the ctopd_jax axis names)
+  the residual stream, q/k/v, the MLP hidden and the logits are constrained to their logical
+  shardings (batch over data+fsdp, heads / mlp / vocab over tensor).  Without a mesh context
+  nothing is constrained and the compiler propagates from the parameter shardings, which for
+  FSDP may choose to gather the batch instead of the weights.
 - Masked attention scores use the most negative finite float, not -inf, so rows with nothing
   to attend to (left pads) give finite garbage instead of NaN; those rows are never used.
 """
@@ -25,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ctopd_jax.mesh import LOGICAL_RULES, logical_spec
 from ctopd_jax.models.config import ModelConfig
 from ctopd_jax.models.kv_cache import KVCache, init_cache  # noqa: F401  (re-exported)
 
@@ -39,6 +45,14 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, init="normal") -> nnx.Param:
     else:
         value = jnp.zeros(shape, jnp.float32)
     return nnx.Param(value.astype(dtype), out_sharding=tuple(axes), eager_sharding=False)
+
+
+def constrain(x: jax.Array, logical_axes) -> jax.Array:
+    """Sharding constraint from logical axis names when a matching mesh context is set."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not all(a in mesh.axis_names for r in LOGICAL_RULES.values() for a in r):
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_spec(mesh, logical_axes, x.shape))
 
 
 # ---------------------------------------------------------------------- RoPE
@@ -128,7 +142,9 @@ class Attention(nnx.Module):
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
             v = v + self.v_bias[...].astype(dt)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = constrain(apply_rope(q, cos, sin), ("batch", None, "q_heads", None))
+        k = constrain(apply_rope(k, cos, sin), ("batch", None, "kv_heads", None))
+        v = constrain(v, ("batch", None, "kv_heads", None))
         if cache is not None:
             start = (layer, 0, cache.index, 0, 0)
             k_all = jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start)
@@ -151,7 +167,8 @@ class MLP(nnx.Module):
         dt = self.dtype
         gate = x @ self.gate_proj[...].astype(dt)
         up = x @ self.up_proj[...].astype(dt)
-        return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(dt)
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", None, "mlp"))
+        return hidden @ self.down_proj[...].astype(dt)
 
 
 class DecoderLayer(nnx.Module):
@@ -164,8 +181,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, mask, cache=None, layer=0):
         attn_out, cache = self.attn(self.input_norm(x), cos, sin, mask, cache, layer)
-        x = x + attn_out
-        x = x + self.mlp(self.post_attn_norm(x))
+        x = constrain(x + attn_out, ("batch", None, None))
+        x = constrain(x + self.mlp(self.post_attn_norm(x)), ("batch", None, None))
         return x, cache
 
 
@@ -209,7 +226,11 @@ class Decoder(nnx.Module):
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), jnp.bool_)
         attention_mask = attention_mask.astype(jnp.bool_)
-        x = jnp.take(self.embed[...], input_ids, axis=0).astype(cfg.compute_dtype)
+        # Gather the table over fsdp first (as for every FSDP weight), keeping vocab sharded:
+        # a lookup into a table sharded on both axes makes the partitioner replicate it.
+        table = constrain(self.embed[...], ("vocab", None))
+        x = jnp.take(table, input_ids, axis=0).astype(cfg.compute_dtype)
+        x = constrain(x, ("batch", None, None))
         cos, sin = rope_cos_sin(cfg, positions)
 
         if cache is None:
@@ -239,4 +260,5 @@ class Decoder(nnx.Module):
         hidden, new_cache = (out, None) if cache is None else out
         w = self.lm_head_weight().astype(self.cfg.compute_dtype)
         logits = jnp.einsum("bth,hv->btv", hidden, w, preferred_element_type=jnp.float32)
+        logits = constrain(logits, ("batch", None, "vocab"))
         return logits if cache is None else (logits, new_cache)
