@@ -26,6 +26,7 @@ before any model is loaded.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -206,15 +207,19 @@ def _load_gsm_symbolic(size: int, seed: int) -> EvalDataset:
     return EvalDataset(f"gsm_symbolic:{size}", problems, answer_fallbacks=True)
 
 
-def _load_champ(numeric_only: bool) -> EvalDataset:
+@functools.lru_cache(maxsize=1)
+def _champ_problems() -> tuple[EvalProblem, ...]:
+    """CHAMP's file also holds every model conversation (tens of MB): parse it once."""
     import champ_dataset
 
     data = champ_dataset.load("v0")
-    problems = []
-    for pid, p in data.problems.items():
-        if numeric_only and parse_number(normalize_answer(p.answer)) is None:
-            continue
-        problems.append(EvalProblem(pid, p.text, p.answer, None, f"champ_dataset v0 {pid}"))
+    return tuple(EvalProblem(pid, p.text, p.answer, None, f"champ_dataset v0 {pid}")
+                 for pid, p in data.problems.items())
+
+
+def _load_champ(numeric_only: bool) -> EvalDataset:
+    problems = [p for p in _champ_problems()
+                if not numeric_only or parse_number(normalize_answer(p.answer)) is not None]
     return EvalDataset("champ:numeric" if numeric_only else "champ", problems)
 
 

@@ -39,7 +39,9 @@ def test_qwen_chatml_by_hand():
     assert build_prompt(side, PROBLEM, MATH_SYSTEM_PROMPT) == expected
 
 
-@pytest.mark.parametrize("name", ["qwen2.5", "llama3"])
+# Qwen2.5 is pinned by the hand-written string above; Llama-3 (dated system header) against
+# transformers. Template rendering itself is compared with transformers in tests/tokenization.
+@pytest.mark.parametrize("name", ["llama3"])
 def test_matches_transformers_chat_template(name):
     side = _real(name)
     transformers = pytest.importorskip("transformers")
