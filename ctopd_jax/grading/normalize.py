@@ -8,7 +8,8 @@ Decisions where SPEC is silent (each is a rule a grader test pins down):
 - Dollar signs (math delimiters and currency), ``\\(``/``\\)``, degree marks (``^\\circ``, ``°``)
   and a trailing period are dropped; ``\\%`` becomes ``%`` (the numeric step reads it).
 - A lone "x = value" (one letter, one "=") or "x \\in S" keeps the value / set: MATH
-  references box the value.
+  references box the value. "x = 1 or x = 3" / "x=1, x=3" become the list "1,3" (one unknown);
+  "x=1, y=2" stays as written. " or " / " and " between items become list commas.
 - Thousands separators ("1,000,000") are removed only in a full digit-group pattern; "1, 2"
   (with a space) stays a list.
 - ``\\frac12``/``\\frac1{2}``/``\\sqrt2`` gain braces; ``^{2}`` becomes ``^2``; all whitespace
@@ -29,6 +30,9 @@ _REPLACEMENTS = (
 
 # \left( \right] \bigl( ... : keep the delimiter, drop the sizing command.
 _SIZING = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|biggl|biggr|Biggl|Biggr|big|Big|bigg|Bigg)(?![a-zA-Z])")
+_DIGIT_SPACING = re.compile(r"(?<=[\d,])\\[,!;:](?=\d)")
+# "x = 1 or x = 3", "2 and 5" (after \text{} unwrapping): a list of solutions.
+_WORD_LIST = re.compile(r"\s+(?:or|and)\s+")
 _SPACING = re.compile(r"\\[,;:! ]|\\q?quad(?![a-zA-Z])|~")
 _TEXT_WRAPPERS = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mbox|operatorname)\s*\{")
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\u00b0|\\degree(?![a-zA-Z])")
@@ -74,6 +78,17 @@ def _unwrap_text_commands(s: str) -> str:
         i = j
 
 
+def _strip_repeated_assignments(s: str) -> str:
+    """"x=1, x=3" -> "1,3" (solutions of one unknown); "x=1, y=2" (a point) stays."""
+    parts = [p.strip() for p in s.split(",")]
+    if len(parts) < 2:
+        return s
+    matches = [_ASSIGNMENT.match(p) for p in parts]
+    if all(matches) and len({p[0] for p in parts}) == 1:
+        return ",".join(m.group("rhs") for m in matches)
+    return s
+
+
 def _strip_units(s: str) -> str:
     m = _TRAILING_UNIT.match(s)
     if m and m.group("value").strip():
@@ -101,15 +116,19 @@ def normalize_answer(answer: str | None) -> str | None:
     s = answer.strip()
     for old, new in _REPLACEMENTS:
         s = s.replace(old, new)
+    s = s.replace("\\\\", "\x01")  # LaTeX row break "\\\\" (matrices): not a spacing command
     s = _SIZING.sub("", s)
+    s = _DIGIT_SPACING.sub("", s)  # "32,\\!348", "1\\,000": spacing inside a number
     s = _SPACING.sub(" ", s)
     s = _unwrap_text_commands(s)
+    s = _WORD_LIST.sub(",", s)
     s = _DEGREES.sub("", s)
     s = s.strip().rstrip(".").strip()
     s = _strip_units(s)
     m = _ASSIGNMENT.match(s)
     if m:
         s = m.group("rhs")
+    s = _strip_repeated_assignments(s)
     s = _THOUSANDS.sub(lambda g: g.group(1).replace(",", ""), s)
     s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
     s = _FRAC_HALF_SHORT_NUM.sub(r"\\frac{\1}{", s)
@@ -120,4 +139,4 @@ def normalize_answer(answer: str | None) -> str | None:
     s = s.rstrip(".")
     # "0.5" and ".5" read the same to a person; give the leading zero back.
     s = re.sub(r"(?<![\d])\.(\d)", r"0.\1", s)
-    return s
+    return s.replace("\x01", "\\\\")

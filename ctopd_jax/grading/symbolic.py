@@ -36,6 +36,9 @@ _GLOBALS = {
     "Integer": sympy.Integer, "Float": sympy.Float, "Rational": sympy.Rational,
     "Symbol": sympy.Symbol, "factorial": sympy.factorial, **_FUNCTIONS,
 }
+# A bare "e" is Euler's number and a bare "i" the imaginary unit, as in competition answers
+# ("e^{i\\pi}", "3+2i"); every other letter is a real-valued-agnostic symbol.
+_CONSTANTS = {"e": sympy.E, "i": sympy.I}
 _TRANSFORMS = standard_transformations + (implicit_multiplication_application, convert_xor)
 _LATEX_WORDS = {
     "\\pi": " pi ", "\\infty": " oo ", "\\cdot": "*", "\\times": "*", "\\div": "/",
@@ -68,6 +71,24 @@ def _braced(s: str, i: int) -> tuple[str, int]:
     raise NotParseable(f"unbalanced braces in {s!r}")
 
 
+def _log_part(s: str, i: int, base: bool = False) -> tuple[str, int]:
+    """A log base or argument at s[i]: a {group}, a (group), or a run of digits / one letter.
+    An unbraced base is one character, as LaTeX reads a subscript ("\\log_28" = log base 2 of 8)."""
+    if i < len(s) and s[i] == "{":
+        return _braced(s, i)
+    if i < len(s) and s[i] == "(":
+        depth = 0
+        for j in range(i, len(s)):
+            depth += {"(": 1, ")": -1}.get(s[j], 0)
+            if depth == 0:
+                return s[i + 1:j], j + 1
+        raise NotParseable(f"unbalanced parentheses in {s!r}")
+    m = re.match(r"[0-9a-zA-Z]" if base else r"\d+(?:\.\d+)?|[a-zA-Z]", s[i:])
+    if not m:
+        raise NotParseable(f"cannot read a logarithm at {i} in {s!r}")
+    return m.group(0), i + len(m.group(0))
+
+
 def latex_to_text(s: str) -> str:
     """Translate a normalised LaTeX answer into sympy input syntax (whitelisted)."""
     out = []
@@ -87,6 +108,10 @@ def latex_to_text(s: str) -> str:
             else:
                 body, i = _braced(s, i)
                 out.append(f"sqrt({latex_to_text(body)})")
+        elif s.startswith("\\log_", i):
+            base, i = _log_part(s, i + 5, base=True)
+            arg, i = _log_part(s, i)
+            out.append(f"log(({latex_to_text(arg)}),({latex_to_text(base)}))")
         elif s[i] == "\\":
             m = re.match(r"\\[a-zA-Z]+", s[i:])
             word = m.group(0) if m else s[i:i + 2]
@@ -116,7 +141,8 @@ def to_sympy(s: str) -> sympy.Expr:
     if any(keyword.iskeyword(w) for w in _WORD.findall(text)):
         raise NotParseable(f"python keyword in {text!r}")
     try:
-        return parse_expr(text, local_dict={}, global_dict=dict(_GLOBALS), transformations=_TRANSFORMS)
+        return parse_expr(text, local_dict=dict(_CONSTANTS), global_dict=dict(_GLOBALS),
+                          transformations=_TRANSFORMS)
     except (SyntaxError, TypeError, ValueError, AttributeError, NameError, TokenError_) as exc:
         raise NotParseable(str(exc)) from exc
 

@@ -33,6 +33,7 @@ PAIRS = [
     ("- 3", "-3", True),
     ("1,000", "1000", True),
     ("1{,}000{,}000", "1000000", True),
+    ("\\$32,\\!348", "32348", True),
     ("1000001", "1000000", False),  # integers compare exactly
     ("5.0", "5", True),
     ("5.", "5", True),
@@ -82,11 +83,17 @@ PAIRS = [
     ("3!", "6", True),
     ("\\infty", "\\infty", True),
     ("-\\infty", "\\infty", False),
+    ("\\log_2 8", "3", True),
+    ("\\log_{3}(81)", "5", False),
+    ("e^{i\\pi}", "-1", True),
+    ("(1+i)^2", "2i", True),
     # --- equations and assignments
     ("x = 5", "5", True),
     ("k=-2", "-2", True),
     ("y=2x+1", "2x+1", True),
     ("x=4", "5", False),
+    ("x=-1 \\text{ or } x=3", "3, -1", True),
+    ("x=1, y=2", "1, 2", False),  # a point is not the solution list
     # --- intervals, tuples, sets, lists
     ("[0, 1)", "[0,1)", True),
     ("(0,1)", "[0,1)", False),
@@ -105,6 +112,8 @@ PAIRS = [
     ("1, 2", "1, 3", False),
     ("\\frac{1}{2}, 3", "3, 0.5", True),
     ("[0,1]", "0", False),
+    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", True),
+    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}1\\\\3\\end{pmatrix}", False),
     # --- degenerate predictions
     ("", "5", False),
     ("5", "", False),
