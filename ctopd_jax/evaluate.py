@@ -15,6 +15,8 @@ Definitions (decisions where SPEC is silent):
 - ``--checkpoint`` is an HF safetensors directory (config.json + *.safetensors), what the
   trainer exports; the tokenizer comes from ``--tokenizer``, else ``model.student_tokenizer``
   of the config, else the checkpoint directory itself.
+- Engine: ``rollout.engine`` of the config ("jax" default, or "vllm"); generation stops at the
+  tokenizer's eos and at any end-of-turn marker it has (``stop_ids``).
 - Sampling: ``--greedy`` sets temperature 0 (without the flag: the config's
   ``evaluation.greedy``, applied only when K == 1); otherwise the config's rollout temperature /
   top_p / top_k; max new tokens from ``--max-new-tokens`` or ``rollout.generate_max_len``.
@@ -64,6 +66,21 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+# End-of-turn / end-of-text markers of the supported families. Generation stops on any that the
+# tokenizer has, besides its configured eos: a Llama-3 config naming <|end_of_text|> must still
+# stop at the chat's <|eot_id|>, a Qwen base config at <|im_end|>.
+END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
+
+
+def stop_ids(tokenizer_side) -> tuple[int, ...]:
+    ids = [tokenizer_side.eos_id]
+    for marker in END_MARKERS:
+        idx = tokenizer_side.tokenizer.token_to_id(marker)
+        if idx is not None and idx in tokenizer_side.special_ids and idx not in ids:
+            ids.append(idx)
+    return tuple(ids)
 
 
 def build_prompt(tokenizer_side, problem: EvalProblem, system_prompt: str | None) -> str:
@@ -126,10 +143,11 @@ def evaluate_model(model, tokenizer_side, problems: EvalDataset | Sequence[EvalP
                    k: int = 1, *, greedy: bool = False, temperature: float = 1.0,
                    top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 512, seed: int = 0,
                    grader: MathGrader | None = None, out_dir: str | Path | None = None,
-                   mesh=None) -> EvalReport:
-    """Generate ``k`` samples per problem with ``engine`` (default: a ``JaxSampler`` on
-    ``model``), grade them and return the report; the trainer calls this at a step with its
-    own engine (weights already synced). Writes the report files when ``out_dir`` is given."""
+                   mesh=None, engine_name: str = "jax") -> EvalReport:
+    """Generate ``k`` samples per problem with ``engine`` (default: ``engine_name``'s engine on
+    ``model``, stopping at ``stop_ids``), grade them and return the report; the trainer calls
+    this at a step with its own engine (weights already synced). Writes the report files when
+    ``out_dir`` is given."""
     from ctopd_jax.rollout.base import SamplingParams
 
     if k < 1:
@@ -137,13 +155,15 @@ def evaluate_model(model, tokenizer_side, problems: EvalDataset | Sequence[EvalP
     dataset = problems if isinstance(problems, EvalDataset) else EvalDataset("problems", list(problems))
     if not dataset.problems:
         raise ValueError("no problems to evaluate")
-    if engine is None:
-        from ctopd_jax.rollout.jax_sampler import JaxSampler
-
-        engine = JaxSampler(model, eos_ids=tokenizer_side.eos_id, pad_id=tokenizer_side.pad_id,
-                            mesh=mesh)
     prompts = [tokenizer_side.encode(build_prompt(tokenizer_side, p, dataset.system_prompt))
                for p in dataset.problems]
+    if engine is None:
+        from ctopd_jax.rollout import make_rollout_engine
+
+        extra = ({"max_model_len": max(map(len, prompts)) + max_new_tokens}
+                 if engine_name == "vllm" else {})
+        engine = make_rollout_engine(engine_name, model, stop_ids(tokenizer_side),
+                                     tokenizer_side.pad_id, mesh=mesh, **extra)
     params = SamplingParams(temperature=0.0 if greedy else temperature, top_p=top_p,
                             top_k=top_k, max_new_tokens=max_new_tokens, n=k, seed=seed)
     start = time.perf_counter()
@@ -295,7 +315,7 @@ def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
         model, tokenizer, dataset, k=k, greedy=greedy, temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p, top_k=max(0, cfg.rollout.top_k),
         max_new_tokens=args.max_new_tokens or cfg.rollout.generate_max_len, seed=args.seed,
-        grader=grader, mesh=mesh)
+        grader=grader, mesh=mesh, engine_name=cfg.rollout.engine)
 
 
 if __name__ == "__main__":

@@ -66,3 +66,15 @@ def test_demo_task_prompt_has_no_math_system_turn():
     demo = load_dataset("demo")
     prompt = build_prompt(side, demo.problems[0], demo.system_prompt)
     assert "boxed" not in prompt and demo.problems[0].problem in prompt
+
+
+def test_stop_ids_cover_end_of_turn_markers():
+    from ctopd_jax.evaluate import stop_ids
+
+    llama = _real("llama3")
+    ids = stop_ids(llama)
+    assert ids[0] == llama.eos_id
+    assert {llama.tokenizer.token_to_id(t) for t in ("<|eot_id|>", "<|end_of_text|>")} <= set(ids)
+    tiny = load_tokenizer_side("tiny_bpe")
+    assert set(stop_ids(tiny)) == {tiny.tokenizer.token_to_id("<|im_end|>"),
+                                   tiny.tokenizer.token_to_id("<|endoftext|>")}
