@@ -167,3 +167,14 @@ def test_end_to_end_greedy_by_hand(tiny_run, mesh):
     assert report.pass_at_k == pytest.approx(0.5)
     assert [r["n_correct"] for r in report.per_problem] == [1, 1, 0, 0]
     assert math.isclose(report.pass_at_k, 2 / 4)
+
+
+@pytest.mark.vllm
+def test_end_to_end_greedy_with_vllm_engine(tiny_run):
+    pytest.importorskip("vllm")
+    root, ckpt, data = tiny_run
+    report = evaluate.main(["--checkpoint", str(ckpt), "--tokenizer", "tiny_bpe",
+                            "--dataset", str(data), "--samples", "1", "--greedy",
+                            "--max-new-tokens", "8", "--set", "rollout.engine=vllm"])
+    assert [s["response"] for s in report.samples] == ["\\boxed{7}"] * 4
+    assert report.mean_at_k == pytest.approx(0.5)
