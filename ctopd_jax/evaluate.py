@@ -32,7 +32,7 @@ import math
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -318,5 +318,13 @@ def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
         grader=grader, mesh=mesh, engine_name=cfg.rollout.engine)
 
 
+def _cli() -> None:
+    """Entry point: bad input ends with one line naming the problem, not a traceback."""
+    try:
+        main(sys.argv[1:])
+    except (ValueError, FileNotFoundError) as exc:  # DatasetError, config/tokenizer/ckpt errors
+        raise SystemExit(f"error: {exc}") from None
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    _cli()
