@@ -150,13 +150,14 @@ class Checkpointer:
         self._manager.reload()
 
 
-def export_student_hf(model: Any, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
+def export_student_hf(model: Any, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
+                      extra_config: dict | None = None) -> Path:
     """Write the student as an HF safetensors directory (config.json + weights [+ tokenizer])."""
     from ctopd_jax.models.weights import export_hf_checkpoint
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    export_hf_checkpoint(model, out)
+    export_hf_checkpoint(model, model.cfg, out, extra_config=extra_config)
     if tokenizer_dir is not None and jax.process_index() == 0:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                      "chat_template.jinja", "generation_config.json"):

@@ -20,7 +20,7 @@ GROUPS = {
     "byte_mismatch": ("byte_mismatch_samples",),
     "time": ("time_rollout", "time_align", "time_teacher", "time_student", "time_sync", "time_checkpoint"),
     "throughput": ("tokens_per_s",),
-    "eval": ("eval_accuracy",),
+    "eval": ("eval_mean_at_k", "eval_pass_at_k"),
 }
 
 

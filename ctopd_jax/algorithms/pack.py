@@ -63,6 +63,7 @@ def _pad_tokens(seqs: Sequence[np.ndarray], length: int, pad_id: int):
 
 
 def _padded_rows(values: list[np.ndarray], size: int, dtype=np.int32):
+    """Concatenate, zero-pad to `size`; weight 1 on real entries."""
     flat = np.concatenate(values).astype(dtype) if values else np.zeros(0, dtype)
     out = np.zeros(size, dtype)
     out[:len(flat)] = flat
@@ -71,13 +72,36 @@ def _padded_rows(values: list[np.ndarray], size: int, dtype=np.int32):
     return out, weight
 
 
+def _finish(s_ids, s_mask, t_ids, t_mask, response_rows, response_targets, rollout_lp, rollout_lp_w,
+            strict_s, strict_t, min_rows: int) -> dict[str, np.ndarray]:
+    r_size = rows_bucket(len(response_rows), min_rows)
+    k_size = rows_bucket(len(strict_s), min_rows)
+    rows, weight = _padded_rows([response_rows], r_size)
+    targets, _ = _padded_rows([response_targets], r_size)
+    logprobs, _ = _padded_rows([rollout_lp], r_size, np.float32)
+    logprob_weight, _ = _padded_rows([rollout_lp_w], r_size, np.float32)
+    strict_student_rows, strict_weight = _padded_rows([strict_s], k_size)
+    strict_teacher_rows, _ = _padded_rows([strict_t], k_size)
+    positions = lambda ids: np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy()
+    return {
+        "student_ids": s_ids.astype(np.int32), "student_positions": positions(s_ids),
+        "student_mask": s_mask.astype(bool),
+        "teacher_ids": t_ids.astype(np.int32), "teacher_positions": positions(t_ids),
+        "teacher_mask": t_mask.astype(bool),
+        "response_rows": rows, "response_targets": targets, "response_weight": weight,
+        "rollout_logprobs": logprobs, "rollout_logprob_weight": logprob_weight,
+        "strict_student_rows": strict_student_rows, "strict_teacher_rows": strict_teacher_rows,
+        "strict_weight": strict_weight,
+    }
+
+
 def pack_micro_batch(samples: Sequence[AlignedSample], student_pad_id: int, teacher_pad_id: int,
                      length_multiple: int = 64, min_rows: int = 64) -> dict[str, np.ndarray]:
+    """Pack per-sample records (tests and custom pipelines)."""
     ts = round_up(max(len(s.student_ids) for s in samples), length_multiple)
     tt = round_up(max(len(s.teacher_ids) for s in samples), length_multiple)
-    s_ids, s_pos, s_mask = _pad_tokens([s.student_ids for s in samples], ts, student_pad_id)
-    t_ids, t_pos, t_mask = _pad_tokens([s.teacher_ids for s in samples], tt, teacher_pad_id)
-
+    s_ids, _, s_mask = _pad_tokens([s.student_ids for s in samples], ts, student_pad_id)
+    t_ids, _, t_mask = _pad_tokens([s.teacher_ids for s in samples], tt, teacher_pad_id)
     response_rows, response_targets, strict_s, strict_t, lp, lp_w = [], [], [], [], [], []
     for i, s in enumerate(samples):
         positions = np.arange(s.student_prompt_len, len(s.student_ids))
@@ -85,28 +109,37 @@ def pack_micro_batch(samples: Sequence[AlignedSample], student_pad_id: int, teac
         response_targets.append(s.student_ids[positions])
         strict_s.append(i * ts + s.student_prompt_len + np.asarray(s.strict_student, np.int64) - 1)
         strict_t.append(i * tt + s.teacher_prompt_len + np.asarray(s.strict_teacher, np.int64) - 1)
-        if s.rollout_logprobs is not None and len(s.rollout_logprobs) == len(positions):
-            lp.append(np.asarray(s.rollout_logprobs, np.float32))
-            lp_w.append(np.ones(len(positions), np.float32))
-        else:
-            lp.append(np.zeros(len(positions), np.float32))
-            lp_w.append(np.zeros(len(positions), np.float32))
+        have = s.rollout_logprobs is not None and len(s.rollout_logprobs) == len(positions)
+        lp.append(np.asarray(s.rollout_logprobs, np.float32) if have else np.zeros(len(positions), np.float32))
+        lp_w.append(np.full(len(positions), 1.0 if have else 0.0, np.float32))
+    cat = np.concatenate
+    return _finish(s_ids, s_mask, t_ids, t_mask, cat(response_rows), cat(response_targets), cat(lp), cat(lp_w),
+                   cat(strict_s), cat(strict_t), min_rows)
 
-    n_response = sum(len(r) for r in response_rows)
-    n_strict = sum(len(r) for r in strict_s)
-    r_size = rows_bucket(n_response, min_rows)
-    k_size = rows_bucket(n_strict, min_rows)
-    rows, weight = _padded_rows(response_rows, r_size)
-    targets, _ = _padded_rows(response_targets, r_size)
-    logprobs, _ = _padded_rows(lp, r_size, np.float32)
-    logprob_weight, _ = _padded_rows(lp_w, r_size, np.float32)
-    strict_student_rows, strict_weight = _padded_rows(strict_s, k_size)
-    strict_teacher_rows, _ = _padded_rows(strict_t, k_size)
-    return {
-        "student_ids": s_ids, "student_positions": s_pos, "student_mask": s_mask,
-        "teacher_ids": t_ids, "teacher_positions": t_pos, "teacher_mask": t_mask,
-        "response_rows": rows, "response_targets": targets, "response_weight": weight,
-        "rollout_logprobs": logprobs, "rollout_logprob_weight": logprob_weight,
-        "strict_student_rows": strict_student_rows, "strict_teacher_rows": strict_teacher_rows,
-        "strict_weight": strict_weight,
-    }
+
+def slice_micro_batch(student, teacher, alignment, start: int, stop: int,
+                      rollout_logprobs: tuple[np.ndarray, np.ndarray] | None = None,
+                      min_rows: int = 64) -> dict[str, np.ndarray]:
+    """Samples [start, stop) of a re-tokenized batch pair (`tokenization.retokenize`) and its
+    `align.strict_align` result, with flat rows re-based to the micro-batch.
+
+    rollout_logprobs: (values, weights) over the whole batch's response rows in `loss_mask`
+    order (sample-major), weight 0 where the engine's sampled tokens differ from the re-tokenized
+    response (then there is nothing to compare)."""
+    ts, tt = student.seq_len, teacher.seq_len
+    s_mask_rows = student.loss_mask[start:stop].reshape(-1)
+    response_rows = np.flatnonzero(s_mask_rows)
+    response_targets = student.labels[start:stop].reshape(-1)[response_rows]
+    if rollout_logprobs is None:
+        lp = np.zeros(len(response_rows), np.float32)
+        lp_w = np.zeros(len(response_rows), np.float32)
+    else:
+        before = int(student.loss_mask[:start].sum())
+        lp = rollout_logprobs[0][before:before + len(response_rows)]
+        lp_w = rollout_logprobs[1][before:before + len(response_rows)]
+    sel = (alignment.pair_sample >= start) & (alignment.pair_sample < stop)
+    strict_s = alignment.student_rows[sel].astype(np.int64) - start * ts
+    strict_t = alignment.teacher_rows[sel].astype(np.int64) - start * tt
+    return _finish(student.input_ids[start:stop], student.attention_mask[start:stop],
+                   teacher.input_ids[start:stop], teacher.attention_mask[start:stop],
+                   response_rows, response_targets, lp, lp_w, strict_s, strict_t, min_rows)
