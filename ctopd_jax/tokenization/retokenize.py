@@ -4,7 +4,7 @@ Per sample, on each side (its own rendered prompt, tokenizer and EOS)::
 
     resp = tok(response, add_special_tokens=False)
     full = tok(prompt + response, add_special_tokens=False)
-    prompt_len = len(full) - len(resp)      # see _counted_response_len for SentencePiece
+    prompt_len = len(full) - len(resp)      # SentencePiece dummy prefix: see _prompt_len
     input_ids = full + [eos]                # EOS appended even for truncated samples
 
 The response tokens are ``full[prompt_len:] + [eos]`` (``response_lens`` counts the EOS).
@@ -103,17 +103,16 @@ def _dummy_prefix_strips(side: TokenizerSide, ids: np.ndarray, offsets, text: st
     return strip
 
 
-def _counted_response_len(side: TokenizerSide, resp, text: str) -> int:
-    """``len(resp)``, not counting a lone dummy-prefix ``▁`` token that SentencePiece puts in
-    front of the response-only encoding (decision: it holds no byte of the response; counting
-    it would move the prompt's last token into the response of every sample whose text does
-    not start with a space)."""
-    ids = resp.ids
-    if not ids or side.dummy_prefix == "never":
-        return len(ids)
-    strip = _dummy_prefix_strips(side, np.asarray(ids[:1]), resp.offsets, text, 0)
-    lone = strip[0] and side.token_byte_len[ids[0]] == 1
-    return len(ids) - int(lone)
+def _prompt_len(side: TokenizerSide, full, resp, prompt: str) -> int:
+    """SPEC §1.3's ``len(full) - len(resp)``, except for tokenizers with a SentencePiece dummy
+    prefix (decision): there ``tok(response)`` alone starts with an invented ``▁`` that changes
+    its segmentation (``▁Question`` alone, ``Q u e s t i o n`` after a newline), so the
+    difference of lengths lands anywhere. For those the boundary is read from the character
+    offsets instead: prompt tokens are the tokens of ``full`` that start inside the prompt."""
+    if side.dummy_prefix == "never":
+        return len(full.ids) - len(resp.ids)
+    cut = len(prompt)
+    return sum(1 for start, _ in full.offsets if start < cut)
 
 
 def retokenize(side: TokenizerSide, prompts, responses, *, pad_to_multiple: int = 1,
@@ -130,7 +129,7 @@ def retokenize(side: TokenizerSide, prompts, responses, *, pad_to_multiple: int 
     seqs, resp_ids, resp_stripped = [], [], []
     for b, (full, resp) in enumerate(zip(fulls, resps)):
         ids = np.asarray(full.ids, dtype=np.int32)
-        plen = len(ids) - _counted_response_len(side, resp, responses[b])
+        plen = _prompt_len(side, full, resp, prompts[b])
         if plen < 1:
             raise ValueError(
                 f"prompts[{b}]: renders to {plen} tokens once the response is appended; a prompt "

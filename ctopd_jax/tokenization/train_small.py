@@ -2,17 +2,17 @@
 
     python -m ctopd_jax.tokenization.train_small [--out ctopd_jax/assets/tokenizers]
 
-- ``tiny_bpe``: byte-level BPE, digits split one by one (Qwen-style pre-tokenizer regex),
-  ChatML template (``<|im_start|>`` / ``<|im_end|>``), EOS ``<|im_end|>``, pad ``<|endoftext|>``.
+- ``tiny_bpe``: byte-level BPE (GPT-2 style split, numbers kept whole), ChatML template (``<|im_start|>`` / ``<|im_end|>``), EOS ``<|im_end|>``, pad ``<|endoftext|>``.
   The demo TEACHER uses it.
 - ``tiny_unigram``: Unigram with ``<0xHH>`` byte fallback, Metaspace (``▁``, dummy prefix on the
-  first segment only, like Llama-2 SentencePiece), Llama-3 style template
+  first segment only, like Llama-2 SentencePiece), scores estimated by counting (see
+  ``_unigram_pieces``), Llama-3 style template
   (``<|start_header_id|>`` ... ``<|eot_id|>``), EOS ``<|eot_id|>``. The demo STUDENT uses it.
 
-The two disagree on purpose (digits single vs merged, spaces attached differently) so that the
-strict alignment has real mismatch groups, while the arithmetic vocabulary is covered well by
-both. Output is deterministic for a fixed seed (the corpus is seeded; the trainers are
-deterministic on one thread).
+The two segment differently (BPE merges vs whole-word Unigram pieces, different punctuation
+handling) so the strict alignment has real mismatch groups, while the arithmetic vocabulary
+(numbers, + - * =, the answer phrase) is mostly tokenized alike, so most demo positions are strict
+pairs. The corpus is seeded and the Unigram is counted, so both files are reproducible.
 """
 from __future__ import annotations
 
@@ -26,9 +26,11 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizers"
 
 # The Qwen2 / cl100k-style split: words with a leading non-letter, single digits, punctuation runs.
-QWEN_STYLE_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+# GPT-2's split (a leading space stays on words and numbers), with Qwen's case-insensitive
+# contractions. Qwen itself isolates single digits; here numbers stay whole so that the demo's
+# answer digits can be strict pairs with the student's "▁12"-style pieces.
+PRE_TOKENIZER_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 )
 
 CHATML_TEMPLATE = (
@@ -104,7 +106,7 @@ def train_tiny_bpe(corpus: list[str], vocab_size: int = 800) -> tuple[Tokenizer,
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_STYLE_SPLIT), behavior="isolated"),
+        pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
@@ -125,32 +127,54 @@ def train_tiny_bpe(corpus: list[str], vocab_size: int = 800) -> tuple[Tokenizer,
     return tok, config
 
 
+def _unigram_pieces(corpus: list[str], pre_tokenizer, budget: int) -> list[tuple[str, float]]:
+    """A unigram vocabulary estimated by counting: every character, then the most frequent
+    pre-tokenized words (``▁word``), scored by log relative frequency.
+
+    Why not ``UnigramTrainer``: on this small, repetitive corpus it keeps ``▁`` as a piece of
+    its own and never proposes ``▁is`` / ``▁+`` / ``▁answer``, which would leave almost every
+    demo position in a mismatch group. Counting whole words gives a SentencePiece-like
+    vocabulary whose Viterbi segmentation keeps frequent words whole and splits the rest into
+    characters (then bytes), which is what the demo needs.
+    """
+    import collections
+    import math
+
+    words: collections.Counter = collections.Counter()
+    chars: collections.Counter = collections.Counter()
+    for line in corpus:
+        for piece, _ in pre_tokenizer.pre_tokenize_str(line):
+            words[piece] += 1
+            chars.update(piece)
+    total_chars = sum(chars.values())
+    total_words = sum(words.values())
+    pieces = {ch: math.log(n / total_chars) for ch, n in chars.items()}
+    ranked = sorted((w for w in words if len(w) > 1), key=lambda w: (-words[w], w))
+    for word in ranked[:max(0, budget - len(pieces))]:
+        pieces[word] = math.log(words[word] / total_words)
+    return sorted(pieces.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
 def train_tiny_unigram(corpus: list[str], vocab_size: int = 640) -> tuple[Tokenizer, dict]:
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                 "<|end_header_id|>", "<|eot_id|>"]
-    tok = Tokenizer(models.Unigram())
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    trainer = trainers.UnigramTrainer(
-        vocab_size=vocab_size, show_progress=False, special_tokens=["<unk>"], unk_token="<unk>",
-        max_piece_length=8)
-    tok.train_from_iterator(corpus, trainer)
-    # The trainer has no byte-fallback option: append the 256 <0xHH> pieces with a score below
-    # every learned piece (so they are used only for characters the vocabulary lacks) and
-    # switch byte_fallback on, the layout SentencePiece uses.
-    spec = json.loads(tok.to_str())
-    vocab = spec["model"]["vocab"]
-    floor = min(score for _, score in vocab) - 1.0
-    vocab.extend([f"<0x{b:02X}>", floor] for b in range(256))
-    spec["model"]["byte_fallback"] = True
+    # Punctuation is split off words (as the BPE side does) so "▁9" + "." can pair with "Ġ9" + ".".
+    pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first"),
+        pre_tokenizers.Punctuation(behavior="isolated")])
+    pieces = _unigram_pieces(corpus, pre_tokenizer, vocab_size - 1)
+    floor = min(score for _, score in pieces) - 1.0
+    # The SentencePiece byte-fallback layout: <unk> first, 256 <0xHH> pieces scored below every
+    # learned piece so they are used only for characters the vocabulary lacks.
+    vocab = [("<unk>", 0.0), *pieces, *((f"<0x{b:02X}>", floor) for b in range(256))]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizer
     # SentencePiece-style decoding (as Llama-2's tokenizer.json does it): ▁ -> space, bytes
     # back from <0xHH>, then drop the one leading space the dummy prefix put there.
-    spec["decoder"] = {"type": "Sequence", "decoders": [
-        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
-        {"type": "ByteFallback"}, {"type": "Fuse"},
-        {"type": "Strip", "content": " ", "start": 1, "stop": 0},
-    ]}
-    tok = Tokenizer.from_str(json.dumps(spec))
-    tok.add_special_tokens(_specials(specials))
+    tok.decoder = decoders.Sequence([
+        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+        decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(_specials(["<unk>", *specials]))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|begin_of_text|>",

@@ -40,9 +40,9 @@ def test_matches_reference(name, request):
                                             [side.encode(x) for x in RESPONSES]) + len(RESPONSES)
 
 
-def test_dummy_prefix_is_not_counted_as_response(tiny_unigram):
-    """SentencePiece puts a lone '▁' before a response encoded alone; it must not shift the
-    prompt/response boundary (decision in retokenize._counted_response_len)."""
+def test_dummy_prefix_does_not_move_the_boundary(tiny_unigram):
+    """SentencePiece puts a '▁' before a response encoded alone, which changes its segmentation;
+    the prompt/response boundary must stay where the text puts it (retokenize._prompt_len)."""
     prompt = tiny_unigram.render_prompt("Compute 1 + 2.")
     batch = retokenize(tiny_unigram, [prompt, prompt], ["Question: 1", " 3"])
     assert batch.resp_bytes == [b"Question: 1", b" 3"]
