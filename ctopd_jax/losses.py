@@ -60,7 +60,13 @@ def _log_mix(log_a, log_b, weight_a: float):
         return log_b
     if weight_a == 1.0:
         return log_a
-    return jnp.logaddexp(log_a + math.log(weight_a), log_b + math.log1p(-weight_a))
+    # Where both sides are -inf the mixture is -inf too; feed logaddexp finite stand-ins there
+    # so its gradient (exp(-inf - -inf)) cannot turn the zero cotangent into NaN.
+    both_zero = jnp.isneginf(log_a) & jnp.isneginf(log_b)
+    safe_a = jnp.where(both_zero, 0.0, log_a)
+    safe_b = jnp.where(both_zero, 0.0, log_b)
+    mixed = jnp.logaddexp(safe_a + math.log(weight_a), safe_b + math.log1p(-weight_a))
+    return jnp.where(both_zero, -jnp.inf, mixed)
 
 
 def _akl_rows(log_ps, log_pt, alpha: float):

@@ -36,7 +36,10 @@ def _mix(log_a, log_b, w):
         return log_b
     if w == 1.0:
         return log_a
-    return torch.logaddexp(log_a + math.log(w), log_b + math.log(1.0 - w))
+    empty = torch.isneginf(log_a) & torch.isneginf(log_b)  # no mass on either side
+    mixed = torch.logaddexp(log_a.masked_fill(empty, 0.0) + math.log(w),
+                            log_b.masked_fill(empty, 0.0) + math.log(1.0 - w))
+    return mixed.masked_fill(empty, -math.inf)
 
 
 def divergence(name, zs, zt, temperature=1.0, jsd_beta=0.5, skl_lambda=0.1, akl_alpha=0.5):

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ctopd_jax import losses
+from ctopd_jax.kernels.strict_topk.reference import select_topk
 
 
 @functools.lru_cache(maxsize=None)
@@ -19,7 +20,7 @@ def make_chunk_fn(divergence: str, topk: int, temperature: float, div_items: tup
     div_kwargs = dict(div_items)
 
     def chunk_fn(zs_bar, zt_bar, w):
-        vals, idx = jax.lax.top_k(zs_bar, topk)
+        vals, idx = select_topk(zs_bar, topk)
         zt_k = jnp.take_along_axis(zt_bar, idx, axis=1)
         log_pt = losses.log_softmax_f32(zt_k, temperature)
 

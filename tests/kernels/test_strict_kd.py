@@ -1,0 +1,237 @@
+"""strict_kd_sum (reference / xla implementations) against the independent PyTorch reference:
+values and gradients of every divergence for strict full and strict top-k, plus edge cases."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from _strict_case import Case, assert_close, make_case, torch_strict, torch_value_and_grad
+from ctopd_jax.kernels import api
+from ctopd_jax.losses import DIVERGENCES
+
+IMPLS = ("reference", "xla")
+
+
+def ours(case: Case, divergence, topk=None, implementation="xla", chunk_rows=4, fused=True,
+         dtype=jnp.float32, **kw):
+    """(value, grad w.r.t. the student rows) of strict_kd_sum for one divergence."""
+    return ours_many(case, [divergence], topk, implementation, chunk_rows, fused, dtype,
+                     **kw)[divergence]
+
+
+def ours_many(case: Case, divergences, topk=None, implementation="xla", chunk_rows=4, fused=True,
+              dtype=jnp.float32, **kw):
+    """Several divergences under ONE jit: compiling is most of the cost of these small tests."""
+    teacher = jnp.asarray(case.zt, dtype)
+    if not fused:  # the caller projected the teacher already
+        teacher = jnp.take(teacher, jnp.asarray(case.t_ids), axis=1)
+    t_ids = jnp.asarray(case.t_ids) if fused else None
+
+    def all_losses(zs):
+        out = {}
+        for name in divergences:
+            out[name] = jax.value_and_grad(lambda z, name=name: api.strict_kd_sum(
+                z, teacher, jnp.asarray(case.s_ids), jnp.asarray(case.w), divergence=name,
+                topk=topk, implementation=implementation, chunk_rows=chunk_rows, t_ids=t_ids,
+                **kw))(zs)
+        return out
+
+    return jax.jit(all_losses)(jnp.asarray(case.zs, dtype))
+
+
+def check_against_torch(case, divergences, topk, implementation, **kw):
+    got = ours_many(case, divergences, topk, implementation, **kw)
+    for name in divergences:
+        value, grad = got[name]
+        ref_value, ref_grad = torch_value_and_grad(case, name, topk, **kw)
+        try:
+            assert_close(value, grad, ref_value, ref_grad)
+        except AssertionError as err:
+            raise AssertionError(f"{name} (topk={topk}, {implementation}): {err}") from None
+    return got
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
+@pytest.mark.parametrize("topk", [None, 7])
+def test_every_divergence_matches_torch_reference(topk, implementation):
+    check_against_torch(make_case(seed=1 if topk else 2), DIVERGENCES, topk, implementation)
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
+def test_divergence_parameters_and_temperature(implementation):
+    kw = dict(temperature=1.7, jsd_beta=0.3, skl_lambda=0.25, akl_alpha=0.35)
+    check_against_torch(make_case(seed=3), ["jsd", "skl", "srkl", "akl", "rkl"], None,
+                        implementation, **kw)
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
+@pytest.mark.parametrize("topk", [1, 40])  # k = 1 and k = |V∩|
+def test_topk_extremes(topk, implementation):
+    check_against_torch(make_case(seed=5, shared=40), ["rkl", "kl", "jsd", "tvd"], topk,
+                        implementation)
+
+
+def test_topk_all_columns_equals_full():
+    case = make_case(seed=6, shared=40)
+    names = ["rkl", "kl", "tvd"]
+    full, k_all = ours_many(case, names, None), ours_many(case, names, 40)
+    for name in names:
+        np.testing.assert_allclose(float(full[name][0]), float(k_all[name][0]), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(full[name][1]), np.asarray(k_all[name][1]),
+                                   atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
+def test_topk_ties_lower_column_wins(implementation):
+    case = make_case(seed=7, ties=True)
+    # the data really has ties at the top-k boundary (and -0.0 next to +0.0)
+    zbar = case.zs[:, case.s_ids]
+    kth = -np.sort(-zbar, axis=1)
+    assert np.any(kth[:, 6] == kth[:, 7])
+    check_against_torch(case, ["rkl", "kl", "tvd", "top1_ce"], 7, implementation)
+
+
+def test_reference_selection_equals_torch_topk_without_ties():
+    case = make_case(seed=8)
+    zbar = torch.tensor(case.zs[:, case.s_ids])
+    for k in (1, 5, 40):
+        assert torch_strict.topk_indices_agree_with_torch_topk(zbar, k)
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
+@pytest.mark.parametrize("topk", [None, 5])
+def test_neg_inf_outside_support(topk, implementation):
+    got = check_against_torch(make_case(seed=9, neg_inf=True), DIVERGENCES, topk,
+                              implementation)
+    assert all(np.all(np.isfinite(np.asarray(g))) for _, g in got.values())
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
+@pytest.mark.parametrize("topk", [None, 5])
+def test_empty_batch_and_single_row(topk, implementation):
+    empty = make_case(rows=0)
+    value, grad = ours(empty, "rkl", topk, implementation)
+    assert float(value) == 0.0 and grad.shape == (0, empty.zs.shape[1])
+    single = make_case(rows=1, seed=11, pad_rows=False)
+    value, grad = ours(single, "rkl", topk, implementation)
+    assert_close(value, grad, *torch_value_and_grad(single, "rkl", topk))
+
+
+@pytest.mark.parametrize("chunk_rows, fused, topk", [(1, True, None), (2, False, 3), (64, True, 3)])
+def test_chunking_and_projection_do_not_change_the_result(chunk_rows, fused, topk):
+    case = make_case(rows=9, seed=12)
+    value, grad = ours(case, "jsd", topk, "xla", chunk_rows=chunk_rows, fused=fused)
+    assert_close(value, grad, *torch_value_and_grad(case, "jsd", topk))
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
+@pytest.mark.parametrize("topk", [None, 4])
+def test_bf16_inputs_are_computed_in_float32(topk, implementation):
+    case = make_case(seed=13)
+    bf = jnp.asarray(case.zs, jnp.bfloat16)
+    rounded = Case(np.asarray(bf.astype(jnp.float32)),
+                   np.asarray(jnp.asarray(case.zt, jnp.bfloat16).astype(jnp.float32)),
+                   case.s_ids, case.t_ids, case.w)
+    value, grad = ours(case, "rkl", topk, implementation, dtype=jnp.bfloat16)
+    assert value.dtype == jnp.float32 and grad.dtype == jnp.bfloat16
+    ref_value, ref_grad = torch_value_and_grad(rounded, "rkl", topk)
+    # the value is computed in float32 from the same bf16 numbers; the gradient is returned in
+    # the input dtype (bf16: 8 mantissa bits)
+    assert abs(float(value) - ref_value) <= 1e-5 * abs(ref_value)
+    np.testing.assert_allclose(np.asarray(grad, np.float32), ref_grad, rtol=1e-2,
+                               atol=1e-2 * np.abs(ref_grad).max())
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
+@pytest.mark.parametrize("topk", [None, 6])
+def test_from_hidden_states_matches_torch(topk, implementation):
+    rng = np.random.default_rng(14)
+    case = make_case(seed=14)
+    hidden = rng.normal(size=(case.zs.shape[0], 16)).astype(np.float32)
+    lm_head = (rng.normal(size=(16, case.zs.shape[1])) * 0.5).astype(np.float32)
+
+    h_t = torch.tensor(hidden, requires_grad=True)
+    w_t = torch.tensor(lm_head, requires_grad=True)
+    per_row = torch_strict.strict_rows("rkl", h_t @ w_t, torch.tensor(case.zt), case.s_ids,
+                                       case.t_ids, topk=topk)
+    ref = (per_row * torch.tensor(case.w)).sum()
+    ref.backward()
+
+    def loss(h, w):
+        return api.strict_kd_sum((h, w), jnp.asarray(case.zt), jnp.asarray(case.s_ids),
+                                 jnp.asarray(case.w), divergence="rkl", topk=topk,
+                                 implementation=implementation, chunk_rows=4,
+                                 t_ids=jnp.asarray(case.t_ids))
+
+    value, (g_h, g_w) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(hidden, lm_head)
+    assert_close(value, g_h, float(ref), h_t.grad.numpy(), rtol=2e-5)
+    assert_close(value, g_w, float(ref), w_t.grad.numpy(), rtol=2e-5)
+
+
+def test_gather_rows_with_flat_alignment_indices_matches_torch_strict_sum():
+    rng = np.random.default_rng(15)
+    case = make_case(rows=12, seed=15)
+    s_rows = rng.choice(12, size=7, replace=False).astype(np.int32)
+    t_rows = rng.choice(12, size=7, replace=False).astype(np.int32)
+    zs_t = torch.tensor(case.zs, requires_grad=True)
+    ref = torch_strict.strict_sum("rkl", zs_t, torch.tensor(case.zt), s_rows, t_rows,
+                                  case.s_ids, case.t_ids, topk=5)
+    ref.backward()
+
+    def loss(zs):
+        rows = api.gather_rows(zs, jnp.asarray(s_rows))
+        teacher = api.gather_rows(jnp.asarray(case.zt), jnp.asarray(t_rows))
+        return api.strict_kd_sum(rows, teacher, jnp.asarray(case.s_ids), jnp.ones(7),
+                                 divergence="rkl", topk=5, t_ids=jnp.asarray(case.t_ids))
+
+    value, grad = jax.value_and_grad(loss)(jnp.asarray(case.zs))
+    assert_close(value, grad, float(ref), zs_t.grad.numpy())
+
+
+def test_donated_logits_give_the_same_gradient():
+    case = make_case(seed=16)
+    expect = ours(case, "rkl", None, "xla")
+
+    def loss(zs):
+        return api.strict_kd_sum(zs, jnp.asarray(case.zt), jnp.asarray(case.s_ids),
+                                 jnp.asarray(case.w), divergence="rkl",
+                                 t_ids=jnp.asarray(case.t_ids), chunk_rows=4)
+
+    fn = jax.jit(jax.value_and_grad(loss), donate_argnums=0)
+    value, grad = fn(jnp.asarray(case.zs))
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(expect[1]))
+
+
+def test_fallback_order():
+    assert api.resolve_implementation("pallas", "akl") == "xla"
+    assert api.resolve_implementation("pallas", "rkl", topk=api.PALLAS_MAX_TOPK + 1) == "xla"
+    assert api.resolve_implementation("pallas", "rkl", topk=16) == "pallas"
+    assert api.resolve_implementation("xla", "akl") == "xla"
+    assert api.resolve_implementation("reference", "rkl") == "reference"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(topk=0), "ctkd_topk"), (dict(topk=41), "ctkd_topk"), (dict(topk=2.0), "ctkd_topk"),
+    (dict(implementation="cuda"), "implementation"), (dict(divergence="kld"), "kd_loss_fn"),
+    (dict(jsd_beta=1.0), "jsd_beta"), (dict(temperature=0.0), "temperature"),
+    (dict(chunk_rows=0), "chunk_rows"),
+])
+def test_bad_arguments_raise_one_clear_error(kwargs, field):
+    case = make_case(seed=17)
+    args = dict(divergence="rkl") | kwargs
+    with pytest.raises(ValueError, match=field):
+        api.strict_kd_sum(jnp.asarray(case.zs), jnp.asarray(case.zt), jnp.asarray(case.s_ids),
+                          jnp.asarray(case.w), t_ids=jnp.asarray(case.t_ids), **args)
+
+
+def test_shape_errors_name_the_field():
+    case = make_case(seed=18)
+    with pytest.raises(ValueError, match="teacher"):
+        api.strict_kd_sum(jnp.asarray(case.zs), jnp.asarray(case.zt), jnp.asarray(case.s_ids),
+                          jnp.asarray(case.w), divergence="rkl")  # unprojected, no t_ids
+    with pytest.raises(ValueError, match="row_weight"):
+        api.strict_kd_sum(jnp.asarray(case.zs), jnp.asarray(case.zt), jnp.asarray(case.s_ids),
+                          jnp.ones(3), divergence="rkl", t_ids=jnp.asarray(case.t_ids))
