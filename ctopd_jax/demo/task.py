@@ -1,0 +1,144 @@
+"""The demo's synthetic task: two-step single-digit arithmetic with a worked answer.
+
+A problem is ``a op1 b op2 c`` with single-digit operands and ``+``/``-`` whose partial result
+and answer are single digits too (0..9). The reference response shows both steps, then the
+answer::
+
+    prompt:   "Compute 7 - 5 + 3."
+    response: "(7-5)=2, (2+3)=5. The answer is 5."
+
+Why this task (decisions the spec leaves to us):
+- Each step is one fact from one small table (single digit +/- single digit with a single-digit
+  result, 110 facts), so a tiny decoder learns it in minutes on a CPU, and a held-out PROBLEM
+  (an unseen triple) is still made of facts seen in training: the held-out set measures the
+  skill, not memorisation.
+- The response format is chosen for the demo's tokenizer pair (byte-level BPE teacher that
+  splits digits and spaces, Unigram student with pieces like "▁9", "12", "0=0"): every result
+  digit follows "(", "+", "-" or "=" with no space, so on both sides it is its own token and
+  the strict 1:1 alignment supervises exactly the digits the student must get right. The words
+  of "The answer is 5." still give real mismatch groups (student "▁", "a", "nswer" against
+  teacher "Ġanswer"; "▁5" against "Ġ", "5"), so coverage stays well below 1.
+- The response is fully determined by the prompt, so the teacher's next-token distribution is
+  sharp everywhere and the answer digits are the only places where a weak student goes wrong.
+  On-policy distillation then supervises exactly the student's own mistakes.
+- The held-out split is a fixed, seeded shuffle of the finite problem universe; training draws
+  only from the complement, so the two are disjoint by construction.
+
+The grader reads the number after the LAST "The answer is" and compares it exactly with the
+answer; a response without that phrase is wrong (truncated or malformed samples score 0).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+OPERATORS = ("+", "-")
+DIGITS = range(10)
+SPLIT_SEED = 20261202
+HELD_OUT_SIZE = 200
+
+_ANSWER_RE = re.compile(r"The answer is\s*(-?\d+)")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Problem:
+    a: int
+    op1: str
+    b: int
+    op2: str
+    c: int
+
+    @property
+    def first(self) -> int:
+        """The result of the first step."""
+        return _apply(self.a, self.op1, self.b)
+
+    @property
+    def answer(self) -> int:
+        return _apply(self.first, self.op2, self.c)
+
+    @property
+    def prompt(self) -> str:
+        return f"Compute {self.a} {self.op1} {self.b} {self.op2} {self.c}."
+
+    @property
+    def solution(self) -> str:
+        """The reference (teacher-format) response."""
+        return (f"({self.a}{self.op1}{self.b})={self.first}, "
+                f"({self.first}{self.op2}{self.c})={self.answer}. The answer is {self.answer}.")
+
+    def to_row(self) -> dict:
+        return {"prompt": self.prompt, "answer": str(self.answer), "response": self.solution}
+
+
+def _apply(x: int, op: str, y: int) -> int:
+    if op == "+":
+        return x + y
+    if op == "-":
+        return x - y
+    raise ValueError(f"unknown operator {op!r}; use one of {OPERATORS}")
+
+
+def all_problems() -> list[Problem]:
+    """Every valid problem (partial result and answer in 0..9), in a fixed order: 1210 of them."""
+    out = []
+    for a in DIGITS:
+        for op1 in OPERATORS:
+            for b in DIGITS:
+                for op2 in OPERATORS:
+                    for c in DIGITS:
+                        p = Problem(a, op1, b, op2, c)
+                        if 0 <= p.first <= 9 and 0 <= p.answer <= 9:
+                            out.append(p)
+    return out
+
+
+def split(name: str, seed: int = SPLIT_SEED, held_out_size: int = HELD_OUT_SIZE) -> list[Problem]:
+    """The problems of split ``name`` ("train" or "held_out"), disjoint by construction."""
+    if name not in ("train", "held_out"):
+        raise ValueError(f"split must be 'train' or 'held_out', got {name!r}")
+    universe = all_problems()
+    if not 0 < held_out_size < len(universe):
+        raise ValueError(f"held_out_size must be in (0, {len(universe)}), got {held_out_size}")
+    order = np.random.default_rng(seed).permutation(len(universe))
+    idx = order[:held_out_size] if name == "held_out" else order[held_out_size:]
+    return [universe[i] for i in sorted(idx)]
+
+
+def sample(problems: Sequence[Problem], n: int, rng: np.random.Generator) -> list[Problem]:
+    """``n`` problems drawn uniformly with replacement (training batches)."""
+    return [problems[i] for i in rng.integers(0, len(problems), size=n)]
+
+
+def extract_answer(response: str) -> int | None:
+    """The integer after the last "The answer is", or None when the phrase is missing."""
+    found = _ANSWER_RE.findall(response)
+    return int(found[-1]) if found else None
+
+
+def grade(response: str, answer: int | str) -> bool:
+    """Exact match of the extracted final number with the reference answer."""
+    got = extract_answer(response)
+    return got is not None and got == int(answer)
+
+
+def accuracy(responses: Iterable[str], answers: Iterable[int | str]) -> float:
+    verdicts = [grade(r, a) for r, a in zip(responses, answers, strict=True)]
+    if not verdicts:
+        raise ValueError("accuracy of an empty set is undefined; pass at least one response")
+    return sum(verdicts) / len(verdicts)
+
+
+def write_jsonl(problems: Iterable[Problem], path: str | Path) -> Path:
+    """One ``{"prompt", "answer", "response"}`` object per line (the trainer's prompt format)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for p in problems:
+            f.write(json.dumps(p.to_row()) + "\n")
+    return path
