@@ -11,6 +11,7 @@ Structured answers (decisions where SPEC is silent):
 - Sets "\\{a,b\\}" and bare lists "a, b" compare as multisets (any order); a bare list also
   matches a parenthesised tuple of the same elements in order.
 - Plain words compare case-insensitively ("No" ≡ "no").
+- Lists longer than 32 elements compare as exact string multisets (bounded work in process).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ Symbolic = Callable[[str, str], bool]
 
 _OPEN = "([{"
 _CLOSE = ")]}"
+_MAX_MATCHED_ELEMENTS = 32
 _PLAIN_WORDS = re.compile(r"^[A-Za-z][A-Za-z ']*$")
 
 
@@ -95,6 +97,8 @@ def _multiset_match(pred: list[str], gold: list[str], scalar) -> bool | None:
     """Perfect matching over pairs judged equal (Kuhn's augmenting paths; lists are short)."""
     if len(pred) != len(gold):
         return False
+    if len(pred) > _MAX_MATCHED_ELEMENTS:  # bound the pairwise table: exact multisets only
+        return sorted(pred) == sorted(gold)
     table = [[scalar(p, g) for g in gold] for p in pred]
     owner: list[int | None] = [None] * len(gold)
 

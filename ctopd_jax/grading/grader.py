@@ -18,6 +18,9 @@ from ctopd_jax.grading.normalize import normalize_answer
 from ctopd_jax.grading.pool import SymbolicPool
 
 _MAX_SYMBOLIC_CHARS = 400
+# No real final answer is this long; capping keeps the in-process rules (regexes, list
+# matching) bounded on garbage such as a runaway box holding the whole response.
+_MAX_ANSWER_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -46,12 +49,13 @@ class MathGrader:
         if isinstance(fallbacks, bool):
             fallbacks = [fallbacks] * len(responses)
         extracted = [extract_answer(r, f) for r, f in zip(responses, fallbacks)]
-        keys = [(normalize_answer(e), normalize_answer(reference_answer(g)))
-                if e is not None and normalize_answer(e) else None
-                for e, g in zip(extracted, golds)]
+        keys = [self._key(e, g) for e, g in zip(extracted, golds)]
         undecided: list[tuple[str, str]] = []
         for key in keys:
             if key is None or key in self._cache:
+                continue
+            if max(len(key[0]), len(key[1])) > _MAX_ANSWER_CHARS:
+                self._cache[key] = (False, "too_long")
                 continue
             verdict = compare(*key)
             if verdict is not None:
@@ -68,8 +72,19 @@ class MathGrader:
                 results.append(GradeResult(None, False, "no_answer"))
             else:
                 correct, method = self._cache[key]
-                results.append(GradeResult(e, correct, method))
+                shown = e if len(e) <= _MAX_ANSWER_CHARS else e[:200] + "..."
+                results.append(GradeResult(shown, correct, method))
         return results
+
+    @staticmethod
+    def _key(extracted: str | None, gold: str) -> tuple[str, str] | None:
+        """Normalised (prediction, reference), or None when there is no usable prediction."""
+        if extracted is None:
+            return None
+        if len(extracted) > _MAX_ANSWER_CHARS:
+            return (extracted, "")  # judged "too_long" without normalising it
+        pred = normalize_answer(extracted)
+        return (pred, normalize_answer(reference_answer(gold))) if pred else None
 
     def grade(self, response: str, gold: str, fallbacks: bool = False) -> GradeResult:
         return self.grade_many([response], [gold], fallbacks)[0]

@@ -113,7 +113,8 @@ def normalize_answer(answer: str | None) -> str | None:
     """Canonical string form of an extracted answer (None stays None)."""
     if answer is None:
         return None
-    s = answer.strip()
+    # One space per whitespace run: keeps the unit regex linear on long blank stretches.
+    s = re.sub(r"\s+", " ", answer).strip()
     for old, new in _REPLACEMENTS:
         s = s.replace(old, new)
     s = s.replace("\\\\", "\x01")  # LaTeX row break "\\\\" (matrices): not a spacing command
@@ -122,6 +123,7 @@ def normalize_answer(answer: str | None) -> str | None:
     s = _SPACING.sub(" ", s)
     s = _unwrap_text_commands(s)
     s = _WORD_LIST.sub(",", s)
+    s = re.sub(r"\s+", " ", s)  # spacing commands and unwrapped \text{} left runs of blanks
     s = _DEGREES.sub("", s)
     s = s.strip().rstrip(".").strip()
     s = _strip_units(s)

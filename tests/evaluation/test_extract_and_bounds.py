@@ -69,13 +69,15 @@ def test_pathological_power_is_killed_and_pool_recovers():
 def test_adversarial_inputs_do_not_hang_grading():
     nested = "(" * 3000 + "x" + ")" * 3000
     tower = "10^{10^{10}}"
+    long_list = ",".join(["1"] * 900)  # once overflowed the recursion of list matching
     responses = [f"\\boxed{{{tower}}}", f"\\boxed{{{nested}}}", "\\boxed{3}",
-                 "x" * 200_000 + "\\boxed{" * 5000]
-    golds = ["5", "y", "3", "1"]
+                 "x" * 200_000 + "\\boxed{" * 5000, f"\\boxed{{{long_list}}}",
+                 f"\\boxed{{{long_list}}}", "\\boxed{5" + " \\, " * 400 + "}"]  # thin spaces: still 5
+    golds = ["5", "y", "3", "1", "1", ",".join(["1"] * 899 + ["2"]), "5"]
     start = time.monotonic()
     with MathGrader(timeout_s=1.0, workers=2) as grader:
         results = grader.grade_many(responses, golds)
     elapsed = time.monotonic() - start
-    assert [r.correct for r in results] == [False, False, True, False]
+    assert [r.correct for r in results] == [False, False, True, False, False, False, True]
     assert results[0].method in ("timeout", "error")
     assert elapsed < 60
