@@ -13,22 +13,23 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
               max_position_embeddings=512, initializer_range=0.1, hidden_act="silu")
 
 
-def hf_config(family: str):
+def hf_config(family: str, **overrides):
+    common = {**COMMON, **overrides}
     if family == "llama":
-        return LlamaConfig(**COMMON, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        return LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False,
                            rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
                                             "factor": 8.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0,
                                             "original_max_position_embeddings": 32})
-    return Qwen2Config(**COMMON, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    return Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=True,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
-def build_hf(family: str, directory, seed: int = 0):
+def build_hf(family: str, directory, seed: int = 0, **overrides):
     """Random HF model (non-trivial norms / biases), saved to `directory`; returns it."""
     torch.manual_seed(seed)
     cls = LlamaForCausalLM if family == "llama" else Qwen2ForCausalLM
-    model = cls(hf_config(family)).eval()
+    model = cls(hf_config(family, **overrides)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -39,8 +40,8 @@ def build_hf(family: str, directory, seed: int = 0):
     return model
 
 
-def load_pair(family: str, directory, seed: int = 0, mesh=None):
-    hf = build_hf(family, directory, seed)
+def load_pair(family: str, directory, seed: int = 0, mesh=None, **overrides):
+    hf = build_hf(family, directory, seed, **overrides)
     model, cfg = load_hf_checkpoint(directory, mesh=mesh)
     return hf, model, cfg
 
