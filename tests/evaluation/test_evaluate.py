@@ -178,3 +178,42 @@ def test_end_to_end_greedy_with_vllm_engine(tiny_run):
                             "--max-new-tokens", "8", "--set", "rollout.engine=vllm"])
     assert [s["response"] for s in report.samples] == ["\\boxed{7}"] * 4
     assert report.mean_at_k == pytest.approx(0.5)
+
+
+class _ScriptedEngine:
+    """A rollout engine returning fixed responses (the trainer passes its own engine)."""
+
+    def __init__(self, tokenizer, responses):
+        self.tokenizer, self.responses, self.calls = tokenizer, responses, []
+
+    def generate(self, prompts, params):
+        from ctopd_jax.rollout.base import RolloutResult
+
+        self.calls.append((prompts, params))
+        n = params.n
+        tokens = [self.tokenizer.encode(self.responses[i % len(self.responses)])
+                  for i in range(len(prompts) * n)]
+        return RolloutResult(prompt_ids=[p for p in prompts for _ in range(n)], token_ids=tokens,
+                             logprobs=[[0.0] * len(t) for t in tokens],
+                             finish_reasons=["stop"] * len(tokens),
+                             prompt_index=[i for i in range(len(prompts)) for _ in range(n)])
+
+
+def test_evaluate_model_with_injected_engine_and_task_grader():
+    from ctopd_jax.datasets import load_dataset
+    from ctopd_jax.demo import task
+
+    tokenizer = load_tokenizer_side("tiny_bpe")
+    demo = load_dataset("demo", limit=3)
+    answers = [int(p.answer) for p in demo.problems]
+    # per problem: sample 0 right ("The answer is N."), sample 1 wrong (N+1)
+    engine = _ScriptedEngine(tokenizer, ["placeholder"])
+    engine.responses = [f"The answer is {a + d}." for a in answers for d in (0, 1)]
+    report = evaluate.evaluate_model(None, tokenizer, demo, engine=engine, k=2, greedy=True,
+                                     max_new_tokens=16)
+    prompts, params = engine.calls[0]
+    assert params.n == 2 and params.temperature == 0.0 and params.max_new_tokens == 16
+    assert prompts[0] == tokenizer.encode(tokenizer.render_prompt(task.split("held_out")[0].prompt))
+    assert [s["correct"] for s in report.samples] == [True, False] * 3
+    assert {s["method"] for s in report.samples} == {"task_grader"}
+    assert report.mean_at_k == pytest.approx(0.5) and report.pass_at_k == pytest.approx(1.0)
