@@ -12,6 +12,7 @@ Decisions where SPEC is silent (each is a rule a grader test pins down):
   "x=1, y=2" stays as written. " or " / " and " between items become list commas.
 - Thousands separators ("1,000,000") are removed only in a full digit-group pattern; "1, 2"
   (with a space) stays a list.
+- A numeral with a base subscript ("10110_2", "2121_{3}") keeps its digits.
 - ``\\frac12``/``\\frac1{2}``/``\\sqrt2`` gain braces; ``^{2}`` becomes ``^2``; all whitespace
   is removed last, so the string comparison ignores spacing.
 """
@@ -53,6 +54,7 @@ _FRAC_SHORT = re.compile(r"\\frac\s*(\d)\s*(\d)")
 _FRAC_HALF_SHORT_NUM = re.compile(r"\\frac\s*(\d)\s*\{")
 _FRAC_HALF_SHORT_DEN = re.compile(r"\\frac\s*(\{[^{}]*\})\s*(\d)")
 _SQRT_SHORT = re.compile(r"\\sqrt\s*(\d|[a-zA-Z](?![a-zA-Z]))")
+_BASE_SUBSCRIPT = re.compile(r"^([0-9A-Fa-f]+)_\{?\d+\}?$")
 _SINGLE_BRACED_EXPONENT = re.compile(r"\^\{(\w)\}")
 
 
@@ -139,6 +141,8 @@ def normalize_answer(answer: str | None) -> str | None:
     s = _drop_spaces(s)
     s = _SINGLE_BRACED_EXPONENT.sub(r"^\1", s)
     s = s.rstrip(".")
+    # "10110_2" / "10110_{2}": a numeral with its base; the digits are the answer.
+    s = _BASE_SUBSCRIPT.sub(r"\1", s)
     # "0.5" and ".5" read the same to a person; give the leading zero back.
     s = re.sub(r"(?<![\d])\.(\d)", r"0.\1", s)
     return s.replace("\x01", "\\\\")

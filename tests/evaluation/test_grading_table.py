@@ -39,6 +39,9 @@ PAIRS = [
     ("5.", "5", True),
     ("5.01", "5", False),
     ("0.1 + 0.2", "0.3", True),  # symbolic/numeric value
+    ("10110_2", "10110_{2}", True),
+    ("10110", "10110_2", True),  # "in base 2" answered without the subscript
+    ("10111_2", "10110_2", False),
     # --- text, units, degrees, dollars, percent
     ("\\text{5 cm}", "5", True),
     ("10\\text{ inches}", "10", True),
@@ -63,6 +66,8 @@ PAIRS = [
     ("\\sqrt{8}", "2\\sqrt{2}", True),
     ("\\sqrt{8}", "2\\sqrt{3}", False),
     ("\\sqrt2", "\\sqrt{2}", True),
+    ("\\sqrt{3}/2", "\\frac{\\sqrt3}{2}", True),
+    ("\\frac{1}{2}\\sqrt{3}", "\\frac{\\sqrt{3}}{2}", True),
     ("\\frac{\\sqrt{3}}{3}", "\\frac{1}{\\sqrt{3}}", True),
     ("3\\sqrt{2}", "\\sqrt{18}", True),
     ("\\sqrt[3]{27}", "3", True),
