@@ -22,5 +22,23 @@ def make_rollout_engine(name: str, model, eos_ids, pad_id=None, mesh=None, **kwa
     raise RolloutConfigError(f"rollout.engine={name!r} is unknown; choose one of {ENGINES}")
 
 
-__all__ = ["ENGINES", "FINISH_LENGTH", "FINISH_STOP", "RolloutConfigError", "RolloutEngine",
+def sampling_params_from_config(rollout, seed: int = 0) -> SamplingParams:
+    """SamplingParams from the run config's `rollout` section (SPEC §1: stop at the EOS)."""
+    return SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p,
+                          top_k=max(0, rollout.top_k), max_new_tokens=rollout.generate_max_len,
+                          n=rollout.n_samples_per_prompt, seed=seed)
+
+
+def engine_from_config(rollout, model, eos_ids, pad_id=None, mesh=None):
+    """The engine named by `rollout.engine`, sized by the section's prompt/response lengths."""
+    if rollout.engine == "vllm":
+        return make_rollout_engine(
+            "vllm", model, eos_ids, pad_id,
+            max_model_len=rollout.max_prompt_len + rollout.generate_max_len,
+            gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
+    return make_rollout_engine(rollout.engine, model, eos_ids, pad_id, mesh=mesh,
+                               max_prompt_len=rollout.max_prompt_len)
+
+
+__all__ = ["engine_from_config", "sampling_params_from_config", "ENGINES", "FINISH_LENGTH", "FINISH_STOP", "RolloutConfigError", "RolloutEngine",
            "RolloutResult", "SamplingParams", "make_rollout_engine"]

@@ -70,12 +70,14 @@ class VllmEngine:
       eos_ids, pad_id: the student's EOS id(s) and pad id.
       max_model_len: prompt + generated tokens per sample (<= 256 advised on CPU).
       dtype: vLLM dtype; defaults to the student's param dtype ("float32" on CPU).
+      gpu_memory_utilization: passed to vLLM on GPU (ignored on CPU, where
+        VLLM_CPU_KVCACHE_SPACE sizes the cache).
       llm_kwargs: extra `vllm.LLM` arguments (e.g. gpu_memory_utilization on GPU).
     """
 
     def __init__(self, model, eos_ids, pad_id: int | None = None, max_model_len: int = 256,
                  dtype: str | None = None, seed: int = 0, workdir: str | None = None,
-                 llm_kwargs: dict | None = None):
+                 gpu_memory_utilization: float | None = None, llm_kwargs: dict | None = None):
         cfg = model.cfg
         if cfg.family == "qwen2" and cfg.head_dim * cfg.num_heads != cfg.hidden_size:
             # vLLM's Qwen2 derives head_dim = hidden_size // num_heads and ignores config.json.
@@ -111,6 +113,8 @@ class VllmEngine:
         kwargs = dict(model=self.workdir, dtype=self._dtype, enforce_eager=True,
                       max_model_len=self.max_model_len, skip_tokenizer_init=True, seed=seed,
                       generation_config="vllm")
+        if gpu_memory_utilization is not None and not on_cpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs.update(llm_kwargs or {})
         self.llm = vllm.LLM(**kwargs)
         self._vllm = vllm

@@ -37,3 +37,18 @@ def test_vllm_qwen2_head_dim_checked_before_start():
     # tiny_qwen2 has head_dim 32 with hidden 64 / 4 heads: vLLM's Qwen2 would use 16.
     with pytest.raises(RolloutConfigError, match="head_dim == hidden_size / num_heads"):
         make_rollout_engine("vllm", tiny(tiny_qwen2()), eos_ids=[2])
+
+
+def test_engine_and_params_from_config():
+    from ctopd_jax.config import RolloutSection
+    from ctopd_jax.rollout import engine_from_config, sampling_params_from_config
+
+    section = RolloutSection(engine="jax", n_samples_per_prompt=4, temperature=0.7, top_p=0.9,
+                             top_k=-1, generate_max_len=32, max_prompt_len=100)
+    params = sampling_params_from_config(section, seed=3)
+    assert (params.n, params.temperature, params.top_p, params.top_k, params.max_new_tokens,
+            params.seed) == (4, 0.7, 0.9, 0, 32, 3)
+    engine = engine_from_config(section, tiny(tiny_llama()), eos_ids=[2], pad_id=0)
+    assert isinstance(engine, JaxSampler) and engine.max_prompt_len == 100
+    with pytest.raises(RolloutConfigError, match="max prompt length 100"):
+        engine.generate([[5] * 101], params)
