@@ -30,7 +30,8 @@ from ctopd_jax.models.config import ModelConfig
 def bench_config(args) -> ModelConfig:
     return ModelConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-        num_layers=args.layers, num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 256),
+        num_layers=args.layers, num_heads=args.hidden // 64,
+        num_kv_heads=max(1, args.hidden // 256),
         head_dim=64, rope_theta=500000.0,
         rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 1024},

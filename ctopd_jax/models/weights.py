@@ -239,6 +239,14 @@ def _place(value: np.ndarray, var: nnx.Variable, mesh):
 
 
 # ---------------------------------------------------------------------- export
+def _host(value: jax.Array, dtype=None) -> np.ndarray:
+    """Gather one (possibly sharded) parameter to host, optionally cast (name or dtype)."""
+    out = np.asarray(jax.device_get(value))
+    if dtype is not None:
+        out = out.astype(DTYPES[dtype] if isinstance(dtype, str) else dtype)
+    return out
+
+
 def hf_named_tensors(model: Decoder, include_tied_lm_head: bool = True,
                      dtype=None) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, host numpy array) for every parameter, one tensor gathered at a time.
@@ -248,25 +256,53 @@ def hf_named_tensors(model: Decoder, include_tied_lm_head: bool = True,
     """
     for path, var in _flat_params(nnx.state(model, nnx.Param)):
         rule, hf_name = _rule_for_nnx(path)
-        value = np.asarray(jax.device_get(var[...]))
-        if dtype is not None:
-            value = value.astype(dtype)
+        value = _host(var[...], dtype)
         yield hf_name, to_hf(rule, value)
         if path == "embed" and model.cfg.tie_word_embeddings and include_tied_lm_head:
-            yield "lm_head.weight", to_hf(Rule("", "", 0), value)
+            yield "lm_head.weight", value  # [V, H] is also the HF lm_head layout
 
 
 def export_hf_checkpoint(model: Decoder, cfg: ModelConfig, out_dir,
-                         extra_config: dict | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` that transformers' from_pretrained loads.
+                         extra_config: dict | None = None,
+                         max_shard_bytes: int = 4 * 1024**3, dtype: str | None = None) -> Path:
+    """Write ``config.json`` + safetensors that transformers' from_pretrained loads.
 
-    ``extra_config`` adds fields ModelConfig does not carry (bos/eos ids, ...).  Tensors are
-    stored in ``cfg.param_dtype``; tied models omit ``lm_head.weight`` as HF does.
+    One ``model.safetensors`` when everything fits in ``max_shard_bytes``, otherwise
+    ``model-0000k-of-0000n.safetensors`` files plus ``model.safetensors.index.json``; the host
+    holds one shard at a time.  ``extra_config`` adds fields ModelConfig does not carry
+    (bos/eos ids, ...).  Tensors are stored in ``dtype`` (a ModelConfig dtype name; default:
+    their parameter dtype); tied models omit ``lm_head.weight`` as HF does.
     """
+    if dtype is not None and dtype not in DTYPES:
+        raise ModelConfigError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    params = _flat_params(nnx.state(model, nnx.Param))
+    shards: list[list[tuple[str, Rule, nnx.Variable]]] = [[]]
+    size = 0
+    for path, var in params:  # plan shards from shapes, before gathering anything
+        rule, hf_name = _rule_for_nnx(path)
+        item = np.dtype(DTYPES[dtype] if dtype else var[...].dtype).itemsize
+        nbytes = math.prod(var.shape) * item
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((hf_name, rule, var))
+        size += nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    weight_map, total = {}, 0
+    for fname, shard in zip(names, shards):
+        tensors = {hf_name: to_hf(rule, _host(var[...], dtype)) for hf_name, rule, var in shard}
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in tensors})
+        total += sum(t.nbytes for t in tensors.values())
+        del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     hf_config = {**(extra_config or {}), **cfg.to_hf_dict()}
-    tensors = dict(hf_named_tensors(model, include_tied_lm_head=False))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if dtype is not None:
+        hf_config["dtype"] = dtype
     (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     return out

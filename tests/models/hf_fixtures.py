@@ -54,7 +54,8 @@ def hf_logits(model, ids: np.ndarray, positions: np.ndarray | None = None,
     if mask is not None:
         kwargs["attention_mask"] = torch.tensor(np.asarray(mask), dtype=torch.long)
     with torch.no_grad():
-        return model(torch.tensor(np.asarray(ids), dtype=torch.long), **kwargs).logits.float().numpy()
+        ids = torch.tensor(np.asarray(ids), dtype=torch.long)
+        return model(ids, **kwargs).logits.float().numpy()
 
 
 def fp32(cfg: ModelConfig) -> ModelConfig:

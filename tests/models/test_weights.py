@@ -38,6 +38,24 @@ def test_export_round_trip_reloads_in_transformers(variant, tmp_path):
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
 
 
+def test_sharded_export_reloads_in_transformers_and_in_ours(tmp_path):
+    cfg = VARIANTS["llama_tied"]()
+    hf = save_hf(cfg, tmp_path / "src")
+    model, loaded_cfg = weights.load_hf_checkpoint(tmp_path / "src")
+    weights.export_hf_checkpoint(model, loaded_cfg, tmp_path / "out", max_shard_bytes=50_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    np.testing.assert_array_equal(hf_logits(reloaded, IDS), hf_logits(hf, IDS))
+    again, _ = weights.load_hf_checkpoint(tmp_path / "out")
+    np.testing.assert_array_equal(jax_logits(again, IDS), jax_logits(model, IDS))
+
+    weights.export_hf_checkpoint(model, loaded_cfg, tmp_path / "bf16", dtype="bfloat16")
+    stored = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert {str(v.dtype) for v in stored.values()} == {"bfloat16"}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 def test_hf_named_tensors_always_include_lm_head(tmp_path):
     hf = save_hf(VARIANTS["qwen2_tied_bias"](), tmp_path)
     model, _ = weights.load_hf_checkpoint(tmp_path)
