@@ -119,6 +119,15 @@ def to_global(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
     return out
 
 
+def on_mesh(x, mesh):
+    """x itself when it already lives on a mesh sharding, else replicated over `mesh`."""
+    if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding):
+        return x
+    value = np.asarray(jax.device_get(x))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.make_array_from_callback(value.shape, replicated, lambda idx: value[idx])
+
+
 def local_copy(module):
     """A single-device copy of a (possibly multi-process sharded) module, for per-process work."""
     from jax.experimental import multihost_utils
@@ -236,7 +245,9 @@ class Trainer:
         self.tx, self.schedule = make_optimizer(settings)
         self.graphdef, params, self.rest = nnx.split(self.student, nnx.Param, ...)
         self.params = params
-        self.opt_state = jax.jit(self.tx.init)(params)
+        # scalars of the optimizer state (step counts) come out of init on one device: put them
+        # on the mesh too, so saved and restored states carry mesh shardings throughout
+        self.opt_state = jax.tree.map(lambda x: on_mesh(x, self.mesh), jax.jit(self.tx.init)(params))
         self.apply_update = make_apply_update(self.tx, self.schedule, donate=jax.default_backend() != "cpu")
         self.t_graphdef, self.t_state = nnx.split(self.teacher)
         self.rng = jax.random.key(c.seed)
