@@ -19,13 +19,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 from pathlib import Path
 from typing import Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open

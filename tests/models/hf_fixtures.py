@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -56,10 +55,6 @@ def hf_logits(model, ids: np.ndarray, positions: np.ndarray | None = None,
     with torch.no_grad():
         ids = torch.tensor(np.asarray(ids), dtype=torch.long)
         return model(ids, **kwargs).logits.float().numpy()
-
-
-def fp32(cfg: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(cfg, dtype="float32", param_dtype="float32")
 
 
 def jax_logits(model, ids, positions=None, mask=None) -> np.ndarray:

@@ -1,6 +1,5 @@
 """Decoder vs HF transformers (PyTorch CPU) on tiny random configs, loaded by our loader."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

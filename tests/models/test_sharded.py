@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hf_fixtures import VARIANTS, save_hf
 from ctopd_jax.mesh import batch_sharding, make_mesh, shard_module
-from ctopd_jax.models import Decoder, init_cache, prefill_positions, weights
+from ctopd_jax.models import init_cache, prefill_positions, weights
 
 MESHES = [{"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 4, "tensor": 2}, {"data": 8}]
 B, T = 8, 12
