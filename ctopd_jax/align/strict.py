@@ -32,7 +32,17 @@ class StrictAlignment:
     teacher_pairs: np.ndarray        # int32 [B] strict pairs per sample (EOS included)
     teacher_response_tokens: np.ndarray  # int32 [B] EOS included
     student_response_tokens: np.ndarray  # int32 [B] EOS included
-    groups: Groups                   # all groups (token indices), for atoms / segments
+    group_source: tuple              # (teacher batch, student batch) for ``groups``
+
+    @property
+    def groups(self) -> Groups:
+        """All groups in flat token indices (strict and mismatch; computed on first use)."""
+        cached = self.__dict__.get("_groups")
+        if cached is None:
+            teacher, student = self.group_source
+            cached = compute_groups(teacher, student, self.byte_mismatch)
+            object.__setattr__(self, "_groups", cached)
+        return cached
 
     @property
     def num_pairs(self) -> int:
@@ -71,12 +81,19 @@ def byte_mismatch(teacher: RetokenizedBatch, student: RetokenizedBatch) -> np.nd
                        dtype=bool, count=teacher.batch_size)
 
 
-def token_rows(batch: RetokenizedBatch) -> np.ndarray:
-    """int64 [N]: the logits row predicting each flat response token (EOS excluded)."""
-    counts = np.diff(batch.resp_offsets)
-    sample = np.repeat(np.arange(batch.batch_size), counts)
-    local = np.arange(batch.resp_offsets[-1]) - batch.resp_offsets[:-1][sample]
-    return batch.row_base[sample] + local
+def _gather_flag(flags: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``flags[index]``, False where a trailing group's empty side points outside."""
+    if flags.size == 0:
+        return np.zeros(index.shape, bool)
+    if index.size and (index.min() < 0 or index.max() >= flags.size):
+        return np.where((index >= 0) & (index < flags.size),
+                        flags[np.clip(index, 0, flags.size - 1)], False)
+    return flags[index]
+
+
+def row_shift(batch: RetokenizedBatch) -> np.ndarray:
+    """int64 [B]: add to a flat response-token index of sample b to get its logits row."""
+    return batch.row_base - batch.resp_offsets[:-1]
 
 
 def compute_groups(teacher: RetokenizedBatch, student: RetokenizedBatch,
@@ -85,47 +102,120 @@ def compute_groups(teacher: RetokenizedBatch, student: RetokenizedBatch,
                        student.resp_offsets, ~mismatch)
 
 
-def strict_align(teacher: RetokenizedBatch, student: RetokenizedBatch) -> StrictAlignment:
-    """Strict pairs, mismatch groups, EOS pairs and coverage for a re-tokenized batch pair."""
+def strict_align(teacher: RetokenizedBatch, student: RetokenizedBatch,
+                 fast: bool = True) -> StrictAlignment:
+    """Strict pairs, mismatch groups, EOS pairs and coverage for a re-tokenized batch pair.
+
+    ``fast`` takes the closer-space path when every sample's bytes agree and no token is
+    empty (the usual batch); both paths give identical arrays (tested)."""
     mismatch = byte_mismatch(teacher, student)
+    if fast and not mismatch.any() and teacher.resp_byte_len.size and \
+            student.resp_byte_len.size and teacher.resp_byte_len.min() > 0 and \
+            student.resp_byte_len.min() > 0:
+        return _strict_fast(teacher, student, mismatch)
     groups = compute_groups(teacher, student, mismatch)
-    t_rows, s_rows = token_rows(teacher), token_rows(student)
-    one_to_one = ((groups.t_first == groups.t_last) & (groups.s_first == groups.s_last)
-                  & ~groups.trailing)
-    cand = np.flatnonzero(one_to_one)
-    t_tok, s_tok = groups.t_last[cand], groups.s_last[cand]
-    strict = np.zeros(len(groups), dtype=bool)
-    strict[cand] = ((teacher.resp_byte_len[t_tok] > 0) & teacher.resp_pairable[t_tok]
-                    & student.resp_pairable[s_tok])
+    strict = (groups.t_first == groups.t_last) & (groups.s_first == groups.s_last)
+    if groups.trailing.any():
+        strict &= ~groups.trailing
+    # a token may pair only if it is not an added token and holds a byte
+    t_can = teacher.resp_pairable & (teacher.resp_byte_len > 0)
+    strict &= _gather_flag(t_can, groups.t_last) & _gather_flag(student.resp_pairable,
+                                                                groups.s_last)
+    t_shift, s_shift = row_shift(teacher), row_shift(student)
+    t_end_row = groups.t_last + t_shift[groups.sample]  # row of each group's last token
+    s_end_row = groups.s_last + s_shift[groups.sample]
+    keep = np.flatnonzero(strict)
+    sample = groups.sample[keep]
+    pair_t, pair_s = t_end_row[keep], s_end_row[keep]
+    # EOS pairs go after each ok sample's last strict pair (both sides stay increasing).
     ok = np.flatnonzero(~mismatch)
-    eos_t = teacher.row_base[ok] + teacher.response_lens[ok] - 1
-    eos_s = student.row_base[ok] + student.response_lens[ok] - 1
-    pair_t = np.concatenate([t_rows[groups.t_last[strict]], eos_t])
-    pair_s = np.concatenate([s_rows[groups.s_last[strict]], eos_s])
-    pair_sample = np.concatenate([groups.sample[strict], ok])
-    is_eos = np.concatenate([np.zeros(int(strict.sum()), bool), np.ones(ok.shape, bool)])
-    order = np.argsort(pair_t, kind="stable")
-    rest = ~strict
-    g_sample = groups.sample[rest]
+    at = np.searchsorted(sample, ok, "right")
+    pair_t = np.insert(pair_t, at, teacher.row_base[ok] + teacher.response_lens[ok] - 1)
+    pair_s = np.insert(pair_s, at, student.row_base[ok] + student.response_lens[ok] - 1)
+    pair_sample = np.insert(sample, at, ok)
+    is_eos = np.insert(np.zeros(sample.shape, bool), at, True)
+    rest = np.flatnonzero(~strict)
     mismatch_rows = np.stack([
-        g_sample,
-        _start_row(teacher, groups.t_first[rest], g_sample),
-        _start_row(teacher, groups.t_last[rest] + 1, g_sample),
-        _start_row(student, groups.s_first[rest], g_sample),
-        _start_row(student, groups.s_last[rest] + 1, g_sample),
+        groups.sample[rest],
+        t_end_row[rest] - (groups.t_last[rest] - groups.t_first[rest]), t_end_row[rest] + 1,
+        s_end_row[rest] - (groups.s_last[rest] - groups.s_first[rest]), s_end_row[rest] + 1,
     ], axis=1).astype(np.int32).reshape(-1, 5)
     per_sample = np.bincount(pair_sample, minlength=teacher.batch_size).astype(np.int32)
     return StrictAlignment(
-        teacher_rows=pair_t[order].astype(np.int32), student_rows=pair_s[order].astype(np.int32),
-        pair_sample=pair_sample[order].astype(np.int32), pair_is_eos=is_eos[order],
+        teacher_rows=pair_t.astype(np.int32), student_rows=pair_s.astype(np.int32),
+        pair_sample=pair_sample.astype(np.int32), pair_is_eos=is_eos,
         mismatch_groups=mismatch_rows, byte_mismatch=mismatch, teacher_pairs=per_sample,
         teacher_response_tokens=teacher.response_lens.copy(),
-        student_response_tokens=student.response_lens.copy(), groups=groups)
+        student_response_tokens=student.response_lens.copy(), group_source=(teacher, student))
 
 
-def _start_row(batch: RetokenizedBatch, token_index: np.ndarray, sample: np.ndarray):
-    """Logits row of flat token index (possibly one past a sample's last token)."""
-    return batch.row_base[sample] + token_index - batch.resp_offsets[:-1][sample]
+def _strict_fast(teacher: RetokenizedBatch, student: RetokenizedBatch,
+                 mismatch: np.ndarray) -> StrictAlignment:
+    """All samples byte-equal, no empty token: the samples lie end to end on one byte ruler on
+    both sides, a token closes a group iff the other side ends there, and a group is 1:1 iff
+    its closer follows the previous closer (or starts the sample) on both sides. Works in
+    token space with bool arrays and allocates few index arrays (numpy time here is mostly
+    page faults of fresh arrays)."""
+    t_cum = np.cumsum(teacher.resp_byte_len)
+    s_cum = np.cumsum(student.resp_byte_len)
+    ruler = np.zeros(int(t_cum[-1]) + 1, dtype=bool)
+    ruler[s_cum] = True
+    t_close = ruler[t_cum]
+    ruler[s_cum] = False
+    ruler[t_cum] = True
+    s_close = ruler[s_cum]
+    del ruler, t_cum, s_cum
+
+    def single(close, batch, extra=None):
+        """Token closes a group that holds only itself on this side (and may pair)."""
+        prev = np.empty_like(close)
+        prev[0] = True
+        prev[1:] = close[:-1]
+        prev[batch.resp_offsets[:-1][np.diff(batch.resp_offsets) > 0]] = True
+        out = close & prev & batch.resp_pairable
+        return out if extra is None else out & extra
+
+    t_single = single(t_close, teacher, teacher.resp_byte_len > 0)
+    s_single = single(s_close, student)
+    strict_g = t_single[t_close] & s_single[s_close]  # per group, in order
+    t_idx = np.flatnonzero(t_close)
+    s_idx = np.flatnonzero(s_close)
+    # groups per sample: every sample ends with a closer on both sides
+    ends = np.searchsorted(t_idx, teacher.resp_offsets[1:], "left")
+    per_sample_groups = np.diff(np.concatenate([[0], ends]))
+    keep = np.flatnonzero(strict_g)
+    strict_cum = np.concatenate([[0], np.cumsum(strict_g)])
+    pairs_per_sample = strict_cum[ends] - strict_cum[ends - per_sample_groups]
+    t_shift_g = np.repeat(row_shift(teacher), per_sample_groups)
+    s_shift_g = np.repeat(row_shift(student), per_sample_groups)
+    batch = teacher.batch_size
+    # final layout: each sample's strict pairs then its EOS pair
+    total = keep.size + batch
+    eos_at = np.cumsum(pairs_per_sample + 1) - 1
+    is_eos = np.zeros(total, dtype=bool)
+    is_eos[eos_at] = True
+    teacher_rows = np.empty(total, dtype=np.int32)
+    student_rows = np.empty(total, dtype=np.int32)
+    teacher_rows[~is_eos] = t_idx[keep] + t_shift_g[keep]
+    student_rows[~is_eos] = s_idx[keep] + s_shift_g[keep]
+    teacher_rows[eos_at] = teacher.row_base + teacher.response_lens - 1
+    student_rows[eos_at] = student.row_base + student.response_lens - 1
+    pair_sample = np.repeat(np.arange(batch, dtype=np.int32), pairs_per_sample + 1)
+    rest = np.flatnonzero(~strict_g)
+    sample = np.repeat(np.arange(batch), per_sample_groups)[rest]
+    first = rest == (ends - per_sample_groups)[sample]  # first group of its sample
+    t_last, s_last = t_idx[rest], s_idx[rest]
+    t_first = np.where(first, teacher.resp_offsets[:-1][sample], t_idx[rest - 1] + 1)
+    s_first = np.where(first, student.resp_offsets[:-1][sample], s_idx[rest - 1] + 1)
+    mismatch_rows = np.stack([
+        sample, t_first + t_shift_g[rest], t_last + 1 + t_shift_g[rest],
+        s_first + s_shift_g[rest], s_last + 1 + s_shift_g[rest]], axis=1).astype(np.int32)
+    return StrictAlignment(
+        teacher_rows=teacher_rows, student_rows=student_rows, pair_sample=pair_sample,
+        pair_is_eos=is_eos, mismatch_groups=mismatch_rows.reshape(-1, 5), byte_mismatch=mismatch,
+        teacher_pairs=(pairs_per_sample + 1).astype(np.int32),
+        teacher_response_tokens=teacher.response_lens.copy(),
+        student_response_tokens=student.response_lens.copy(), group_source=(teacher, student))
 
 
 class CoverageMeter:

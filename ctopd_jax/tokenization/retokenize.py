@@ -43,7 +43,7 @@ class RetokenizedBatch:
     response_lens: np.ndarray    # int32 [B], EOS included
     resp_offsets: np.ndarray     # int64 [B + 1]
     resp_ids: np.ndarray         # int32 [N]
-    resp_byte_len: np.ndarray    # int32 [N], after dummy-prefix removal
+    resp_byte_len: np.ndarray    # int64 [N], after dummy-prefix removal
     resp_pairable: np.ndarray    # bool [N], False for added/special tokens
     resp_stripped: np.ndarray    # bool [N], one dummy-prefix space removed from this token
     resp_bytes: list             # bytes per sample, the concatenation of the byte views
@@ -158,7 +158,7 @@ def retokenize(side: TokenizerSide, prompts, responses, *, pad_to_multiple: int 
     labels[:, :-1] = np.where(loss_mask[:, :-1], input_ids[:, 1:], IGNORE_INDEX)
     flat_ids = np.concatenate(resp_ids) if resp_ids else np.zeros(0, np.int32)
     stripped = np.concatenate(resp_stripped)
-    byte_len = side.token_byte_len[flat_ids] - stripped.astype(np.int32)
+    byte_len = side.token_byte_len[flat_ids] - stripped
     table = side.token_bytes
     resp_bytes = []
     for ids, strip in zip(resp_ids, resp_stripped):
@@ -172,7 +172,7 @@ def retokenize(side: TokenizerSide, prompts, responses, *, pad_to_multiple: int 
         attention_mask=pos < lengths[:, None], prompt_lens=prompt_lens,
         response_lens=response_lens,
         resp_offsets=np.concatenate([[0], np.cumsum([len(r) for r in resp_ids])]).astype(np.int64),
-        resp_ids=flat_ids, resp_byte_len=byte_len.astype(np.int32),
+        resp_ids=flat_ids, resp_byte_len=byte_len,
         resp_pairable=~side.is_added[flat_ids], resp_stripped=stripped,
         resp_bytes=resp_bytes, responses=list(responses), eos_id=side.eos_id)
 

@@ -34,7 +34,7 @@ class TokenizerSide:
 
     Attributes:
       token_bytes: byte view of every id (list index = id).
-      token_byte_len: int32 [V] lengths of ``token_bytes``.
+      token_byte_len: int64 [V] lengths of ``token_bytes`` (int64: the aligner indexes with them).
       is_added: bool [V], added tokens (special or not): on the byte ruler with their content,
         never in a strict pair (SPEC §2).
       special_ids: ids of added tokens flagged special.
@@ -146,7 +146,7 @@ def load_tokenizer_side(name_or_path, *, eos_token: str | None = None,
         specials["eos_token"] = eos_token
     return TokenizerSide(
         name=str(name_or_path), path=path, tokenizer=tokenizer, kind=kind, token_bytes=table,
-        token_byte_len=np.fromiter((len(b) for b in table), dtype=np.int32, count=len(table)),
+        token_byte_len=np.fromiter((len(b) for b in table), dtype=np.int64, count=len(table)),
         is_added=is_added,
         special_ids=frozenset(i for i, t in added.items() if t.special),
         eos_id=eos_id, pad_id=eos_id if pad_id is None else pad_id,

@@ -100,7 +100,7 @@ def make_batch(samples, seq_pad=3, seed=0) -> tuple[RetokenizedBatch, Retokenize
             prompt_lens=prompt_lens, response_lens=response_lens,
             resp_offsets=np.concatenate([[0], np.cumsum([len(p) for p in pieces])]).astype(np.int64),
             resp_ids=np.zeros(len(flat), np.int32),
-            resp_byte_len=np.array([len(x) for x in flat], np.int32),
+            resp_byte_len=np.array([len(x) for x in flat], np.int64),
             resp_pairable=np.array([x for p in pairable for x in p], bool).reshape(-1),
             resp_stripped=np.zeros(len(flat), bool),
             resp_bytes=[b"".join(p) for p in pieces],

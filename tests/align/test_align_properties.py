@@ -159,3 +159,37 @@ def test_atoms_are_the_minimal_synchronised_segments(samples):
         assert mine == want
         for ti, si in mine:  # each atom has equal bytes on both sides
             assert b"".join(t[i] for i in ti) == b"".join(s[j] for j in si)
+
+
+@st.composite
+def matched_sample(draw):
+    """Byte-equal sides, no empty token (the batches the fast path takes); may be empty."""
+    text = draw(st.text(max_size=20)).encode("utf-8")
+    t, tp = draw(segmentation(text, False))
+    s, sp = draw(segmentation(text, False))
+    return t, s, tp, sp
+
+
+@SETTINGS
+@given(st.lists(matched_sample(), min_size=1, max_size=6))
+def test_fast_strict_path_equals_general_path(samples):
+    teacher, student = make_batch(samples)
+    fast, general = strict_align(teacher, student), strict_align(teacher, student, fast=False)
+    for field in ("teacher_rows", "student_rows", "pair_sample", "pair_is_eos",
+                  "mismatch_groups", "teacher_pairs", "byte_mismatch"):
+        a, b = getattr(fast, field), getattr(general, field)
+        assert a.dtype == b.dtype and np.array_equal(a, b), field
+    for field in ("sample", "t_first", "t_last", "s_first", "s_last"):
+        assert np.array_equal(getattr(fast.groups, field), getattr(general.groups, field))
+
+
+def test_fast_path_with_empty_samples_at_the_edges():
+    pieces = ([b"ab", b"c"], [b"a", b"bc"], [True, True], [True, True])
+    empty = ([], [], [], [])
+    one = ([b"x"], [b"x"], [True], [True])
+    for samples in ([pieces, empty], [empty, pieces], [one, empty, pieces, empty, one]):
+        teacher, student = make_batch(samples)
+        fast, general = strict_align(teacher, student), strict_align(teacher, student, fast=False)
+        for field in ("teacher_rows", "student_rows", "pair_sample", "pair_is_eos",
+                      "mismatch_groups", "teacher_pairs"):
+            assert np.array_equal(getattr(fast, field), getattr(general, field)), field
