@@ -149,6 +149,8 @@ class Attention(nnx.Module):
             start = (layer, 0, cache.index, 0, 0)
             k_all = jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start)
             v_all = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start)
+            cache_axes = (None, "batch", None, "kv_heads", None)
+            k_all, v_all = constrain(k_all, cache_axes), constrain(v_all, cache_axes)
             cache = cache._replace(k=k_all, v=v_all)
             k, v = k_all[layer].astype(dt), v_all[layer].astype(dt)
         out = attend(q, k, v, mask)

@@ -88,7 +88,11 @@ def test_gradients_match_torch_with_remat(name, tmp_path):
     hf_grads = {n: p.grad.numpy() for n, p in hf.named_parameters()}
 
     pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
-    grads = nnx.grad(lambda m: jnp.sum(m(jnp.asarray(ids, jnp.int32), pos) * w))(model)
+    loss = lambda m: jnp.sum(m(jnp.asarray(ids, jnp.int32), pos) * w)  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(lambda s: nnx.grad(loss)(nnx.merge(nnx.graphdef(model), s)))(
+        nnx.state(model)))
+    assert jaxpr.count("checkpoint") + jaxpr.count("remat") >= cfg.num_layers
+    grads = nnx.grad(loss)(model)
     grad_model = nnx.merge(nnx.graphdef(model), grads)
     ours = dict(weights.hf_named_tensors(grad_model, include_tied_lm_head=False))
     for hf_name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",
