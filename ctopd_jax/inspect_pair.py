@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from ctopd_jax.align import strict_align
+from ctopd_jax.align.strict import describe_byte_mismatch
 from ctopd_jax.tokenization import load_tokenizer_side, overlap_map, retokenize_pair
 
 GREEN, YELLOW, RESET = "\x1b[32m", "\x1b[33m", "\x1b[0m"
@@ -84,6 +85,10 @@ def inspect(teacher_name: str, student_name: str, text: Path | None, show: int |
             "mismatch_groups": {f"{a}:{b}": c for (a, b), c in
                                 sorted(alignment.mismatch_size_histogram().items())},
         }
+        if alignment.num_byte_mismatch:
+            first = int(alignment.byte_mismatch.argmax())
+            report["alignment"]["first_byte_mismatch"] = describe_byte_mismatch(
+                t_batch, s_batch, first)
         if show is not None:
             if not 0 <= show < len(responses):
                 raise ValueError(f"--show: sample {show} out of range [0, {len(responses)})")
@@ -131,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{a['byte_mismatch_samples']}")
         print("mismatch groups (teacher:student tokens -> count): "
               + ", ".join(f"{k} -> {v}" for k, v in a["mismatch_groups"].items()))
+        if "first_byte_mismatch" in a:
+            print(f"first byte mismatch: {a['first_byte_mismatch']}")
         if "view" in a:
             print(f"teacher: {a['view']['teacher']}\nstudent: {a['view']['student']}")
     return 0

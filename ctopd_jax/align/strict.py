@@ -102,13 +102,33 @@ def compute_groups(teacher: RetokenizedBatch, student: RetokenizedBatch,
                        student.resp_offsets, ~mismatch)
 
 
-def strict_align(teacher: RetokenizedBatch, student: RetokenizedBatch,
-                 fast: bool = True) -> StrictAlignment:
+class ByteMismatchError(ValueError):
+    """A response whose byte views differ between the sides (it does not round-trip)."""
+
+
+def describe_byte_mismatch(teacher: RetokenizedBatch, student: RetokenizedBatch, b: int) -> str:
+    t, s = teacher.resp_bytes[b], student.resp_bytes[b]
+    at = next((i for i, (x, y) in enumerate(zip(t, s)) if x != y), min(len(t), len(s)))
+    return (f"sample {b}: teacher and student byte views differ at byte {at} "
+            f"(teacher {t[max(0, at - 8):at + 8]!r}, student {s[max(0, at - 8):at + 8]!r}); "
+            "a normalizer (e.g. Qwen's NFC), an <unk> token or a merge across the prompt "
+            "boundary changed the text on one side")
+
+
+def strict_align(teacher: RetokenizedBatch, student: RetokenizedBatch, fast: bool = True,
+                 on_byte_mismatch: str = "count") -> StrictAlignment:
     """Strict pairs, mismatch groups, EOS pairs and coverage for a re-tokenized batch pair.
 
-    ``fast`` takes the closer-space path when every sample's bytes agree and no token is
-    empty (the usual batch); both paths give identical arrays (tested)."""
+    ``on_byte_mismatch``: "count" (SPEC §2: the sample yields no pairs and is counted) or
+    "raise" (``ByteMismatchError`` naming the first such sample and byte, for tools that
+    check a data set). ``fast`` takes the closer-space path when every sample's bytes agree
+    and no token is empty (the usual batch); both paths give identical arrays (tested)."""
+    if on_byte_mismatch not in ("count", "raise"):
+        raise ValueError(f"on_byte_mismatch: {on_byte_mismatch!r}; use 'count' or 'raise'")
     mismatch = byte_mismatch(teacher, student)
+    if on_byte_mismatch == "raise" and mismatch.any():
+        raise ByteMismatchError(describe_byte_mismatch(teacher, student,
+                                                       int(np.flatnonzero(mismatch)[0])))
     if fast and not mismatch.any() and teacher.resp_byte_len.size and \
             student.resp_byte_len.size and teacher.resp_byte_len.min() > 0 and \
             student.resp_byte_len.min() > 0:
