@@ -78,3 +78,21 @@ def test_atoms_cover_every_response_token(batch):
     assert atoms.student_tokens.sum() == student.num_response_tokens - NUM  # EOS masked
     assert (atoms.atoms[:, 2] - atoms.atoms[:, 1]).sum() == teacher.num_response_tokens - NUM
     assert np.all(atoms.student_tokens >= 1)
+
+
+def test_simct_with_partial_utf8_tokens(qwen, llama):
+    """Emoji / CJK / accents split inside characters on one side: per-token decodes hold U+FFFD
+    and the histories diverge until the character completes (oracle: tokenizers' decode)."""
+    texts = ["数学很有趣 😀😀 — naïve café ½ × 3 = 1.5", "🙂 答案是 42。", "plain ascii 1+1=2"]
+    teacher, student = retokenize_pair(qwen, llama, [qwen.render_prompt("q")] * 3,
+                                       [llama.render_prompt("q")] * 3, texts)
+    got = simct_segments(qwen, llama, teacher, student)
+    for b in range(len(texts)):
+        *_, t_ids = _pieces(qwen, teacher, b)
+        *_, s_ids = _pieces(llama, student, b)
+        want = simct_oracle([qwen.tokenizer.decode([int(i)]).encode() for i in t_ids],
+                            [llama.tokenizer.decode([int(i)]).encode() for i in s_ids])
+        rows = got.segments[got.segments[:, 0] == b]
+        mine = [(int(r[1] - teacher.row_base[b]), int(r[2] - teacher.row_base[b]),
+                 int(r[3] - student.row_base[b]), int(r[4] - student.row_base[b])) for r in rows]
+        assert mine == want
