@@ -14,6 +14,9 @@ Determinism: the randomness of sample i at step t is `fold_in(fold_in(key(seed),
 i the sample's index in the call (prompt-major), so it does not depend on batch bucketing or
 chunking (`max_batch_size`). Finished rows keep being computed (static shapes) but their
 tokens are replaced by pad and they stop writing to the KV cache.
+
+Not done (yet): the `n` samples of a prompt each prefill the prompt (no shared prefix cache),
+and the decode loop attends over the whole cache bucket every step (static shapes).
 """
 from __future__ import annotations
 
