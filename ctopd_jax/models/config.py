@@ -214,8 +214,11 @@ class ModelConfig:
 
 # ---------------------------------------------------------------------- presets
 def tiny_llama(**overrides) -> ModelConfig:
-    """Tiny Llama-3 style config with llama3 RoPE scaling (head_dim 32 so vLLM CPU runs it)."""
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    """Tiny Llama-3 style config with llama3 RoPE scaling.
+
+    head_dim 32 because vLLM's CPU attention rejects 16, and heads * head_dim == hidden_size
+    because some engines derive head_dim from hidden_size / heads and ignore the field."""
+    base = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                 num_kv_heads=2, head_dim=32, rope_theta=500000.0,
                 rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                               "original_max_position_embeddings": 64},
@@ -226,7 +229,7 @@ def tiny_llama(**overrides) -> ModelConfig:
 
 def tiny_qwen2(**overrides) -> ModelConfig:
     """Tiny Qwen2 style config: q/k/v bias, tied embeddings, head_dim 32."""
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    base = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                 num_kv_heads=2, head_dim=32, rope_theta=1000000.0, rope_scaling=None,
                 rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True,
                 max_position_embeddings=512, family="qwen2")
