@@ -153,3 +153,15 @@ def test_index_pointing_at_missing_file_is_named(good_ckpt):
         {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*model-00002-of-00002"):
         weights.load_hf_checkpoint(good_ckpt)
+
+
+def test_tied_checkpoint_with_redundant_lm_head_loads(tmp_path):
+    """Some tied checkpoints store lm_head.weight anyway; it is a copy and is ignored."""
+    hf = save_hf(VARIANTS["llama_tied"](), tmp_path)
+
+    def edit(t):
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].copy()
+    _rewrite(tmp_path, edit)
+    model, cfg = weights.load_hf_checkpoint(tmp_path)
+    assert cfg.tie_word_embeddings and not hasattr(model, "lm_head")
+    np.testing.assert_allclose(jax_logits(model, IDS), hf_logits(hf, IDS), atol=1e-4)
