@@ -119,6 +119,13 @@ class VllmEngine:
         self.llm = vllm.LLM(**kwargs)
         self._vllm = vllm
 
+    @classmethod
+    def from_config(cls, model, tokenizer, rollout, **kwargs) -> "VllmEngine":
+        """From the run config's `rollout` section and the student tokenizer (eos_id, pad_id)."""
+        return cls(model, eos_ids=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                   max_model_len=rollout.max_prompt_len + rollout.generate_max_len,
+                   gpu_memory_utilization=rollout.vllm_gpu_memory_utilization, **kwargs)
+
     # -- protocol ---------------------------------------------------------------------------
     def update_weights(self, model: Any) -> None:
         """Push the student's current weights (HF names, lm_head included even when tied)."""
@@ -174,6 +181,9 @@ class VllmEngine:
         self.llm = None
         if self._owns_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+VLLMEngine = VllmEngine  # the spelling the trainer uses
 
 
 def _vllm_on_cpu() -> bool:

