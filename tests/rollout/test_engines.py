@@ -34,9 +34,10 @@ def test_vllm_missing_gives_clear_error(monkeypatch):
 
 
 def test_vllm_qwen2_head_dim_checked_before_start():
-    # tiny_qwen2 has head_dim 32 with hidden 64 / 4 heads: vLLM's Qwen2 would use 16.
+    # head_dim 32 with hidden 64 / 4 heads: vLLM's Qwen2 would use 16.
+    cfg = tiny_qwen2(hidden_size=64, intermediate_size=128, head_dim=32)
     with pytest.raises(RolloutConfigError, match="head_dim == hidden_size / num_heads"):
-        make_rollout_engine("vllm", tiny(tiny_qwen2()), eos_ids=[2])
+        make_rollout_engine("vllm", tiny(cfg), eos_ids=[2])
 
 
 def test_engine_and_params_from_config():
