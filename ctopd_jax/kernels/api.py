@@ -23,6 +23,10 @@ from ctopd_jax.kernels.strict_topk import reference as topk_reference
 from ctopd_jax.kernels.strict_topk import xla as topk_xla
 
 IMPLEMENTATIONS = ("pallas", "xla", "reference")
+# Divergences whose value does not depend on the order of the shared columns (no tie-break by
+# column): for them the chunked paths visit the columns in student-id order, which turns the
+# random column gathers (student projection and the scatter back) into near-sequential ones.
+ORDER_FREE = ("kl", "rkl", "jsd", "skl", "srkl", "tvd")
 PALLAS_MAX_TOPK = 256
 DEFAULT_CHUNK_ROWS = 256
 _log = logging.getLogger(__name__)
@@ -130,6 +134,11 @@ def strict_kd_sum(student, teacher_shared, s_ids, row_weight, *, divergence: str
     loss_fn = row_chunks.make_chunked_loss(chunk_fn, int(chunk_rows), isinstance(student, tuple))
     s_ids = s_ids.astype(jnp.int32)
     t_ids = None if t_ids is None else t_ids.astype(jnp.int32)
+    if topk is None and divergence in ORDER_FREE:
+        order = jnp.argsort(s_ids)
+        s_ids = s_ids[order]
+        # a pre-projected teacher is then read through `order` chunk by chunk (no [R, V∩] copy)
+        t_ids = order.astype(jnp.int32) if t_ids is None else t_ids[order]
     return loss_fn(student, jax.lax.stop_gradient(teacher_shared), s_ids, t_ids, row_weight)
 
 

@@ -1,6 +1,6 @@
 """Pieces shared by the Pallas strict kernels: elementwise divergence terms, padding, backend.
 
-Row math used by both kernels. With a = log p_S and b = log p_T (τ applied), every divergence
+Row math used by both kernels (kernels/row_terms.py). With a = log p_S and b = log p_T (τ applied), every divergence
 except akl is a sum of elementwise terms f(a_v, b_v) (top1_ce: f is nonzero only at the
 teacher's argmax column). Its gradient w.r.t. the student logits z is
 
@@ -8,8 +8,6 @@ teacher's argmax column). Its gradient w.r.t. the student logits z is
 
 so a kernel needs the two log-sum-exps (pass 1), Σ f and Σ f_a (pass 2) and then writes the
 gradient (pass 3), streaming over vocabulary tiles: no [rows, V] temporaries besides the output.
-f_a comes from a forward-mode derivative of the same elementwise code the XLA path uses, so the
-divergence definitions live in one place (ctopd_jax.losses).
 
 Backend: interpret=True runs anywhere (CPU tests). On GPU the kernel is compiled by Mosaic GPU
 (Hopper) by default; CTOPD_PALLAS_GPU_BACKEND=triton selects the (deprecated) Triton lowering
@@ -23,36 +21,10 @@ import os
 import jax
 import jax.numpy as jnp
 
-from ctopd_jax import losses
+from ctopd_jax.kernels.row_terms import (  # noqa: F401  (re-exported)
+    ELEMENTWISE_DIVERGENCES, elementwise_terms, terms_and_partials)
 
-PALLAS_DIVERGENCES = ("kl", "rkl", "jsd", "skl", "srkl", "tvd", "top1_ce")
-
-
-def elementwise_terms(name: str, a, b, is_top, *, jsd_beta: float, skl_lambda: float):
-    """f(a, b) elementwise for one divergence (see module docstring); float32 arrays."""
-    if name == "kl":
-        return losses._kl_terms(b, a)
-    if name == "rkl":
-        return losses._kl_terms(a, b)
-    if name == "jsd":
-        log_m = losses._log_mix(a, b, jsd_beta)
-        return jsd_beta * losses._kl_terms(a, log_m) + (1 - jsd_beta) * losses._kl_terms(b, log_m)
-    if name == "skl":
-        return losses._kl_terms(b, losses._log_mix(b, a, skl_lambda))
-    if name == "srkl":
-        return losses._kl_terms(a, losses._log_mix(a, b, skl_lambda))
-    if name == "tvd":
-        return 0.5 * jnp.abs(jnp.exp(a) - jnp.exp(b))
-    if name == "top1_ce":
-        safe_a = jnp.where(is_top, a, 0.0)
-        return jnp.where(is_top, -jnp.exp(b) * safe_a, 0.0)
-    raise ValueError(f"divergence {name!r} has no Pallas kernel; use one of {PALLAS_DIVERGENCES}")
-
-
-def terms_and_partials(name: str, a, b, is_top, **kw):
-    """(f, ∂f/∂a) elementwise, by forward-mode differentiation of elementwise_terms."""
-    return jax.jvp(lambda x: elementwise_terms(name, x, b, is_top, **kw), (a,),
-                   (jnp.ones_like(a),))
+PALLAS_DIVERGENCES = ELEMENTWISE_DIVERGENCES
 
 
 def round_up(n: int, m: int) -> int:
