@@ -53,10 +53,16 @@ def tree_paths(tree: Any) -> list[str]:
     return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
+@jax.jit
+def _leaf_sums(leaves):
+    return [jnp.sum(jnp.asarray(x, jnp.float32)) for x in leaves]
+
+
 def fingerprint(tree: Any) -> list[float]:
-    """Per-leaf float64 sums; cheap evidence that restored values are the saved ones."""
-    return [float(np.asarray(jax.device_get(jnp.sum(jnp.asarray(x, jnp.float32))), np.float64))
-            for x in jax.tree.leaves(tree)]
+    """Per-leaf float32 sums (one compiled program per tree layout); cheap evidence that
+    restored values are the saved ones. Works for multi-process arrays (sums are replicated)."""
+    sums = _leaf_sums(jax.tree.leaves(tree))
+    return [float(np.asarray(s.addressable_data(0) if isinstance(s, jax.Array) else s)) for s in sums]
 
 
 class Checkpointer:

@@ -23,6 +23,7 @@ Decisions where SPEC is silent:
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -67,6 +68,13 @@ def _model_dir(spec: str) -> Path | None:
     return path if path.is_dir() else None
 
 
+@functools.partial(nnx.jit, static_argnums=(0,))
+def _init_decoder(cfg, seed):
+    """A randomly initialised Decoder; compiled once per config (cached across trainers)."""
+    from ctopd_jax.models import Decoder
+    return Decoder(cfg, rngs=nnx.Rngs(jax.random.key(seed)))
+
+
 def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, role: str):
     """(Decoder on the mesh, TokenizerSide) for `model.student` / `model.teacher`."""
     from ctopd_jax.models import PRESETS, Decoder
@@ -90,7 +98,7 @@ def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, ro
         model, _ = load_hf_checkpoint(directory, mesh=None, **kwargs)
     else:
         cfg = PRESETS[name](vocab_size=tokenizer.vocab_size, **kwargs)
-        model = nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))()
+        model = _init_decoder(cfg, seed)
     if model.cfg.vocab_size < tokenizer.vocab_size:
         raise TrainerSetupError(
             f"model.{role}: vocabulary {model.cfg.vocab_size} is smaller than its tokenizer's "
@@ -154,6 +162,13 @@ class _ProcessLocalEngine:
 
 
 # ----------------------------------------------------------------------------- trainer
+
+@functools.lru_cache(maxsize=8)
+def _update_fns(settings, donate: bool):
+    """(tx, schedule, jitted update) per optimizer settings, so equal runs share the compile."""
+    tx, schedule = make_optimizer(settings)
+    return tx, schedule, make_apply_update(tx, schedule, donate=donate)
+
 
 @dataclass
 class TrainResult:
@@ -242,13 +257,12 @@ class Trainer:
         responses = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
         self.updates_per_iteration = responses // c.optimizer.train_batch_size
         settings = settings_from_config(c.optimizer, c.steps * self.updates_per_iteration)
-        self.tx, self.schedule = make_optimizer(settings)
+        self.tx, self.schedule, self.apply_update = _update_fns(settings, jax.default_backend() != "cpu")
         self.graphdef, params, self.rest = nnx.split(self.student, nnx.Param, ...)
         self.params = params
         # scalars of the optimizer state (step counts) come out of init on one device: put them
         # on the mesh too, so saved and restored states carry mesh shardings throughout
         self.opt_state = jax.tree.map(lambda x: on_mesh(x, self.mesh), jax.jit(self.tx.init)(params))
-        self.apply_update = make_apply_update(self.tx, self.schedule, donate=jax.default_backend() != "cpu")
         self.t_graphdef, self.t_state = nnx.split(self.teacher)
         self.rng = jax.random.key(c.seed)
 

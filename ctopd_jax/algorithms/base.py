@@ -64,6 +64,14 @@ class Algorithm:
     def __init__(self, settings: AlgorithmSettings):
         self.settings = settings
 
+    # The algorithm is a static argument of the jitted student step: equal settings must hash
+    # equal so a second trainer in the same process reuses the compiled program.
+    def __hash__(self):
+        return hash((type(self), self.settings))
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.settings == other.settings
+
     def check_vocab(self, shared_vocab_size: int) -> None:
         """Raise a clear error for settings that cannot work with this vocabulary overlap."""
 
