@@ -186,16 +186,18 @@ def _strict_fast(teacher: RetokenizedBatch, student: RetokenizedBatch,
     s_close = ruler[s_cum]
     del ruler, t_cum, s_cum
 
-    def single(close, batch, extra=None):
-        """Token closes a group that holds only itself on this side (and may pair)."""
+    def single(close, batch):
+        """Token closes a group that holds only itself on this side (and may pair); every
+        token holds a byte on this path."""
         prev = np.empty_like(close)
         prev[0] = True
         prev[1:] = close[:-1]
         prev[batch.resp_offsets[:-1][np.diff(batch.resp_offsets) > 0]] = True
-        out = close & prev & batch.resp_pairable
-        return out if extra is None else out & extra
+        prev &= close
+        prev &= batch.resp_pairable
+        return prev
 
-    t_single = single(t_close, teacher, teacher.resp_byte_len > 0)
+    t_single = single(t_close, teacher)
     s_single = single(s_close, student)
     strict_g = t_single[t_close] & s_single[s_close]  # per group, in order
     t_idx = np.flatnonzero(t_close)
@@ -206,30 +208,34 @@ def _strict_fast(teacher: RetokenizedBatch, student: RetokenizedBatch,
     keep = np.flatnonzero(strict_g)
     strict_cum = np.concatenate([[0], np.cumsum(strict_g)])
     pairs_per_sample = strict_cum[ends] - strict_cum[ends - per_sample_groups]
-    t_shift_g = np.repeat(row_shift(teacher), per_sample_groups)
-    s_shift_g = np.repeat(row_shift(student), per_sample_groups)
+    t_shift, s_shift = row_shift(teacher), row_shift(student)
     batch = teacher.batch_size
     # final layout: each sample's strict pairs then its EOS pair
     total = keep.size + batch
     eos_at = np.cumsum(pairs_per_sample + 1) - 1
     is_eos = np.zeros(total, dtype=bool)
     is_eos[eos_at] = True
+    not_eos = ~is_eos
     teacher_rows = np.empty(total, dtype=np.int32)
     student_rows = np.empty(total, dtype=np.int32)
-    teacher_rows[~is_eos] = t_idx[keep] + t_shift_g[keep]
-    student_rows[~is_eos] = s_idx[keep] + s_shift_g[keep]
+    rows = t_idx[keep]
+    rows += np.repeat(t_shift, pairs_per_sample)
+    teacher_rows[not_eos] = rows
+    rows = s_idx[keep]
+    rows += np.repeat(s_shift, pairs_per_sample)
+    student_rows[not_eos] = rows
     teacher_rows[eos_at] = teacher.row_base + teacher.response_lens - 1
     student_rows[eos_at] = student.row_base + student.response_lens - 1
     pair_sample = np.repeat(np.arange(batch, dtype=np.int32), pairs_per_sample + 1)
     rest = np.flatnonzero(~strict_g)
-    sample = np.repeat(np.arange(batch), per_sample_groups)[rest]
+    sample = np.searchsorted(ends, rest, "right")
     first = rest == (ends - per_sample_groups)[sample]  # first group of its sample
     t_last, s_last = t_idx[rest], s_idx[rest]
     t_first = np.where(first, teacher.resp_offsets[:-1][sample], t_idx[rest - 1] + 1)
     s_first = np.where(first, student.resp_offsets[:-1][sample], s_idx[rest - 1] + 1)
-    mismatch_rows = np.stack([
-        sample, t_first + t_shift_g[rest], t_last + 1 + t_shift_g[rest],
-        s_first + s_shift_g[rest], s_last + 1 + s_shift_g[rest]], axis=1).astype(np.int32)
+    t_sh, s_sh = t_shift[sample], s_shift[sample]
+    mismatch_rows = np.stack([sample, t_first + t_sh, t_last + 1 + t_sh, s_first + s_sh,
+                              s_last + 1 + s_sh], axis=1).astype(np.int32)
     return StrictAlignment(
         teacher_rows=teacher_rows, student_rows=student_rows, pair_sample=pair_sample,
         pair_is_eos=is_eos, mismatch_groups=mismatch_rows.reshape(-1, 5), byte_mismatch=mismatch,
