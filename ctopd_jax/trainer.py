@@ -268,7 +268,8 @@ class Trainer:
 
     # -- checkpoint state -----------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        return {"params": self.params, "opt_state": self.opt_state, "rng": jax.random.key_data(self.rng)}
+        return {"params": self.params, "opt_state": self.opt_state,
+                "rng": on_mesh(jax.random.key_data(self.rng), self.mesh)}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self.params, self.opt_state = state["params"], state["opt_state"]

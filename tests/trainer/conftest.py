@@ -41,7 +41,7 @@ def write_config(tmp_path):
     return write
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def compile_cache(tmp_path_factory):
     """A persistent XLA cache shared with subprocesses so each program compiles once."""
     import jax
