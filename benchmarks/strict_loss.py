@@ -15,7 +15,9 @@ gradient w.r.t. the student logits is an output that both sides must hold, so it
 Time = best of `repeat` loss+gradient calls after one warm-up (JAX is compiled ahead of time,
 before the inputs are allocated, so compiler memory is not charged either way).
 
-Ours is measured twice: "xla" (plain jit) and "xla+donate" (student logits donated to the
+For ours the working memory is the larger of that RSS delta and XLA's own accounting of the
+compiled call (temp + output − donated aliasing): the RSS delta alone can miss buffers that the
+allocator recycles. Ours is measured twice: "xla" (plain jit) and "xla+donate" (student logits donated to the
 gradient, which is what happens inside a training step where the logits are an intermediate).
 Bandwidth: a large numpy copy measured in the same run; achieved bytes/s counts the minimum
 traffic of the objective (read student and teacher rows once, write the gradient once).
@@ -125,9 +127,14 @@ def worker_jax(rows, topk, repeat, donate, chunk_rows):
              jax.ShapeDtypeStruct((V_SHARED,), jnp.int32))
     fn = jax.jit(jax.value_and_grad(loss), donate_argnums=(0,) if donate else ())
     compiled = fn.lower(*specs).compile()
+    mem = compiled.memory_analysis()  # XLA's own accounting, printed next to the RSS numbers
+    xla_kb = (mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes) / 1e3
     zs_np, zt_np, s_ids, t_ids = _inputs(rows)
-    zs_master, zt = jnp.asarray(zs_np), jnp.asarray(zt_np)
-    s_ids, t_ids = jnp.asarray(s_ids), jnp.asarray(t_ids)
+    # jnp.asarray may wrap the numpy memory and copy it lazily inside the first call, which
+    # would charge the inputs to the working memory: make XLA-owned copies up front instead
+    zs_master, zt = jnp.copy(jnp.asarray(zs_np)), jnp.copy(jnp.asarray(zt_np))
+    s_ids, t_ids = jnp.copy(jnp.asarray(s_ids)), jnp.copy(jnp.asarray(t_ids))
+    jax.block_until_ready((zs_master, zt, s_ids, t_ids))
     del zs_np, zt_np
     state = {}
 
@@ -146,7 +153,7 @@ def worker_jax(rows, topk, repeat, donate, chunk_rows):
 
     seconds, work_kb, how = _measure(step, repeat, prepare)
     return dict(seconds=seconds, work_kb=work_kb, peak=how, value=step.value,
-                jax=jax.__version__)
+                xla_kb=xla_kb, jax=jax.__version__)
 
 
 def memory_bandwidth_gbs(mb=512, repeat=3):
@@ -215,11 +222,14 @@ def main():
         for which in ("xla", "xla+donate"):
             res = _run_worker(args, which, topk)
             rel = abs(res["value"] - ref["value"]) / max(abs(ref["value"]), 1e-30)
+            # RSS can miss XLA buffers the allocator recycles; count the larger of the two
+            ours_kb = max(res["work_kb"], res["xla_kb"])
             achieved = traffic / res["seconds"] / gb
             print(f"[{label}] ours {which:10s}: {res['seconds']:.3f} s, working "
-                  f"{res['work_kb'] / 1e6:.2f} GB, loss rel.diff {rel:.1e}; time ratio "
+                  f"{res['work_kb'] / 1e6:.2f} GB RSS, {res['xla_kb'] / 1e6:.2f} GB XLA temp+out"
+                  f", loss rel.diff {rel:.1e}; time ratio "
                   f"{res['seconds'] / ref['seconds']:.2f}x (target <= 1.0), memory ratio "
-                  f"{res['work_kb'] / max(ref['work_kb'], 1):.2f}x (target <= 0.5); "
+                  f"{ours_kb / max(ref['work_kb'], 1):.2f}x (target <= 0.5); "
                   f"{achieved:.1f} GB/s = {achieved / bandwidth:.0%} of measured bandwidth")
 
 
