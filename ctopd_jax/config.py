@@ -33,6 +33,9 @@ class ModelSection:
     dtype: Literal["float32", "bfloat16"] = "float32"        # compute dtype
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False                                      # gradient checkpointing per layer
+    # The frozen teacher's storage dtype; "" = param_dtype. bf16 halves its memory, while the
+    # student keeps float32 master weights (lr 1e-6 updates vanish in bf16).
+    teacher_param_dtype: Literal["", "float32", "bfloat16"] = ""
 
 
 @dataclass(frozen=True)
