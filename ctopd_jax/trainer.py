@@ -91,19 +91,22 @@ def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, ro
         raise TrainerSetupError(f"model.{role}_tokenizer: a preset model ({spec}) needs a tokenizer; "
                                 f"set model.{role}_tokenizer (e.g. tiny_bpe)")
     tokenizer = load_tokenizer_side(tok_spec)
-    kwargs = dict(dtype=model_section.dtype, param_dtype=model_section.param_dtype,
+    param_dtype = model_section.param_dtype
+    if role == "teacher" and getattr(model_section, "teacher_param_dtype", ""):
+        param_dtype = model_section.teacher_param_dtype
+    kwargs = dict(dtype=model_section.dtype, param_dtype=param_dtype,
                   remat=model_section.remat if role == "student" else False)
     if directory is not None:
         from ctopd_jax.models.weights import load_hf_checkpoint
-        model, _ = load_hf_checkpoint(directory, mesh=None, **kwargs)
+        model, _ = load_hf_checkpoint(directory, mesh=mesh, **kwargs)  # placed on its shardings
     else:
         cfg = PRESETS[name](vocab_size=tokenizer.vocab_size, **kwargs)
         model = _init_decoder(cfg, seed)
+        place_module(model, mesh)
     if model.cfg.vocab_size < tokenizer.vocab_size:
         raise TrainerSetupError(
             f"model.{role}: vocabulary {model.cfg.vocab_size} is smaller than its tokenizer's "
             f"{tokenizer.vocab_size}; pair the model with the tokenizer it was trained with")
-    place_module(model, mesh)
     return model, tokenizer
 
 
@@ -243,8 +246,8 @@ class Trainer:
 
         def make(model):
             if r.engine == "vllm":
-                from ctopd_jax.rollout.vllm_engine import VLLMEngine
-                return VLLMEngine.from_config(model, self.s_tok, r)
+                from ctopd_jax.rollout.vllm_engine import VllmEngine
+                return VllmEngine.from_config(model, self.s_tok, r)
             from ctopd_jax.rollout.jax_sampler import JaxSampler
             mesh = self.mesh if jax.process_count() == 1 else None
             return JaxSampler(model, eos_ids=self.s_tok.eos_id, pad_id=self.s_tok.pad_id, mesh=mesh,
