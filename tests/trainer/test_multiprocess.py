@@ -1,12 +1,19 @@
 """Two local processes with jax.distributed (4 CPU devices each, one 8-device mesh
 data=2 x fsdp=4 over both) train a few steps and agree with a single-process run on the same
-mesh shape: same exported student weights and the same logged losses."""
+mesh shape: same exported student weights and the same logged losses. The single-process run
+also checks that the teacher never changes and that the exported student loads in transformers
+with the same logits."""
 import socket
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import torch
 import yaml
+from flax import nnx
+from transformers import AutoModelForCausalLM
 from safetensors.numpy import load_file
 
 from ctopd_jax.config import load_config
@@ -32,7 +39,19 @@ def write(tmp_path, name):
 
 def test_two_processes_agree_with_one(tmp_path, compile_cache):
     cfg, single_dir = write(tmp_path, "single")
-    Trainer(load_config(cfg)).train()
+    trainer = Trainer(load_config(cfg))
+    teacher_before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(trainer.teacher))]
+    trainer.train()
+    # the teacher is frozen: not one of its parameters moved
+    for a, b in zip(teacher_before, jax.tree.leaves(nnx.state(trainer.teacher))):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    # the exported student loads in transformers and computes what the trained student computes
+    hf = AutoModelForCausalLM.from_pretrained(single_dir / "hf_student", dtype=torch.float32)
+    ids = np.array([[5, 17, 42, 99, 3, 250]])
+    with torch.no_grad():
+        hf_logits = hf(torch.tensor(ids)).logits.numpy()
+    ours = np.asarray(trainer.student(jnp.asarray(ids), jnp.arange(ids.shape[1])[None]))
+    np.testing.assert_allclose(hf_logits, ours, rtol=1e-4, atol=1e-4)
 
     cfg, multi_dir = write(tmp_path, "multi")
     port = free_port()

@@ -1,0 +1,38 @@
+"""Micro-batch slicing of a real re-tokenized, aligned batch keeps every row pointing at the
+same token, and packing pads with weight-0 rows only."""
+import numpy as np
+
+from ctopd_jax.align import strict_align
+from ctopd_jax.algorithms.pack import rows_bucket, slice_micro_batch
+from ctopd_jax.tokenization.retokenize import retokenize_pair
+from ctopd_jax.tokenization.side import load_tokenizer_side
+
+
+def test_slices_rebase_rows_to_the_same_tokens():
+    s_tok, t_tok = load_tokenizer_side("tiny_unigram"), load_tokenizer_side("tiny_bpe")
+    messages = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in ((3, 4), (12, 7), (5, 5), (8, 1))]
+    responses = ["(3+4)=7. The answer is 7.", "12 plus 7 is 19", "The answer is 10.", "9"]
+    t_rt, s_rt = retokenize_pair(t_tok, s_tok, [t_tok.render_chat(m) for m in messages],
+                                 [s_tok.render_chat(m) for m in messages], responses, pad_to_multiple=16)
+    alignment = strict_align(t_rt, s_rt)
+    assert alignment.num_pairs > 0
+    lp = (np.arange(int(s_rt.loss_mask.sum()), dtype=np.float32), np.ones(int(s_rt.loss_mask.sum()), np.float32))
+    seen_pairs, seen_rows = 0, 0
+    for start in (0, 2):
+        mb = slice_micro_batch(s_rt, t_rt, alignment, start, start + 2, lp, min_rows=8)
+        sel = (alignment.pair_sample >= start) & (alignment.pair_sample < start + 2)
+        n = int(sel.sum())
+        w = mb["strict_weight"]
+        assert w[:n].all() and not w[n:].any() and len(w) == rows_bucket(n, 8)
+        # the token each strict row predicts is the token the whole-batch row predicts
+        np.testing.assert_array_equal(mb["student_ids"].reshape(-1)[mb["strict_student_rows"][:n] + 1],
+                                      s_rt.input_ids.reshape(-1)[alignment.student_rows[sel] + 1])
+        np.testing.assert_array_equal(mb["teacher_ids"].reshape(-1)[mb["strict_teacher_rows"][:n] + 1],
+                                      t_rt.input_ids.reshape(-1)[alignment.teacher_rows[sel] + 1])
+        r = int(s_rt.loss_mask[start:start + 2].sum())
+        assert mb["response_weight"][:r].all() and not mb["response_weight"][r:].any()
+        np.testing.assert_array_equal(mb["response_targets"][:r],
+                                      mb["student_ids"].reshape(-1)[mb["response_rows"][:r] + 1])
+        np.testing.assert_array_equal(mb["rollout_logprobs"][:r], lp[0][seen_rows:seen_rows + r])
+        seen_pairs, seen_rows = seen_pairs + n, seen_rows + r
+    assert seen_pairs == alignment.num_pairs and seen_rows == s_rt.num_response_tokens
