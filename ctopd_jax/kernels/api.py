@@ -53,28 +53,39 @@ def resolve_implementation(implementation: str, divergence: str, topk: int | Non
     return "reference"
 
 
-def _validate(student, teacher, s_ids, row_weight, topk, t_ids):
+def _validate(student, teacher, s_ids, row_weight, topk, t_ids, s_rows, t_rows):
     if isinstance(student, tuple):
         if len(student) != 2 or student[0].ndim != 2 or student[1].ndim != 2:
             raise ValueError("student must be logits [R, V_S] or (hidden [R, H], lm_head [H, V_S])")
         hidden, lm_head = student
         if hidden.shape[1] != lm_head.shape[0]:
             raise ValueError(f"hidden {hidden.shape} and lm_head {lm_head.shape} disagree on H")
+        if s_rows is not None:
+            raise ValueError("student_row_ids is for flat student logits; with (hidden, lm_head) "
+                             "gather the hidden rows first (gather_rows)")
         rows, vocab_s = hidden.shape[0], lm_head.shape[1]
     else:
         if student.ndim != 2:
             raise ValueError(f"student logits must be [R, V_S], got shape {student.shape}")
         rows, vocab_s = student.shape
+    for name, ids in (("student_row_ids", s_rows), ("teacher_row_ids", t_rows)):
+        if ids is not None and (ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer)):
+            raise ValueError(f"{name} must be a 1-D integer array of flat row indices")
+    if s_rows is not None:
+        rows = s_rows.shape[0]
     if s_ids.ndim != 1 or not jnp.issubdtype(s_ids.dtype, jnp.integer):
         raise ValueError("s_ids must be a 1-D integer array (student ids of the overlap map)")
     shared = s_ids.shape[0]
     if shared < 1 or shared > vocab_s:
         raise ValueError(f"|s_ids|={shared} must be in [1, V_S={vocab_s}]")
     want_cols = shared if t_ids is None else None
-    if teacher.ndim != 2 or teacher.shape[0] != rows or (
+    teacher_rows = rows if t_rows is None else None
+    if teacher.ndim != 2 or (teacher_rows is not None and teacher.shape[0] != teacher_rows) or (
             want_cols is not None and teacher.shape[1] != want_cols):
         raise ValueError(f"teacher must be [R={rows}, V∩={shared}] (projected) or [R, V_T] with "
-                         f"t_ids; got {teacher.shape}")
+                         f"t_ids (or flat rows with teacher_row_ids); got {teacher.shape}")
+    if t_rows is not None and t_rows.shape[0] != rows:
+        raise ValueError(f"teacher_row_ids must have R={rows} entries, got {t_rows.shape[0]}")
     if t_ids is not None and (t_ids.ndim != 1 or t_ids.shape[0] != shared):
         raise ValueError(f"t_ids must be 1-D of length |s_ids|={shared}")
     if row_weight.shape != (rows,):
@@ -98,7 +109,8 @@ def _chunk_fn(implementation, divergence, topk, temperature, div_items, interpre
 def strict_kd_sum(student, teacher_shared, s_ids, row_weight, *, divergence: str,
                   topk: int | None = None, temperature: float = 1.0,
                   implementation: str = "xla", chunk_rows: int = DEFAULT_CHUNK_ROWS,
-                  t_ids=None, interpret: bool | None = None, jsd_beta: float = 0.5,
+                  t_ids=None, student_row_ids=None, teacher_row_ids=None,
+                  interpret: bool | None = None, jsd_beta: float = 0.5,
                   skl_lambda: float = 0.1, akl_alpha: float = 0.5):
     """Σ_r row_weight[r] · D(p̄_S[r], p̄_T[r]) over aligned rows (SPEC §4), float32 scalar.
 
@@ -109,17 +121,25 @@ def strict_kd_sum(student, teacher_shared, s_ids, row_weight, *, divergence: str
     s_ids:          int [V∩] student column of each shared entry (same order as the teacher).
     row_weight:     [R] (0 for padding rows; 1 for strict pairs).
     topk:           None for strict full; k for strict top-k (1 <= k <= |V∩|).
+    student_row_ids / teacher_row_ids: optional int [R] flat row indices of the strict pairs;
+                    then `student` / `teacher_shared` are the flat [B*T, V] logits and the rows
+                    are gathered chunk by chunk (fused gather; the student gradient has the flat
+                    shape). Without them the rows are already gathered (see `gather_rows`).
     interpret:      Pallas interpret mode; default True unless running on GPU.
-    Rows are already gathered by the caller (alignment row indices); use `gather_rows`.
     """
     losses.check_divergence_args(divergence, temperature=temperature, jsd_beta=jsd_beta,
                                  skl_lambda=skl_lambda, akl_alpha=akl_alpha)
-    _validate(student, teacher_shared, s_ids, row_weight, topk, t_ids)
+    _validate(student, teacher_shared, s_ids, row_weight, topk, t_ids, student_row_ids,
+              teacher_row_ids)
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows={chunk_rows} must be >= 1 (chunked_loss_size)")
     impl = resolve_implementation(implementation, divergence, topk)
     div_kwargs = dict(jsd_beta=jsd_beta, skl_lambda=skl_lambda, akl_alpha=akl_alpha)
-    if impl == "reference":
+    if impl == "reference":  # the oracle gathers the rows up front
+        if student_row_ids is not None:
+            student = gather_rows(student, student_row_ids)
+        if teacher_row_ids is not None:
+            teacher_shared = gather_rows(teacher_shared, teacher_row_ids)
         if topk is None:
             return full_reference.strict_full_sum(student, teacher_shared, s_ids, row_weight,
                                                   divergence=divergence, temperature=temperature,
@@ -139,7 +159,10 @@ def strict_kd_sum(student, teacher_shared, s_ids, row_weight, *, divergence: str
         s_ids = s_ids[order]
         # a pre-projected teacher is then read through `order` chunk by chunk (no [R, V∩] copy)
         t_ids = order.astype(jnp.int32) if t_ids is None else t_ids[order]
-    return loss_fn(student, jax.lax.stop_gradient(teacher_shared), s_ids, t_ids, row_weight)
+    s_rows = None if student_row_ids is None else student_row_ids.astype(jnp.int32)
+    t_rows = None if teacher_row_ids is None else teacher_row_ids.astype(jnp.int32)
+    return loss_fn(student, jax.lax.stop_gradient(teacher_shared), s_ids, t_ids, row_weight,
+                   s_rows, t_rows)
 
 
 def gather_rows(logits_flat, row_index):

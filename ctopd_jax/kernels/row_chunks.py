@@ -26,6 +26,10 @@ Student columns outside the shared vocabulary get gradient 0 (SPEC §4). The col
 done as a gather through the inverse map (`inverse_ids`, V∩ marks "not shared" and points at an
 appended zero column): gathers are much cheaper than scatters on XLA:CPU.
 
+Fused row gather: with row ids the aligned rows are gathered from the flat [B*T, V] logits
+chunk by chunk as well (teacher on either path, student on the logits path), so not even the
+[R, V] row copies exist; the student gradient is then accumulated into the flat layout.
+
 Hidden-state path (SPEC §1 chunked loss): `student = (hidden [R, H], lm_head [H, V_S])`. The
 shared columns of the lm_head are gathered once ([H, V∩]); each chunk computes its logits with
 float32 accumulation, so full student logits for all rows never exist. Gradients flow to hidden
@@ -60,29 +64,45 @@ def _chunks(num_rows: int, chunk_rows: int):
     return chunk_rows, num_rows // chunk_rows, num_rows % chunk_rows
 
 
-def _teacher_chunk(teacher, t_ids, start, size):
-    rows = jax.lax.dynamic_slice_in_dim(teacher, start, size, axis=0)
+def _rows_chunk(x, row_ids, start, size):
+    """Rows [start, start+size) of the aligned rows: a slice, or a gather through row ids."""
+    if row_ids is None:
+        return jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)
+    return jnp.take(x, jax.lax.dynamic_slice_in_dim(row_ids, start, size), axis=0)
+
+
+def _teacher_chunk(teacher, t_ids, start, size, t_rows=None):
+    rows = _rows_chunk(teacher, t_rows, start, size)
     if t_ids is not None:
         rows = jnp.take(rows, t_ids, axis=1)
     return rows.astype(jnp.float32)
 
 
-def _logits_loss_and_grad(chunk_fn, chunk_rows, student, teacher, s_ids, t_ids, weight):
-    num_rows, vocab = student.shape
+def _logits_loss_and_grad(chunk_fn, chunk_rows, student, teacher, s_ids, t_ids, weight,
+                          s_rows=None, t_rows=None):
+    vocab = student.shape[1]
+    num_rows = weight.shape[0]
     inv = inverse_ids(s_ids, vocab)
     size, n_full, tail = _chunks(num_rows, chunk_rows)
+    gathered = s_rows is not None
 
     def one(start, rows, carry):
         loss, grad_buf = carry
-        zs = jax.lax.dynamic_slice_in_dim(grad_buf, start, rows, axis=0)  # still the logits here
+        if gathered:  # fused row gather: the aligned rows are read straight from flat logits
+            idx = jax.lax.dynamic_slice_in_dim(s_rows, start, rows)
+            zs = jnp.take(student, idx, axis=0)
+        else:
+            zs = jax.lax.dynamic_slice_in_dim(grad_buf, start, rows, axis=0)  # still the logits
         zs_bar = jnp.take(zs, s_ids, axis=1).astype(jnp.float32)
-        zt_bar = _teacher_chunk(teacher, t_ids, start, rows)
+        zt_bar = _teacher_chunk(teacher, t_ids, start, rows, t_rows)
         w = jax.lax.dynamic_slice_in_dim(weight, start, rows).astype(jnp.float32)
         chunk_loss, g_bar = chunk_fn(zs_bar, zt_bar, w)
         g = _to_student_layout(g_bar, inv).astype(grad_buf.dtype)
+        if gathered:  # rows may repeat in general: accumulate
+            return loss + chunk_loss, grad_buf.at[idx].add(g)
         return loss + chunk_loss, jax.lax.dynamic_update_slice_in_dim(grad_buf, g, start, axis=0)
 
-    carry = (jnp.zeros((), jnp.float32), student)
+    carry = (jnp.zeros((), jnp.float32), jnp.zeros_like(student) if gathered else student)
     if n_full:
         carry = jax.lax.fori_loop(0, n_full, lambda i, c: one(i * size, size, c), carry)
     if tail:
@@ -92,7 +112,8 @@ def _logits_loss_and_grad(chunk_fn, chunk_rows, student, teacher, s_ids, t_ids, 
     return carry
 
 
-def _hidden_loss_and_grad(chunk_fn, chunk_rows, hidden, lm_head, teacher, s_ids, t_ids, weight):
+def _hidden_loss_and_grad(chunk_fn, chunk_rows, hidden, lm_head, teacher, s_ids, t_ids, weight,
+                          t_rows=None):
     num_rows, hid = hidden.shape
     vocab = lm_head.shape[1]
     w_bar = jnp.take(lm_head, s_ids, axis=1)  # [H, V∩], gathered once
@@ -102,7 +123,7 @@ def _hidden_loss_and_grad(chunk_fn, chunk_rows, hidden, lm_head, teacher, s_ids,
         loss, g_hidden, g_wbar = carry
         h = jax.lax.dynamic_slice_in_dim(hidden, start, rows, axis=0)
         zs_bar = jnp.dot(h, w_bar, preferred_element_type=jnp.float32)
-        zt_bar = _teacher_chunk(teacher, t_ids, start, rows)
+        zt_bar = _teacher_chunk(teacher, t_ids, start, rows, t_rows)
         w = jax.lax.dynamic_slice_in_dim(weight, start, rows).astype(jnp.float32)
         chunk_loss, g_bar = chunk_fn(zs_bar, zt_bar, w)
         gh = jnp.dot(g_bar.astype(w_bar.dtype), w_bar.T, preferred_element_type=jnp.float32)
@@ -124,31 +145,34 @@ def _hidden_loss_and_grad(chunk_fn, chunk_rows, hidden, lm_head, teacher, s_ids,
 
 @functools.lru_cache(maxsize=None)
 def make_chunked_loss(chunk_fn: ChunkFn, chunk_rows: int, from_hidden: bool):
-    """A differentiable f(student, teacher, s_ids, t_ids, weight) -> scalar loss sum.
+    """A differentiable f(student, teacher, s_ids, t_ids, weight, s_rows, t_rows) -> loss sum.
+
+    s_rows / t_rows (optional int [R]) gather the aligned rows from flat [N, V] logits chunk by
+    chunk (the fused row gather); the student gradient then has the flat shape, zero elsewhere.
 
     `student` is logits [R, V_S] or, with from_hidden, a tuple (hidden, lm_head). Only `student`
     receives gradient; the teacher, index arrays and weights get none (the teacher is a constant
     by SPEC §4; weights are masks).
     """
 
-    def run(student, teacher, s_ids, t_ids, weight):
+    def run(student, teacher, s_ids, t_ids, weight, s_rows, t_rows):
         if from_hidden:
             loss, gh, gw = _hidden_loss_and_grad(chunk_fn, chunk_rows, *student, teacher, s_ids,
-                                                 t_ids, weight)
+                                                 t_ids, weight, t_rows)
             return loss, (gh, gw)
-        return _logits_loss_and_grad(chunk_fn, chunk_rows, student, teacher, s_ids, t_ids, weight)
+        return _logits_loss_and_grad(chunk_fn, chunk_rows, student, teacher, s_ids, t_ids, weight,
+                                     s_rows, t_rows)
 
     @jax.custom_vjp
-    def loss_fn(student, teacher, s_ids, t_ids, weight):
-        return run(student, teacher, s_ids, t_ids, weight)[0]
+    def loss_fn(student, teacher, s_ids, t_ids, weight, s_rows=None, t_rows=None):
+        return run(student, teacher, s_ids, t_ids, weight, s_rows, t_rows)[0]
 
-    def fwd(student, teacher, s_ids, t_ids, weight):
-        loss, grads = run(student, teacher, s_ids, t_ids, weight)
-        return loss, grads
+    def fwd(student, teacher, s_ids, t_ids, weight, s_rows=None, t_rows=None):
+        return run(student, teacher, s_ids, t_ids, weight, s_rows, t_rows)
 
     def bwd(grads, cot):
         scaled = jax.tree.map(lambda g: (g * cot.astype(g.dtype)), grads)
-        return scaled, None, None, None, None
+        return scaled, None, None, None, None, None, None
 
     loss_fn.defvjp(fwd, bwd)
     return loss_fn

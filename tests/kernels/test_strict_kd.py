@@ -171,23 +171,30 @@ def test_from_hidden_states_matches_torch(topk, implementation):
     assert_close(value, g_w, float(ref.detach()), w_t.grad.numpy(), rtol=2e-5)
 
 
-def test_gather_rows_with_flat_alignment_indices_matches_torch_strict_sum():
+@pytest.mark.parametrize("fused, topk", [(False, 5), (True, 5), (True, None)])
+def test_flat_alignment_row_indices_match_torch_strict_sum(fused, topk):
     rng = np.random.default_rng(15)
     case = make_case(rows=12, seed=15)
     s_rows = rng.choice(12, size=7, replace=False).astype(np.int32)
     t_rows = rng.choice(12, size=7, replace=False).astype(np.int32)
     zs_t = torch.tensor(case.zs, requires_grad=True)
     ref = torch_strict.strict_sum("rkl", zs_t, torch.tensor(case.zt), s_rows, t_rows,
-                                  case.s_ids, case.t_ids, topk=5)
+                                  case.s_ids, case.t_ids, topk=topk)
     ref.backward()
+    zt = jnp.asarray(case.zt)
 
     def loss(zs):
+        if fused:  # rows gathered chunk by chunk inside the kernel driver
+            return api.strict_kd_sum(zs, zt, jnp.asarray(case.s_ids), jnp.ones(7),
+                                     divergence="rkl", topk=topk,
+                                     t_ids=jnp.asarray(case.t_ids), student_row_ids=jnp.asarray(s_rows),
+                                     teacher_row_ids=jnp.asarray(t_rows), chunk_rows=3)
         rows = api.gather_rows(zs, jnp.asarray(s_rows))
-        teacher = api.gather_rows(jnp.asarray(case.zt), jnp.asarray(t_rows))
+        teacher = api.gather_rows(zt, jnp.asarray(t_rows))
         return api.strict_kd_sum(rows, teacher, jnp.asarray(case.s_ids), jnp.ones(7),
-                                 divergence="rkl", topk=5, t_ids=jnp.asarray(case.t_ids))
+                                 divergence="rkl", topk=topk, t_ids=jnp.asarray(case.t_ids))
 
-    value, grad = jax.value_and_grad(loss)(jnp.asarray(case.zs))
+    value, grad = jax.jit(jax.value_and_grad(loss))(jnp.asarray(case.zs))
     assert_close(value, grad, float(ref.detach()), zs_t.grad.numpy())
 
 
