@@ -46,6 +46,23 @@ def gap_closed(before: float, after: float, teacher: float) -> float | None:
     return None if gap <= 0 else (after - before) / gap
 
 
+def strict_targets_in_shared_vocab(t_tok, s_tok, overlap, problems) -> float:
+    """Share of the student tokens at strict pairs of reference solutions that have a column in
+    the shared vocabulary V∩. The strict objectives only see V∩ columns, so a token outside it
+    cannot be taught even where the alignment is perfect (a pre-flight check of the pair)."""
+    import numpy as np
+
+    from ctopd_jax.align import strict_align
+    from ctopd_jax.tokenization import retokenize_pair
+
+    t_rt, s_rt = retokenize_pair(t_tok, s_tok, [t_tok.render_prompt(p.prompt) for p in problems],
+                                 [s_tok.render_prompt(p.prompt) for p in problems],
+                                 [p.solution for p in problems])
+    rows = strict_align(t_rt, s_rt).student_rows
+    targets = s_rt.labels.reshape(-1)[rows]
+    return float(np.isin(targets, overlap.s_ids).mean()) if len(rows) else 0.0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ctopd_jax.demo", description=__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML run config")
@@ -88,6 +105,15 @@ def run(argv=None) -> dict:
 
     print(f"[demo] run directory {out}", flush=True)
     trainer = Trainer(config)
+    from ctopd_jax.demo import task
+
+    in_shared = strict_targets_in_shared_vocab(trainer.t_tok, trainer.s_tok, trainer.overlap,
+                                               task.split("held_out")[:64])
+    print(f"[demo] |V∩| = {trainer.overlap.shared}; {100 * in_shared:.1f}% of the strictly aligned "
+          "tokens of reference solutions have a shared-vocabulary column", flush=True)
+    if in_shared < 0.95:
+        print("[demo] WARNING: the strict objectives cannot supervise aligned tokens outside V∩; "
+              "expect little or no improvement (see tokenization.overlap_map)", flush=True)
     teacher_acc = accuracy(trainer.teacher, trainer.t_tok, "teacher")
     before = accuracy(trainer.student, trainer.s_tok, "student_before", engine=trainer.engine)
     train_started = time.perf_counter()
@@ -103,6 +129,7 @@ def run(argv=None) -> dict:
         "student_accuracy_after": after, "gap_closed": gap_closed(before, after, teacher_acc),
         "coverage_student": last.get("coverage_student_cum"),
         "coverage_teacher": last.get("coverage_teacher_cum"),
+        "shared_vocab": trainer.overlap.shared, "aligned_targets_in_shared_vocab": in_shared,
         "steps": config.steps, "train_seconds": round(train_s, 1),
         "total_seconds": round(time.perf_counter() - started, 1),
         "run_dir": str(result.run_dir), "checkpoints": str(result.checkpoint_dir),
