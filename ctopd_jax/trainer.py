@@ -228,9 +228,12 @@ class Trainer:
         if ":" in path and not Path(path).exists():
             path = resolve_named_source(path)
         prompts = load_prompts(path, d.prompt_key, d.system_prompt)
-        kept = [p for p in prompts if len(self.s_tok.encode(self._render(self.s_tok, p))) <= r.max_prompt_len]
+        encoded = self.s_tok.tokenizer.encode_batch([self._render(self.s_tok, p) for p in prompts],
+                                                    add_special_tokens=False)
+        fits = [len(e.ids) <= r.max_prompt_len for e in encoded]
+        kept = [p for p, ok in zip(prompts, fits) if ok]
         if len(kept) < len(prompts):
-            first = next(p for p in prompts if p not in kept)
+            first = prompts[fits.index(False)]
             warnings.warn(f"data: dropped {len(prompts) - len(kept)} of {len(prompts)} prompts longer than "
                           f"rollout.max_prompt_len={r.max_prompt_len} student tokens (first: {first.source})",
                           RuntimeWarning, stacklevel=2)

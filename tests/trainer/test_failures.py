@@ -49,3 +49,16 @@ def test_corrupt_latest_checkpoint_falls_back_and_run_ends_exactly(write_config)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert (run_dir / "checkpoints" / "4.corrupt").is_dir()
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+
+
+def test_prompts_longer_than_max_prompt_len_are_dropped_at_start(write_config, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "What is 2 + 3?"}\n' * 3 + '{"prompt": "' + "1 + 1 + " * 40 + '1?"}\n')
+    cfg, _ = write_config("long", data__path=str(data), rollout__max_prompt_len=40)
+    with pytest.warns(RuntimeWarning, match=r"dropped 1 of 4 prompts .* \(first: .*prompts.jsonl:4\)"):
+        trainer = Trainer(load_config(cfg))
+    assert len(trainer.stream.prompts) == 3
+    cfg, _ = write_config("none_fit", data__path=str(data), rollout__max_prompt_len=5)
+    with pytest.raises(TrainerSetupError, match="no prompt fits rollout.max_prompt_len=5"):
+        with pytest.warns(RuntimeWarning):
+            Trainer(load_config(cfg))
