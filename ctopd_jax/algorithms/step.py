@@ -116,7 +116,7 @@ def add_trees(a, b):
 def make_apply_update(tx: optax.GradientTransformation, schedule, donate: bool = False):
     def apply_update(params, opt_state, grads, loss, update_count):
         """`update_count`: updates applied before this one (what the schedule is evaluated at)."""
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads) if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm(grads)
         ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         lr = schedule(update_count)
         updates, new_opt_state = tx.update(grads, opt_state, params)
