@@ -3,7 +3,8 @@
 Elementwise divergences (all but akl) use the closed-form row gradient of kernels/row_terms.py:
 two log-sum-exps, Σ f and Σ f_a, then (w/τ)(f_a − p_S Σ f_a). That is a few fused streaming
 passes over the chunk instead of the many [c, V∩] temporaries that reverse-mode autodiff of the
-log-softmax keeps alive. akl (a sort of p_T per row) uses jax.vjp inside the chunk.
+log-softmax keeps alive; kl and rkl (the paper's choice) use their simplified closed forms
+(p_S − p_T and p_S(a − b − RKL)). akl (a sort of p_T per row) uses jax.vjp inside the chunk.
 Either way the gradient is produced while the chunk is in cache and nothing of size [R, V∩]
 outlives the chunk.
 """
@@ -47,11 +48,23 @@ def _closed_form_chunk(divergence, temperature, div_kwargs):
         if divergence == "top1_ce":  # argmax takes the lowest column among ties
             cols = jax.lax.broadcasted_iota(jnp.int32, t.shape, 1)
             is_top = cols == jnp.argmax(t, axis=-1)[:, None]
-        f, f_a = row_terms.terms_and_partials(divergence, a, b, is_top, **kw)
         live = w != 0
-        loss = losses.masked_sum(jnp.sum(f, axis=-1), w)
-        scale = jnp.where(live, w, 0.0) * inv_t
-        grad = scale[:, None] * (f_a - jnp.exp(a) * jnp.sum(f_a, axis=-1, keepdims=True))
+        scale = (jnp.where(live, w, 0.0) * inv_t)[:, None]
+        if divergence == "rkl":  # Σ f_a = RKL + 1, so the gradient is p_S (a − b − RKL)
+            p = jnp.exp(a)
+            support = p > 0
+            d = jnp.where(support, a - jnp.where(support, b, 0.0), 0.0)
+            row = jnp.sum(p * d, axis=-1, keepdims=True)
+            loss, grad = losses.masked_sum(row[:, 0], w), scale * p * (d - row)
+        elif divergence == "kl":  # Σ f_a = −1, so the gradient is p_S − p_T
+            pt = jnp.exp(b)
+            support = pt > 0
+            terms = jnp.where(support, pt * (b - jnp.where(support, a, 0.0)), 0.0)
+            loss, grad = losses.masked_sum(jnp.sum(terms, -1), w), scale * (jnp.exp(a) - pt)
+        else:
+            f, f_a = row_terms.terms_and_partials(divergence, a, b, is_top, **kw)
+            loss = losses.masked_sum(jnp.sum(f, axis=-1), w)
+            grad = scale * (f_a - jnp.exp(a) * jnp.sum(f_a, axis=-1, keepdims=True))
         return loss, jnp.where(live[:, None], grad, 0.0)
 
     return chunk_fn
