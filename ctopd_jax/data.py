@@ -12,16 +12,17 @@ the same batches as an uninterrupted run (step-indexed data, as in levanter).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import grain
 
+from ctopd_jax.records import RecordError, chat_messages, read_jsonl, read_parquet
 
-class DataError(ValueError):
-    """A prompt file or row that cannot be used; the message names file and line."""
+
+# A prompt file or row that cannot be used; the message names file and line.
+DataError = RecordError
 
 
 @dataclass(frozen=True)
@@ -38,31 +39,14 @@ class Prompt:
 
 
 def _as_messages(value: Any, key: str, where: str) -> tuple[dict[str, str], ...]:
-    if isinstance(value, str):
-        if not value.strip():
-            raise DataError(f"{where}: column {key!r} is an empty string; remove the row")
-        return ({"role": "user", "content": value},)
-    if hasattr(value, "tolist"):  # numpy arrays from parquet list columns
-        value = value.tolist()
-    if not isinstance(value, (list, tuple)) or not value:
-        raise DataError(f"{where}: column {key!r} must be a non-empty string or a non-empty "
-                        f"list of {{role, content}} messages, got {type(value).__name__}")
-    messages = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
-            raise DataError(f"{where}: {key}[{i}] must be an object with string 'role' and "
-                            f"'content', got {message!r}")
-        messages.append({"role": message["role"], "content": message["content"]})
+    messages = chat_messages(value, key, where)
     if messages[-1]["role"] != "user":
         raise DataError(f"{where}: the last message of {key!r} has role "
                         f"{messages[-1]['role']!r}; a prompt must end with a user turn")
-    return tuple(messages)
+    return messages
 
 
 def _row_to_prompt(row: Any, prompt_key: str, where: str, system_prompt: str) -> Prompt:
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
     key = prompt_key if prompt_key in row else ("messages" if "messages" in row else None)
     if key is None:
         raise DataError(f"{where}: no {prompt_key!r} column (nor 'messages'); columns are "
@@ -74,29 +58,6 @@ def _row_to_prompt(row: Any, prompt_key: str, where: str, system_prompt: str) ->
     return Prompt(messages=messages, source=where, extra=extra)
 
 
-def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open("r", encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            where = f"{path}:{number}"
-            if not line.strip():
-                continue
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{where}: not valid JSON ({err.msg}); fix or remove the line") from None
-
-
-def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except Exception as err:  # pyarrow raises several types for damaged files
-        raise DataError(f"{path}: cannot read as parquet: {err}") from None
-    for number, row in enumerate(table.to_pylist(), start=1):
-        yield f"{path}:row {number}", row
-
-
 def load_prompts(path: str | Path, prompt_key: str = "prompt", system_prompt: str = "") -> list[Prompt]:
     """All prompts of a .jsonl / .json(l) / .parquet file, validated row by row."""
     path = Path(path)
@@ -105,9 +66,9 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt", system_prompt: st
                                 "prompt file")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
-        rows = _read_jsonl(path)
+        rows = read_jsonl(path)
     elif suffix == ".parquet":
-        rows = _read_parquet(path)
+        rows = read_parquet(path)
     else:
         raise DataError(f"data.path {path}: unsupported extension {suffix!r}; use .jsonl or .parquet")
     prompts = [_row_to_prompt(row, prompt_key, where, system_prompt) for where, row in rows]

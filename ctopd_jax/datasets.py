@@ -27,7 +27,6 @@ before any model is loaded.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -35,13 +34,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ctopd_jax.grading.numeric import parse_number
+from ctopd_jax.records import RecordError, chat_messages, read_jsonl, read_parquet
 from ctopd_jax.grading.normalize import normalize_answer
 
 MATH_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-class DatasetError(ValueError):
-    """A dataset file or row that cannot be used; the message names file and line."""
+# A dataset file or row that cannot be used; the message names file and line.
+DatasetError = RecordError
 
 
 @dataclass(frozen=True)
@@ -65,26 +65,6 @@ class EvalDataset:
         return len(self.problems)
 
 
-def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}:{line_no}: not valid JSON ({exc.msg}); "
-                                   "each line must be one JSON object") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{path}:{line_no}: expected a JSON object, got "
-                                   f"{type(row).__name__}")
-            rows.append((line_no, row))
-    if not rows:
-        raise DatasetError(f"{path}: no rows; an evaluation file needs at least one problem")
-    return rows
-
-
 def _text_field(row: dict, key: str, where: str, layout: str) -> str:
     value = row.get(key)
     if value is None:
@@ -99,25 +79,12 @@ def _text_field(row: dict, key: str, where: str, layout: str) -> str:
 def _messages(value: Any, where: str) -> tuple[tuple[dict[str, str], ...] | None, str]:
     """(messages or None, user text) from a prompt cell: a string or a chat-messages list."""
     if isinstance(value, str):
-        if not value.strip():
-            raise DatasetError(f"{where}: field 'prompt' is an empty string")
-        return None, value
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if not isinstance(value, (list, tuple)) or not value:
-        raise DatasetError(f"{where}: field 'prompt' must be a string or a non-empty list of "
-                           f"{{role, content}} messages, got {type(value).__name__}")
-    msgs = []
-    for i, m in enumerate(value):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
-            raise DatasetError(f"{where}: prompt[{i}] must have string 'role' and 'content', "
-                               f"got {m!r}")
-        msgs.append({"role": m["role"], "content": m["content"]})
+        return None, chat_messages(value, "prompt", where)[0]["content"]
+    msgs = chat_messages(value, "prompt", where)
     users = [m["content"] for m in msgs if m["role"] == "user"]
     if not users:
         raise DatasetError(f"{where}: prompt messages contain no 'user' turn")
-    return tuple(msgs), users[-1]
+    return msgs, users[-1]
 
 
 def gsm8k_reference(answer: str, where: str) -> str:
@@ -132,7 +99,9 @@ def gsm8k_reference(answer: str, where: str) -> str:
 
 
 def _load_jsonl(path: Path) -> EvalDataset:
-    rows = _read_jsonl(path)
+    rows = read_jsonl(path)
+    if not rows:
+        raise DatasetError(f"{path}: no rows; an evaluation file needs at least one problem")
     first = rows[0][1]
     if "problem" in first:
         layout = "math"
@@ -141,12 +110,12 @@ def _load_jsonl(path: Path) -> EvalDataset:
     elif "prompt" in first:
         layout = "prompt"
     else:
-        raise DatasetError(f"{path}:{rows[0][0]}: cannot tell the layout from fields "
+        raise DatasetError(f"{rows[0][0]}: cannot tell the layout from fields "
                            f"{sorted(first)}; use problem+answer (MATH), question+answer "
                            "(GSM8K '#### X') or prompt+answer")
     problems = []
-    for line_no, row in rows:
-        where = f"{path}:{line_no}"
+    for where, row in rows:
+        line_no = where.rsplit(":", 1)[1]
         row_id = str(row.get("unique_id", row.get("id", f"{path.stem}:{line_no}")))
         if layout == "math":
             problem = _text_field(row, "problem", where, "MATH")
@@ -180,14 +149,11 @@ def _parquet_answer(row: dict, where: str) -> str:
 
 
 def _load_parquet(path: Path) -> EvalDataset:
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(path)
-    if "prompt" not in table.column_names:
-        raise DatasetError(f"{path}: no 'prompt' column (columns: {table.column_names})")
+    rows = read_parquet(path)
+    if rows and "prompt" not in rows[0][1]:
+        raise DatasetError(f"{path}: no 'prompt' column (columns: {sorted(rows[0][1])})")
     problems = []
-    for i, row in enumerate(table.to_pylist()):
-        where = f"{path}:row {i}"
+    for i, (where, row) in enumerate(rows):
         messages, text = _messages(row["prompt"], where)
         answer = _parquet_answer(row, where)
         row_id = str(row.get("id") or (row.get("extra_info") or {}).get("index", f"{path.stem}:{i}"))

@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 from ctopd_jax.datasets import EvalDataset, EvalProblem, load_dataset
 from ctopd_jax.grading import MathGrader
+from ctopd_jax.records import RecordError, read_jsonl
 
 
 @dataclass
@@ -191,20 +192,13 @@ def grade_file(path: str | Path, *, answer_fallbacks: bool = False,
     """Grade an existing jsonl of samples (``problem``, ``answer``, ``response``, opt. ``id``)."""
     path = Path(path)
     samples = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
-            for key in ("problem", "answer", "response"):
-                if not isinstance(row.get(key), str):
-                    raise ValueError(f"{path}:{line_no}: field {key!r} must be a string "
-                                     "(samples need problem, answer, response; id optional)")
-            row.setdefault("id", row["problem"])
-            samples.append(row)
+    for where, row in read_jsonl(path):
+        for key in ("problem", "answer", "response"):
+            if not isinstance(row.get(key), str):
+                raise RecordError(f"{where}: field {key!r} must be a string "
+                                  "(samples need problem, answer, response; id optional)")
+        row.setdefault("id", row["problem"])
+        samples.append(row)
     if not samples:
         raise ValueError(f"{path}: no samples")
     start = time.perf_counter()

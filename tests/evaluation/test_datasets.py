@@ -75,7 +75,7 @@ def test_malformed_parquet_row_names_row(tmp_path):
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist([
         {"prompt": "ok", "answer": "1"}, {"prompt": "no answer here", "answer": None}]), path)
-    with pytest.raises(DatasetError, match=r"bad\.parquet:row 1: no reference answer"):
+    with pytest.raises(DatasetError, match=r"bad\.parquet:row 2: no reference answer"):
         load_dataset(path)
 
 

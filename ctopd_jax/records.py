@@ -1,0 +1,70 @@
+"""Rows of jsonl / parquet files and chat-message cells, validated with `file:line` errors.
+
+One reader serves the training prompt files (`data.py`), the evaluation sets (`datasets.py`)
+and graded sample files (`evaluate.py`), so a malformed row reads the same everywhere:
+`path:LINE: what is wrong; how to fix it` (`path:row N` for parquet, N counted from 1).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class RecordError(ValueError):
+    """A data file or row that cannot be used; the message names the file and line."""
+
+
+Rows = list[tuple[str, dict[str, Any]]]   # ("path:line", row)
+
+
+def read_jsonl(path: Path) -> Rows:
+    """Every non-blank line of a jsonl file as a JSON object."""
+    rows = []
+    with Path(path).open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise RecordError(f"{where}: not valid JSON ({err.msg}); each line must be one "
+                                  "JSON object: fix or remove the line") from None
+            if not isinstance(row, dict):
+                raise RecordError(f"{where}: expected a JSON object per line, got "
+                                  f"{type(row).__name__}")
+            rows.append((where, row))
+    return rows
+
+
+def read_parquet(path: Path) -> Rows:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # pyarrow raises several types for damaged files
+        raise RecordError(f"{path}: cannot read as parquet: {err}") from None
+    return [(f"{path}:row {number}", row)
+            for number, row in enumerate(table.to_pylist(), start=1)]
+
+
+def chat_messages(value: Any, key: str, where: str) -> tuple[dict[str, str], ...]:
+    """A prompt cell as chat messages: a plain string is one user turn."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise RecordError(f"{where}: column {key!r} is an empty string; remove the row")
+        return ({"role": "user", "content": value},)
+    if hasattr(value, "tolist"):  # numpy arrays from parquet list columns
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not value:
+        raise RecordError(f"{where}: column {key!r} must be a non-empty string or a non-empty "
+                          f"list of {{role, content}} messages, got {type(value).__name__}")
+    messages = []
+    for i, message in enumerate(value):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise RecordError(f"{where}: {key}[{i}] must be an object with string 'role' and "
+                              f"'content', got {message!r}")
+        messages.append({"role": message["role"], "content": message["content"]})
+    return tuple(messages)
