@@ -15,6 +15,19 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
+# Llama-3 Instruct's turn layout; the real Llama-3 tokenizer and the demo's tiny_unigram use it.
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+
+
 class ChatTemplateError(ValueError):
     """A template that is missing, does not compile, or raises while rendering."""
 

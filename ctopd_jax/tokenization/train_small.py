@@ -23,6 +23,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ctopd_jax.tokenization.chat import LLAMA3_CHAT_TEMPLATE
+
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizers"
 
 # The Qwen2 / cl100k-style split: words with a leading non-letter, single digits, punctuation runs.
@@ -43,16 +45,6 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-LLAMA3_STYLE_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
-    " + message['content'] | trim + '<|eot_id|>' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-    "{%- endif %}"
-)
 
 _WORDS = {"plus": "+", "minus": "-", "times": "*"}
 _FILLER = (
@@ -182,7 +174,7 @@ def train_tiny_unigram(corpus: list[str], vocab_size: int = 640) -> tuple[Tokeni
         "pad_token": "<|end_of_text|>",
         "unk_token": "<unk>",
         "model_max_length": 4096,
-        "chat_template": LLAMA3_STYLE_TEMPLATE,
+        "chat_template": LLAMA3_CHAT_TEMPLATE,
     }
     return tok, config
 
