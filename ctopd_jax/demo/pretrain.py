@@ -76,7 +76,7 @@ def student_config(vocab_size: int) -> ModelConfig:
 
 
 SPECS = {
-    "teacher": PretrainSpec("teacher", "tiny_bpe", teacher_config, steps=600, batch_size=64,
+    "teacher": PretrainSpec("teacher", "tiny_bpe", teacher_config, steps=400, batch_size=64,
                             lr=3e-3, seed=1),
     # constant lr: the first N steps of a longer run are exactly the N-step recipe, so the
     # student's strength can be chosen from one curve (--eval-every) and reproduced.

@@ -5,19 +5,22 @@ and answer are single digits too (0..9). The reference response shows both steps
 answer::
 
     prompt:   "Compute 7 - 5 + 3."
-    response: "(7-5)=2, (2+3)=5. The answer is 5."
+    response: "(7-5)=2, 2+3=5. The answer is 5."
 
 Why this task (decisions the spec leaves to us):
 - Each step is one fact from one small table (single digit +/- single digit with a single-digit
   result, 110 facts), so a tiny decoder learns it in minutes on a CPU, and a held-out PROBLEM
   (an unseen triple) is still made of facts seen in training: the held-out set measures the
   skill, not memorisation.
-- The response format is chosen for the demo's tokenizer pair (byte-level BPE teacher that
-  splits digits and spaces, Unigram student with pieces like "▁9", "12", "0=0"): every result
-  digit follows "(", "+", "-" or "=" with no space, so on both sides it is its own token and
-  the strict 1:1 alignment supervises exactly the digits the student must get right. The words
-  of "The answer is 5." still give real mismatch groups (student "▁", "a", "nswer" against
-  teacher "Ġanswer"; "▁5" against "Ġ", "5"), so coverage stays well below 1.
+- The response format is chosen for the demo's tokenizer pair (byte-level BPE teacher, Unigram
+  student with byte fallback): every result digit follows "=" with no space, so on both sides
+  it is its own token and the strict 1:1 alignment supervises exactly the digits the student
+  must get right; and every teacher token of a reference response has a byte-identical student
+  token (is in V∩). The first format tried, "(7-5)=2, (2+3)=5. ...", had a teacher token "Ġ("
+  with no student counterpart: when the student drifted there, the teacher rows renormalised on
+  V∩ supervised noise and on-policy distillation collapsed (unreliable supervision, the
+  paper's point). Strict coverage of reference responses is ~98%, not 100%: numbers after a
+  space can still split differently ("▁", "1" against "Ġ1").
 - The response is fully determined by the prompt, so the teacher's next-token distribution is
   sharp everywhere and the answer digits are the only places where a weak student goes wrong.
   On-policy distillation then supervises exactly the student's own mistakes.
@@ -70,7 +73,7 @@ class Problem:
     def solution(self) -> str:
         """The reference (teacher-format) response."""
         return (f"({self.a}{self.op1}{self.b})={self.first}, "
-                f"({self.first}{self.op2}{self.c})={self.answer}. The answer is {self.answer}.")
+                f"{self.first}{self.op2}{self.c}={self.answer}. The answer is {self.answer}.")
 
     def to_row(self) -> dict:
         return {"prompt": self.prompt, "answer": str(self.answer), "response": self.solution}

@@ -8,13 +8,13 @@ from ctopd_jax.demo import data, task
 
 
 @pytest.mark.parametrize("response, answer, verdict", [
-    ("(7-5)=2, (2+3)=5. The answer is 5.", 5, True),
-    ("(7-5)=2, (2+3)=5. The answer is 5.", "5", True),
-    ("(7-5)=2, (2+3)=6. The answer is 6.", 5, False),
+    ("(7-5)=2, 2+3=5. The answer is 5.", 5, True),
+    ("(7-5)=2, 2+3=5. The answer is 5.", "5", True),
+    ("(7-5)=2, 2+3=6. The answer is 6.", 5, False),
     ("The answer is 4. No wait. The answer is 5.", 5, True),     # the LAST statement counts
     ("The answer is 5. No wait. The answer is 4.", 5, False),
-    ("(7-5)=2, (2+3)=5.", 5, False),                             # no final statement
-    ("(7-5)=2, (2+3)=5. The answer is", 5, False),               # truncated
+    ("(7-5)=2, 2+3=5.", 5, False),                             # no final statement
+    ("(7-5)=2, 2+3=5. The answer is", 5, False),               # truncated
     ("The answer is 15.", 5, False),                             # whole number, not a suffix
     ("The answer is5.", 5, True),
     ("", 0, False),
@@ -32,9 +32,9 @@ def test_extract_answer_and_accuracy():
 
 
 @pytest.mark.parametrize("problem, prompt, solution", [
-    (task.Problem(7, "-", 5, "+", 3), "Compute 7 - 5 + 3.", "(7-5)=2, (2+3)=5. The answer is 5."),
-    (task.Problem(0, "+", 9, "-", 9), "Compute 0 + 9 - 9.", "(0+9)=9, (9-9)=0. The answer is 0."),
-    (task.Problem(4, "+", 4, "+", 1), "Compute 4 + 4 + 1.", "(4+4)=8, (8+1)=9. The answer is 9."),
+    (task.Problem(7, "-", 5, "+", 3), "Compute 7 - 5 + 3.", "(7-5)=2, 2+3=5. The answer is 5."),
+    (task.Problem(0, "+", 9, "-", 9), "Compute 0 + 9 - 9.", "(0+9)=9, 9-9=0. The answer is 0."),
+    (task.Problem(4, "+", 4, "+", 1), "Compute 4 + 4 + 1.", "(4+4)=8, 8+1=9. The answer is 9."),
 ])
 def test_prompt_and_solution_by_hand(problem, prompt, solution):
     assert problem.prompt == prompt and problem.solution == solution
