@@ -7,6 +7,8 @@ The committed checkpoints under ``ctopd_jax/assets/demo/{teacher,student}`` are 
 this command writes (fixed seeds; float32 on CPU). Each directory holds ``config.json`` +
 ``model.safetensors`` (what ``models.load_hf_checkpoint`` and transformers read), the side's
 tokenizer files, and ``pretrain.json`` recording the recipe and the held-out accuracy.
+Measured: a rerun of ``--role student`` reproduced the committed model.safetensors byte for byte
+(61 s on the 2-core CPU); the teacher's 400 steps take ~5 min there when the machine is idle.
 
 Recipe decisions (SPEC is silent; this is demo scaffolding, not the method under test):
 - Teacher: Qwen2 architecture (q/k/v bias, tied embeddings) over ``tiny_bpe``; trained long
