@@ -55,6 +55,11 @@ def byte_level_token_bytes(token: str) -> bytes:
         return token.encode("utf-8")
 
 
+def is_byte_fallback_piece(token: str) -> bool:
+    """A SentencePiece ``<0xHH>`` piece: the one-byte fallback for bytes no piece covers."""
+    return bool(_BYTE_PIECE.match(token))
+
+
 def metaspace_token_bytes(token: str, replacement: str = "▁") -> bytes:
     match = _BYTE_PIECE.match(token)
     if match:

@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from ctopd_jax.tokenization.byte_view import BYTE_LEVEL
+from ctopd_jax.tokenization.byte_view import BYTE_LEVEL, is_byte_fallback_piece
 from ctopd_jax.tokenization.side import TokenizerSide
 
 
@@ -59,11 +59,23 @@ def _string_keys(side: TokenizerSide) -> dict[str, int]:
 
 
 def _byte_keys(side: TokenizerSide) -> dict[bytes, int]:
+    """Byte sequence -> the one id that has it; ambiguous sequences are left out.
+
+    A single-byte piece such as "7" and its byte-fallback twin <0x37> cover the same byte, but
+    the tokenizer only emits the twin for bytes no piece covers, so the regular piece is the
+    token to pair; only two or more regular pieces with equal bytes make a key ambiguous.
+    """
     ids_by_bytes = collections.defaultdict(list)
     for idx, data in enumerate(side.token_bytes):
         if not side.is_added[idx] and data:
             ids_by_bytes[data].append(idx)
-    return {data: ids[0] for data, ids in ids_by_bytes.items() if len(ids) == 1}
+    keys = {}
+    for data, ids in ids_by_bytes.items():
+        if len(ids) > 1:
+            ids = [i for i in ids if not is_byte_fallback_piece(side.tokenizer.id_to_token(i))]
+        if len(ids) == 1:
+            keys[data] = ids[0]
+    return keys
 
 
 def overlap_map(teacher: TokenizerSide, student: TokenizerSide,

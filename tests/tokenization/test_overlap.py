@@ -32,11 +32,24 @@ def test_byte_rule_pairs_equal_bytes_and_excludes_specials(tiny_bpe, tiny_unigra
     for s, t in zip(got.s_ids[:-1], got.t_ids[:-1]):
         assert tiny_unigram.token_bytes[s] == tiny_bpe.token_bytes[t]
         assert not tiny_unigram.is_added[s] and not tiny_bpe.is_added[t]
-    # independent: distinct non-added byte strings that occur exactly once on each side
+    # independent: byte strings held by exactly one regular piece on each side (a <0xHH>
+    # byte-fallback twin does not make a regular single-byte piece ambiguous)
+    import re
     from collections import Counter
-    cs = Counter(b for i, b in enumerate(tiny_unigram.token_bytes) if not tiny_unigram.is_added[i])
-    ct = Counter(b for i, b in enumerate(tiny_bpe.token_bytes) if not tiny_bpe.is_added[i])
-    assert got.shared - 1 == sum(1 for b in cs if cs[b] == 1 and ct.get(b) == 1 and b)
+
+    def unique_keys(side):
+        regular, fallback = Counter(), Counter()
+        for i, b in enumerate(side.token_bytes):
+            if side.is_added[i] or not b:
+                continue
+            piece = side.tokenizer.id_to_token(i)
+            (fallback if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece) else regular)[b] += 1
+        return {b for b in regular.keys() | fallback.keys()
+                if regular[b] == 1 or (regular[b] == 0 and fallback[b] == 1)}
+
+    assert got.shared - 1 == len(unique_keys(tiny_unigram) & unique_keys(tiny_bpe))
+    paired = {tiny_unigram.tokenizer.id_to_token(int(s)) for s in got.s_ids}
+    assert set("0123456789+-=().") <= paired  # the regular pieces, not their <0xHH> twins
     assert (got.s_ids[-1], got.t_ids[-1]) == (tiny_unigram.eos_id, tiny_bpe.eos_id)
 
 
