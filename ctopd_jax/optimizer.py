@@ -114,18 +114,11 @@ def make_optimizer(settings: OptimizerSettings) -> tuple[optax.GradientTransform
     return optax.chain(*parts), schedule
 
 
-def settings_from_config(optimizer_cfg: Any, total_steps: int) -> OptimizerSettings:
-    """Builds settings from the config's optimizer section (attribute names tolerated loosely)."""
-    get = lambda name, default: getattr(optimizer_cfg, name, default)
-    betas = get("betas", None) or (get("beta1", 0.9), get("beta2", 0.98))
+def settings_from_config(section, total_steps: int) -> OptimizerSettings:
+    """Settings from the run config's `optimizer` section (config.OptimizerSection)."""
     return OptimizerSettings(
-        learning_rate=float(get("learning_rate", get("lr", 1e-6))),
-        betas=(float(betas[0]), float(betas[1])),
-        eps=float(get("eps", get("adam_eps", 1e-8))),
-        weight_decay=float(get("weight_decay", 0.0)),
-        max_grad_norm=get("max_grad_norm", get("max_norm", 1.0)),
-        warmup_ratio=float(get("warmup_ratio", get("lr_warmup_ratio", 0.05))),
-        min_lr=float(get("min_lr", 1e-8)),
-        total_steps=int(total_steps),
-        schedule=str(get("schedule", "cosine_with_min_lr")),
+        learning_rate=section.lr, betas=tuple(section.betas), eps=section.eps,
+        weight_decay=section.weight_decay, max_grad_norm=section.max_grad_norm,
+        warmup_ratio=section.warmup_ratio, min_lr=section.min_lr, total_steps=int(total_steps),
+        schedule=section.schedule,
     )
