@@ -38,6 +38,26 @@ def pad_to(x, rows: int, cols: int, value):
     return jnp.pad(x, ((0, pad_r), (0, pad_c)), constant_values=value)
 
 
+def pad_blocks(zs_bar, zt_bar, w, block_rows: int, block_cols: int):
+    """Pad student/teacher rows [c, V∩] and weights [c] to whole row blocks and column tiles.
+
+    Padding columns are -inf (no mass, after every real column, so top-k never picks one);
+    padding rows get finite zeros so they stay NaN-free, and weight 0 so they add nothing.
+    Returns (zs, zt, wp, tile).
+    """
+    rows, cols = zs_bar.shape
+    tile = min(block_cols, round_up(cols, 16))
+    cols_p, rows_p = round_up(cols, tile), round_up(max(rows, 1), block_rows)
+    zs = pad_to(zs_bar.astype(jnp.float32), rows_p, cols_p, -jnp.inf)
+    zt = pad_to(zt_bar.astype(jnp.float32), rows_p, cols_p, -jnp.inf)
+    if rows_p > rows:
+        pad_row = jnp.arange(rows_p)[:, None] >= rows
+        zs = jnp.where(pad_row, 0.0, zs)
+        zt = jnp.where(pad_row, 0.0, zt)
+    wp = jnp.pad(w.astype(jnp.float32), (0, rows_p - rows))
+    return zs, zt, wp, tile
+
+
 def gpu_compiler_params():
     """Compiler parameters for a compiled (non-interpret) GPU pallas_call."""
     backend = os.environ.get("CTOPD_PALLAS_GPU_BACKEND", "mosaic").lower()

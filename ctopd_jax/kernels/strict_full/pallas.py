@@ -81,16 +81,8 @@ def strict_full_rows(zs_bar, zt_bar, w, *, divergence, temperature=1.0, jsd_beta
                      block_cols=BLOCK_COLS):
     """(per-row weighted loss [c], gradient [c, V∩]) for projected rows, via one pallas_call."""
     rows, cols = zs_bar.shape
-    tile = min(block_cols, pc.round_up(cols, 16))
-    cols_p, rows_p = pc.round_up(cols, tile), pc.round_up(max(rows, 1), block_rows)
-    zs = pc.pad_to(zs_bar.astype(jnp.float32), rows_p, cols_p, -jnp.inf)
-    zt = pc.pad_to(zt_bar.astype(jnp.float32), rows_p, cols_p, -jnp.inf)
-    wp = jnp.pad(w.astype(jnp.float32), (0, rows_p - rows))
-    # padded rows are all -inf: give them finite logits so they stay NaN-free (weight 0 anyway)
-    if rows_p > rows:
-        pad_row = jnp.arange(rows_p)[:, None] >= rows
-        zs = jnp.where(pad_row, 0.0, zs)
-        zt = jnp.where(pad_row, 0.0, zt)
+    zs, zt, wp, tile = pc.pad_blocks(zs_bar, zt_bar, w, block_rows, block_cols)
+    rows_p, cols_p = zs.shape
     kernel = functools.partial(
         _kernel, name=divergence, temperature=float(temperature), top1=divergence == "top1_ce",
         n_tiles=cols_p // tile, tile=tile, kw=dict(jsd_beta=jsd_beta, skl_lambda=skl_lambda))

@@ -79,17 +79,9 @@ def strict_topk_rows(zs_bar, zt_bar, w, *, divergence, topk, temperature=1.0, js
                      skl_lambda=0.1, interpret=True, block_rows=BLOCK_ROWS,
                      block_cols=BLOCK_COLS):
     """(per-row weighted loss [c], gradient [c, k], column indices [c, k]) for projected rows."""
-    rows, cols = zs_bar.shape
-    tile = min(block_cols, pc.round_up(cols, 16))
-    cols_p, rows_p = pc.round_up(cols, tile), pc.round_up(max(rows, 1), block_rows)
-    # padding columns are -inf and come after every real column, so k <= V∩ never selects one
-    zs = pc.pad_to(zs_bar.astype(jnp.float32), rows_p, cols_p, -jnp.inf)
-    zt = pc.pad_to(zt_bar.astype(jnp.float32), rows_p, cols_p, -jnp.inf)
-    if rows_p > rows:
-        pad_row = jnp.arange(rows_p)[:, None] >= rows
-        zs = jnp.where(pad_row, 0.0, zs)
-        zt = jnp.where(pad_row, 0.0, zt)
-    wp = jnp.pad(w.astype(jnp.float32), (0, rows_p - rows))
+    rows = zs_bar.shape[0]
+    zs, zt, wp, tile = pc.pad_blocks(zs_bar, zt_bar, w, block_rows, block_cols)
+    rows_p, cols_p = zs.shape
     kernel = functools.partial(
         _kernel, name=divergence, temperature=float(temperature), k=topk, n_tiles=cols_p // tile,
         tile=tile, kw=dict(jsd_beta=jsd_beta, skl_lambda=skl_lambda))
