@@ -19,7 +19,8 @@ from ctopd_jax import losses
 from ctopd_jax.kernels import row_terms
 
 
-def _autodiff_chunk(divergence, temperature, div_kwargs):
+def autodiff_chunk(divergence, temperature, div_kwargs):
+    """(weighted loss sum, d loss / d zs_bar) of the divergence on whole rows, by autodiff."""
     def chunk_fn(zs_bar, zt_bar, w):
         log_pt = jax.lax.stop_gradient(losses.log_softmax_f32(zt_bar, temperature))
 
@@ -75,4 +76,4 @@ def make_chunk_fn(divergence: str, temperature: float, div_items: tuple):
     div_kwargs = dict(div_items)
     if divergence in row_terms.ELEMENTWISE_DIVERGENCES:
         return _closed_form_chunk(divergence, temperature, div_kwargs)
-    return _autodiff_chunk(divergence, temperature, div_kwargs)
+    return autodiff_chunk(divergence, temperature, div_kwargs)

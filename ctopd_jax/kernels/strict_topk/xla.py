@@ -8,29 +8,21 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 
-from ctopd_jax import losses
+from ctopd_jax.kernels.strict_full.xla import autodiff_chunk
 from ctopd_jax.kernels.strict_topk.reference import select_topk
 
 
 @functools.lru_cache(maxsize=None)
 def make_chunk_fn(divergence: str, topk: int, temperature: float, div_items: tuple):
     div_kwargs = dict(div_items)
+    on_k_columns = autodiff_chunk(divergence, temperature, div_kwargs)
 
     def chunk_fn(zs_bar, zt_bar, w):
         vals, idx = select_topk(zs_bar, topk)
         zt_k = jnp.take_along_axis(zt_bar, idx, axis=1)
-        log_pt = losses.log_softmax_f32(zt_k, temperature)
-
-        def loss_of(zs_k):
-            log_ps = losses.log_softmax_f32(zs_k, temperature)
-            per_row = losses.divergence_from_logprobs(divergence, log_ps, log_pt, **div_kwargs)
-            return losses.masked_sum(per_row, w)
-
-        loss, vjp = jax.vjp(loss_of, vals)
-        (g_k,) = vjp(jnp.ones((), jnp.float32))
+        loss, g_k = on_k_columns(vals, zt_k, w)
         rows = jnp.arange(zs_bar.shape[0])[:, None]
         grad = jnp.zeros_like(zs_bar).at[rows, idx].set(g_k, unique_indices=True)
         return loss, grad
