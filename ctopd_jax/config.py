@@ -4,11 +4,15 @@ Every field is typed; `load_config` rejects unknown keys, values of the wrong ty
 values with one `ConfigError` that names the field (`optimizer.lr`) and says how to fix it,
 before any model is loaded. Values given on the command line are parsed as YAML scalars
 (`--set optimizer.lr=1e-5`, `--set rollout.engine=vllm`, `--set optimizer.betas=[0.9,0.95]`).
+Numbers are read as people write them (`1e-5`, `1E5`, `.5`, `-2e-6`; see `YamlLoader`), in
+files and `--set` alike; a float field rejects `.inf` / `nan`, an integer field takes `1e3`.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +24,29 @@ import yaml
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the field and the fix."""
+
+
+class YamlLoader(yaml.SafeLoader):
+    """SafeLoader that reads numbers as people write them.
+
+    YAML 1.1 (PyYAML) only takes a float with a dot and a signed exponent (`1.0e-5`), so
+    `1e-5`, `1E5`, `.5e3` and `1.0e38` come back as strings. This loader adds a float resolver
+    for every decimal form Python's `float()` reads, and is used for config files and `--set`
+    values alike (`load_yaml`)."""
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?
+                  |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+                  |[-+]?\.(?:inf|Inf|INF)
+                  |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML text with `YamlLoader` (numbers such as 1e-5 are floats)."""
+    return yaml.load(text, Loader=YamlLoader)
 
 
 @dataclass(frozen=True)
@@ -61,16 +88,49 @@ class RolloutSection:
 
 @dataclass(frozen=True)
 class AlgorithmSection:
+    """Fields every objective shares. An objective's own config section extends this class
+    with its fields and checks (`algorithms/<name>.py`, `settings_class`); `algorithm.name`
+    picks the class, so `algorithm.span_lambda` is known exactly when the objective is `span`."""
     name: str = "topk_strict"            # registry name, see ctopd_jax.algorithms
     kd_loss_fn: Literal["kl", "rkl", "jsd", "skl", "srkl", "akl", "tvd", "top1_ce"] = "rkl"
     kd_ratio: float = 1.0                # (1 - kd_ratio) * CE + kd_ratio * KD
     kd_temperature: float = 1.0
-    ctkd_topk: int = 128
     jsd_beta: float = 0.5
     skl_lambda: float = 0.1
     akl_alpha: float = 0.5
     implementation: Literal["reference", "xla", "pallas"] = "xla"
     chunked_loss_size: int = 2048        # rows per lm_head/loss chunk
+    # Gradient diagnostics (SPEC §6) for objectives with a strict part: every N steps (and at
+    # step 0) on a fixed, seeded replay set of `diagnostics_prompts` prompts; 0 = off.
+    diagnostics_every: int = 0
+    diagnostics_prompts: int = 8
+
+    def validate(self) -> None:
+        """Impossible values, one ConfigError naming the field (the objective's own checks
+        extend this). Divergence ranges come from losses.py: one place for both."""
+        from ctopd_jax import losses
+
+        _require(0 <= self.kd_ratio <= 1, "algorithm.kd_ratio", f"{self.kd_ratio} must be in [0, 1]")
+        _require(self.chunked_loss_size >= 1, "algorithm.chunked_loss_size", "must be >= 1")
+        _require(self.diagnostics_every >= 0, "algorithm.diagnostics_every", "must be >= 0 (0 = off)")
+        _require(self.diagnostics_prompts >= 1, "algorithm.diagnostics_prompts", "must be >= 1")
+        try:
+            losses.check_divergence_args(self.kd_loss_fn, temperature=self.kd_temperature,
+                                         jsd_beta=self.jsd_beta, skl_lambda=self.skl_lambda,
+                                         akl_alpha=self.akl_alpha)
+        except ValueError as err:
+            raise ConfigError(f"algorithm.{err}") from None
+
+
+def algorithm_class(name: Any) -> type:
+    """The settings class of the objective `algorithm.name` (its own config section)."""
+    from ctopd_jax.algorithms import registry
+
+    table = registry()
+    if name not in table:
+        raise ConfigError(f"algorithm.name: {name!r} is not a registered objective; choose one of "
+                          f"{', '.join(sorted(table))}")
+    return table[name].settings_class
 
 
 @dataclass(frozen=True)
@@ -123,6 +183,21 @@ class EvaluationSection:
 
 
 @dataclass(frozen=True)
+class GuardSection:
+    """When a run stops as diverged (`ctopd_jax.run_guard.DivergenceGuard`, checked per step).
+
+    A NaN/inf loss or gradient norm always stops the run (the update is not applied). The other
+    two rules catch a run that is wrecked while its numbers stay finite (e.g. lr 1e6): the
+    gradient norm exactly 0.0 for `zero_grad_norm_steps` steps in a row, or a loss above
+    `loss_jump_factor` times the median of the last `loss_jump_window` losses (judged once
+    `loss_jump_warmup` losses are known). 0 switches a rule off."""
+    zero_grad_norm_steps: int = 3
+    loss_jump_factor: float = 10.0
+    loss_jump_window: int = 20
+    loss_jump_warmup: int = 5
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     run_name: str = "run"
     output_dir: str = "runs/run"
@@ -137,6 +212,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
+    guard: GuardSection = field(default_factory=GuardSection)
 
     @property
     def accumulation_steps(self) -> int:
@@ -150,6 +226,9 @@ class TrainConfig:
 
 
 # ----------------------------------------------------------------------------- building
+
+_NON_FINITE = ("nan", "inf", "infinity")
+
 
 def _coerce(value: Any, hint: Any, name: str) -> Any:
     """Check `value` against the type hint `hint`, converting only lossless cases."""
@@ -181,12 +260,19 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             raise ConfigError(f"{name}: expected true or false, got {value!r}")
         return value
     if hint is int:
+        # 1e3 and 1000.0 are integers written as floats: lossless, so accepted
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            return int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{name}: expected an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str) and value.strip().lower().lstrip("+-.") in _NON_FINITE:
+            value = float("nan")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{name}: expected a number, got {value!r}")
+            raise ConfigError(f"{name}: expected a number (e.g. 1e-5), got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{name}: {value!r} is not a finite number; give a finite value")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
@@ -203,6 +289,8 @@ def _build(cls: type, values: Any, prefix: str = "") -> Any:
         values = {}
     if not isinstance(values, Mapping):
         raise ConfigError(f"{where}: expected a mapping of keys, got {values!r}")
+    if cls is AlgorithmSection:
+        cls = algorithm_class(values.get("name", AlgorithmSection.name))
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
@@ -232,9 +320,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r}: write section.key=value, e.g. --set optimizer.lr=1e-5")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
-        raise ConfigError(f"--set {key}: cannot parse value {raw!r}: {err}") from None
+        raise ConfigError(f"--set {key}: cannot parse value {raw!r}: {_one_line(err)}") from None
     return key.strip(), value
 
 
@@ -248,20 +336,29 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
             raise ConfigError(f"--config {path}: file not found; pass a YAML file such as "
                               "configs/tiny_cpu.yaml")
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            tree = load_yaml(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"--config {path}: not valid YAML: {err}") from None
+            raise ConfigError(f"--config {path}: not valid YAML: {_one_line(err)}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--config {path}: not a UTF-8 text file; pass a YAML file") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
     if mesh:
-        from ctopd_jax.mesh import parse_mesh
-        tree["mesh"] = {**{"data": 1}, **parse_mesh(mesh)}
+        from ctopd_jax.mesh import MeshError, parse_mesh
+        try:
+            tree["mesh"] = {**{"data": 1}, **parse_mesh(mesh)}
+        except MeshError as err:
+            raise ConfigError(f"--mesh {mesh}: {err}") from None
     config = _build(TrainConfig, tree)
     validate(config)
     return config
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
 
 
 def from_dict(tree: Mapping[str, Any]) -> TrainConfig:
@@ -286,14 +383,7 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     _require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "must be -1 (off) or >= 1")
     _require(r.generate_max_len >= 1, "rollout.generate_max_len", "must be >= 1")
     _require(r.max_prompt_len >= 1, "rollout.max_prompt_len", "must be >= 1")
-    _require(0 <= a.kd_ratio <= 1, "algorithm.kd_ratio", f"{a.kd_ratio} must be in [0, 1]")
-    _require(a.kd_temperature > 0, "algorithm.kd_temperature", "must be > 0")
-    _require(a.ctkd_topk >= 1, "algorithm.ctkd_topk",
-             "must be >= 1 (and <= |V∩|, checked once the tokenizers are loaded)")
-    _require(0 < a.jsd_beta < 1, "algorithm.jsd_beta", "must be strictly inside (0, 1)")
-    _require(0 <= a.skl_lambda <= 1, "algorithm.skl_lambda", "must be in [0, 1]")
-    _require(0 < a.akl_alpha < 1, "algorithm.akl_alpha", "must be inside (0, 1)")
-    _require(a.chunked_loss_size >= 1, "algorithm.chunked_loss_size", "must be >= 1")
+    a.validate()
     _require(o.lr > 0, "optimizer.lr", "must be > 0")
     _require(all(0 <= b < 1 for b in o.betas), "optimizer.betas", "each must be in [0, 1)")
     _require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
@@ -312,6 +402,12 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     _require(config.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
     _require(config.logging.log_every >= 1, "logging.log_every", "must be >= 1")
     _require(config.evaluation.samples >= 1, "evaluation.samples", "must be >= 1")
+    g = config.guard
+    _require(g.zero_grad_norm_steps >= 0, "guard.zero_grad_norm_steps", "must be >= 0 (0 = off)")
+    _require(g.loss_jump_factor == 0 or g.loss_jump_factor > 1, "guard.loss_jump_factor",
+             "must be 0 (off) or > 1")
+    _require(g.loss_jump_window >= 1, "guard.loss_jump_window", "must be >= 1")
+    _require(g.loss_jump_warmup >= 1, "guard.loss_jump_warmup", "must be >= 1")
     for axis in ("data", "fsdp", "tensor"):
         size = getattr(config.mesh, axis)
         _require(size == -1 or size >= 1, f"mesh.{axis}", "must be >= 1 or -1 (fill)")
@@ -320,4 +416,14 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
         try:
             resolve_mesh_shape(dataclasses.asdict(config.mesh), device_count)
         except MeshError as err:
-            raise ConfigError(str(err)) from None
+            raise ConfigError(f"{err}{device_count_hint(device_count)}") from None
+
+
+def device_count_hint(device_count: int) -> str:
+    """On CPU, how to get more (virtual) devices; "" elsewhere."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return ""
+    return (f" (on CPU, {device_count} device(s) are present: start with "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N for N virtual devices)")

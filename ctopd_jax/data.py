@@ -112,20 +112,10 @@ class PromptStream:
 
 
 def resolve_named_source(name: str) -> Path:
-    """`demo:train` style names: files written by a module that owns the data set."""
-    owner, _, split = name.partition(":")
-    if owner == "demo":
-        try:
-            from ctopd_jax.demo import data as demo_data  # owned by the demo module
-        except ImportError as err:
-            raise DataError(f"data.path {name!r}: the demo data module is unavailable ({err})") from None
-        return Path(demo_data.prompt_file(split))
-    raise DataError(f"data.path {name!r}: unknown named source {owner!r}; give a file path")
+    """`owner:split` prompt files (e.g. `demo:train`), written by the module that owns them."""
+    from ctopd_jax import sources
 
-
-def stream_from_config(data_cfg: Any, batch_size: int) -> PromptStream:
-    path = data_cfg.path
-    if ":" in path and not Path(path).exists() and not Path(path).drive:
-        path = resolve_named_source(path)
-    prompts = load_prompts(path, data_cfg.prompt_key, data_cfg.system_prompt)
-    return PromptStream(prompts, batch_size, seed=data_cfg.seed, shuffle=data_cfg.shuffle)
+    try:
+        return Path(sources.resolve("prompts", name, "data.path"))
+    except (sources.SourceError, ValueError) as err:
+        raise DataError(str(err)) from None

@@ -27,17 +27,18 @@ DIVERGENCES = ("kl", "rkl", "jsd", "skl", "srkl", "akl", "tvd", "top1_ce")
 
 def check_divergence_args(name: str, *, temperature: float = 1.0, jsd_beta: float = 0.5,
                           skl_lambda: float = 0.1, akl_alpha: float = 0.5) -> None:
-    """Raise one clear ValueError for a bad divergence name or parameter (before any work)."""
+    """Raise one clear ValueError for a bad divergence name or parameter (before any work).
+
+    The one place for these ranges (SPEC §5): config validation calls it too. Messages start
+    with the setting's name (`jsd_beta=...`) so the config can prefix its section."""
     if name not in DIVERGENCES:
         raise ValueError(f"kd_loss_fn={name!r} is not a known divergence; use one of {DIVERGENCES}")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature} must be > 0")
-    if not 0.0 < jsd_beta < 1.0:
-        raise ValueError(f"jsd_beta={jsd_beta} must be strictly inside (0, 1)")
-    if not 0.0 <= skl_lambda < 1.0:
-        raise ValueError(f"skl_lambda={skl_lambda} must be in [0, 1)")
-    if not 0.0 <= akl_alpha <= 1.0:
-        raise ValueError(f"akl_alpha={akl_alpha} must be in [0, 1]")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"kd_temperature={temperature} must be a finite number > 0")
+    for field, value in (("jsd_beta", jsd_beta), ("skl_lambda", skl_lambda),
+                         ("akl_alpha", akl_alpha)):
+        if not 0.0 < value < 1.0:
+            raise ValueError(f"{field}={value} must be strictly inside (0, 1)")
 
 
 def _kl_terms(log_p, log_q):
@@ -137,10 +138,17 @@ def divergence(name: str, student_logits, teacher_logits, *, temperature: float 
                                     skl_lambda=skl_lambda, akl_alpha=akl_alpha)
 
 
-def masked_sum(per_row, row_weight):
-    """Σ_r w_r · d_r in float32; rows with weight 0 contribute exactly 0 even if d_r is inf/nan."""
+def masked_rows(per_row, row_weight):
+    """w_r · d_r in float32; rows with weight 0 are exactly 0 (value and gradient) even if d_r
+    is inf/nan there."""
     w = row_weight.astype(jnp.float32)
-    return jnp.sum(jnp.where(w != 0, w * jnp.where(w != 0, per_row, 0.0), 0.0))
+    live = w != 0
+    return jnp.where(live, w * jnp.where(live, per_row, 0.0), 0.0)
+
+
+def masked_sum(per_row, row_weight):
+    """Σ_r w_r · d_r in float32 (see masked_rows)."""
+    return jnp.sum(masked_rows(per_row, row_weight))
 
 
 def normalized_loss(sum_loss, total_student_response_tokens, num_micro_batches: int = 1,

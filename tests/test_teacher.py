@@ -1,4 +1,5 @@
-"""Teacher scoring equals slicing a full HF forward at the requested rows and columns."""
+"""The teacher path (hidden rows, then columns / log-probs chunk by chunk) equals slicing a full
+HF forward at the requested rows and columns."""
 import sys
 from pathlib import Path
 
@@ -9,7 +10,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "rollout"))
 from _hf_tiny import load_pair  # noqa: E402
 
-from ctopd_jax.teacher import TeacherInputError, TeacherScorer  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from ctopd_jax.kernels.row_chunks import teacher_columns  # noqa: E402
+from ctopd_jax.kernels.token_rows import token_rows  # noqa: E402
+from ctopd_jax.teacher import lm_head_of, teacher_hidden_rows  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -37,8 +43,14 @@ def hf_full_logits(hf, ids, mask):
     return out.double().numpy()
 
 
+def hidden_rows(model, ids, mask, rows):
+    graphdef, state = nnx.split(model)
+    return teacher_hidden_rows(graphdef, state, jnp.asarray(ids), jnp.asarray(mask),
+                               jnp.asarray(rows, jnp.int32)), lm_head_of(graphdef, state)
+
+
 @pytest.mark.parametrize("left", [False, True])
-def test_projected_rows_equal_sliced_full_forward(pair, left):
+def test_columns_and_logprobs_from_hidden_rows_equal_full_forward(pair, left):
     hf, model = pair
     rng = np.random.default_rng(0)
     ids, mask = padded_batch(rng, [5, 19, 12, 7, 19], 19, left)
@@ -46,46 +58,28 @@ def test_projected_rows_equal_sliced_full_forward(pair, left):
     real = np.nonzero(mask.reshape(-1))[0]
     rows = rng.choice(real, 23)  # random order, duplicates allowed, across all sequences
     t_ids = rng.permutation(256)[:40]
-    # max_tokens=64 with length bucket 32: 2 sequences per micro-batch, 3 micro-batches.
-    scorer = TeacherScorer(model, max_tokens=64, length_bucket=32)
-    got = np.asarray(scorer.logits_at(ids, mask, rows, t_ids))
-    np.testing.assert_allclose(got, full[rows][:, t_ids], atol=2e-4, rtol=1e-4)
-
-    col_idx = rng.integers(0, 40, (23, 6))
-    gathered = np.asarray(scorer.logits_at(ids, mask, rows, t_ids, col_idx=col_idx))
-    np.testing.assert_allclose(gathered, np.take_along_axis(full[rows][:, t_ids], col_idx, 1),
-                               atol=2e-4, rtol=1e-4)
+    hidden, lm_head = hidden_rows(model, ids, mask, rows)
+    assert hidden.shape == (23, model.cfg.hidden_size)  # [R, H] crosses, never [R, V]
+    (h, w_cols), _ = teacher_columns((hidden, lm_head), jnp.asarray(t_ids))
+    np.testing.assert_allclose(np.asarray(h @ w_cols), full[rows][:, t_ids], atol=2e-4, rtol=1e-4)
 
     targets = rng.integers(0, 256, 23)
     logp = full - np.log(np.exp(full - full.max(1, keepdims=True)).sum(1, keepdims=True)) \
         - full.max(1, keepdims=True)
-    np.testing.assert_allclose(np.asarray(scorer.token_logprobs(ids, mask, rows, targets)),
-                               logp[rows, targets], atol=2e-4)
+    lp, lse = token_rows(hidden, lm_head, jnp.asarray(targets), chunk_rows=8)
+    np.testing.assert_allclose(np.asarray(lp), logp[rows, targets], atol=2e-4)
+    np.testing.assert_allclose(np.asarray(lse), (full - logp)[rows, 0], atol=2e-4)
 
 
-def test_full_vocab_and_sharded_mesh(pair, tmp_path):
+def test_sharded_mesh_rows_equal_full_forward(pair, tmp_path):
     from ctopd_jax.mesh import make_mesh, shard_module
 
     hf, model = pair
     rng = np.random.default_rng(1)
-    ids, mask = padded_batch(rng, [9, 4, 13], 13, False)
+    ids, mask = padded_batch(rng, [9, 4, 13, 2], 13, False)
     full = hf_full_logits(hf, ids, mask).reshape(-1, 256)
     rows = np.nonzero(mask.reshape(-1))[0][::2]
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    from flax import nnx
     sharded = shard_module(nnx.clone(model), mesh)
-    got = TeacherScorer(sharded, mesh=mesh, max_tokens=128, length_bucket=16).logits_at(
-        ids, mask, rows)
-    np.testing.assert_allclose(np.asarray(got), full[rows], atol=2e-4, rtol=1e-4)
-
-
-def test_bad_inputs(pair):
-    hf, model = pair
-    scorer = TeacherScorer(model)
-    ids = np.ones((2, 4), np.int32)
-    with pytest.raises(TeacherInputError, match="rows"):
-        scorer.logits_at(ids, None, [8], [1, 2])
-    with pytest.raises(TeacherInputError, match="t_ids"):
-        scorer.logits_at(ids, None, [1], [300])
-    with pytest.raises(TeacherInputError, match="attention_mask"):
-        scorer.logits_at(ids, np.ones((2, 3), bool), [1], [1])
+    hidden, lm_head = hidden_rows(sharded, ids, mask, rows)
+    np.testing.assert_allclose(np.asarray(hidden @ lm_head), full[rows], atol=2e-4, rtol=1e-4)

@@ -1,20 +1,19 @@
-"""Algorithm registry: name -> objective class (see base.Algorithm for the interface).
+"""Objective registry: `algorithm.name` -> objective class (see base.Objective).
 
-Registered now: `strict` (byte_align_ctkd, full shared vocabulary) and `topk_strict`
-(topk_byte_align_ctkd). The span loss, SimCT, MP-OPD and the same-tokenizer family plug in as
-further modules that declare which host-side records they need (`Algorithm.needs`).
+Each objective is one module that registers itself; importing this package registers them all.
 """
 from __future__ import annotations
 
-from ctopd_jax.algorithms.base import Algorithm, AlgorithmSettings, register, registry
-from ctopd_jax.algorithms import strict  # noqa: F401  (registers strict, topk_strict)
+from ctopd_jax.algorithms.base import Needs, Objective, StepInputs, register, registry
+from ctopd_jax.algorithms import strict, span  # noqa: F401,E402  (register the objectives)
 
 
-def get_algorithm(name: str, settings: AlgorithmSettings) -> Algorithm:
+def get_objective(settings) -> Objective:
+    """The objective named by `settings.name`, built from its own config section."""
     table = registry()
-    if name not in table:
-        raise ValueError(f"algorithm.name={name!r} is not registered; choose one of {sorted(table)}")
-    return table[name](settings)
+    if settings.name not in table:
+        raise ValueError(f"algorithm.name={settings.name!r} is not registered; choose one of {sorted(table)}")
+    return table[settings.name](settings)
 
 
-__all__ = ["Algorithm", "AlgorithmSettings", "get_algorithm", "register", "registry"]
+__all__ = ["Needs", "Objective", "StepInputs", "get_objective", "register", "registry"]

@@ -1,23 +1,35 @@
-"""The objective interface the trainer drives.
+"""The objective interface the trainer drives (DESIGN.md, "The objective interface").
 
-An algorithm sees one packed micro-batch (`StudentBatch`, arrays on the mesh) and returns the
-SUM of its per-position loss terms; the trainer adds the CE term for `kd_ratio < 1`, applies the
-SPEC §1 normalization (÷ total student response tokens of the global batch) and differentiates.
+An objective is one module in `algorithms/` that registers a class with:
 
-What an algorithm may need is declared in `needs` so the host side only builds what is used:
-- "strict_pairs":  flat student / teacher row indices of strict 1:1 pairs (SPEC §2)
-- "teacher_shared_rows": teacher logits at the strict teacher rows, projected to V∩ (or full
-  V_T with t_ids) — computed on device by the trainer's teacher scoring
-Future objectives add e.g. "mismatch_groups" (span loss), "simct_segments", "mpopd_atoms",
-"token_logprobs" (rollout-time student log-probs), "dataset_responses" (GKD off-policy),
-"teacher_prefix_states" (TCOD B2F); the trainer fills a key only when some algorithm asks.
+- `settings_class`: its config section, a frozen dataclass extending `config.AlgorithmSection`
+  with the objective's own fields (`algorithm.span_lambda`, ...), validated once, by its own
+  `validate()`, when the config is built (config.py looks the class up by `algorithm.name`);
+- `needs`: what the host side must collect (where responses come from, which models run,
+  rollout-time log-probs, whether sampled ids are reused);
+- `check(overlap)`: settings that depend on the tokenizer pair (before any model loads);
+- `prepare(host, start, stop)`: the device arrays of one micro-batch from the host batch
+  (tokens, masks, alignment records...); it must set `teacher_rows`, the flat teacher rows whose
+  hidden states the teacher hands back (teacher.py);
+- `kd_sums(x)`: named loss SUMS over the micro-batch and metrics, on device.
+
+The trainer adds the CE term, applies the SPEC §1 normalization to Σ_k weight_k · sum_k
+(÷ total student response tokens of the optimizer batch) and differentiates. A new objective
+therefore never edits the loop.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-_REGISTRY: dict[str, type["Algorithm"]] = {}
+import jax
+import jax.numpy as jnp
+
+from ctopd_jax import losses
+from ctopd_jax.config import AlgorithmSection
+from ctopd_jax.kernels.token_rows import token_rows
+
+_REGISTRY: dict[str, type["Objective"]] = {}
 
 
 def register(name: str):
@@ -30,55 +42,100 @@ def register(name: str):
     return wrap
 
 
-def registry() -> dict[str, type["Algorithm"]]:
+def registry() -> dict[str, type["Objective"]]:
     return dict(_REGISTRY)
 
 
+RESPONSE_SOURCES = ("student", "dataset", "teacher", "teacher_prefix")
+
+
 @dataclass(frozen=True)
-class AlgorithmSettings:
-    kd_loss_fn: str = "rkl"
-    kd_ratio: float = 1.0
-    kd_temperature: float = 1.0
-    ctkd_topk: int = 128
-    jsd_beta: float = 0.5
-    skl_lambda: float = 0.1
-    akl_alpha: float = 0.5
-    implementation: str = "xla"
-    chunked_loss_size: int = 2048
-
-    @classmethod
-    def from_config(cls, section: Any) -> "AlgorithmSettings":
-        names = cls.__dataclass_fields__
-        return cls(**{k: getattr(section, k) for k in names if hasattr(section, k)})
-
-    @property
-    def divergence_kwargs(self) -> dict[str, float]:
-        return dict(temperature=self.kd_temperature, jsd_beta=self.jsd_beta,
-                    skl_lambda=self.skl_lambda, akl_alpha=self.akl_alpha)
+class Needs:
+    """What the host side collects for an objective."""
+    responses: str = "student"           # one of RESPONSE_SOURCES
+    teacher: bool = True                 # the teacher model scores the responses
+    teacher_base: bool = False           # a third model: the teacher's pre-tuning base
+    rollout_logprobs: bool = False       # engine log-probs of the sampled tokens (π_old)
+    reuse_sampled_ids: bool = False      # same tokenizer: sampled ids reused, no re-tokenization
 
 
-class Algorithm:
+@dataclass(frozen=True)
+class StepInputs:
+    """What `kd_sums` sees on device for one micro-batch.
+
+    hidden: student final hidden states [M*T, H] (flat rows); lm_head: [H, V_S];
+    teacher_hidden: teacher hidden states [R_t, H_T] at batch["teacher_rows"]; teacher_lm_head:
+    [H_T, V_T]; response_logprobs: log π_S(y) at batch["response_rows"] over the full vocabulary
+    (differentiable when the objective asks for it, see `response_logprob_grad`);
+    overlap: {"s_ids", "t_ids"} [V∩] device arrays."""
+    hidden: Any
+    lm_head: Any
+    teacher_hidden: Any
+    teacher_lm_head: Any
+    batch: dict
+    overlap: dict
+    response_logprobs: Any
+
+
+class Objective:
     name: ClassVar[str] = ""
-    needs: ClassVar[frozenset[str]] = frozenset()
+    settings_class: ClassVar[type] = AlgorithmSection
+    needs: ClassVar[Needs] = Needs()
+    # the objective's sums that are distillation terms (the trained loss is
+    # kd_ratio · Σ_k weight_k · sum_k + (1 − kd_ratio) · CE)
+    response_logprob_grad: ClassVar[bool] = False
 
-    def __init__(self, settings: AlgorithmSettings):
+    def __init__(self, settings):
+        if not isinstance(settings, self.settings_class):
+            raise TypeError(f"{type(self).__name__} takes {self.settings_class.__name__}, "
+                            f"got {type(settings).__name__}")
         self.settings = settings
 
-    # The algorithm is a static argument of the jitted student step: equal settings must hash
-    # equal so a second trainer in the same process reuses the compiled program.
+    # The objective is a static argument of the jitted step: equal settings hash equal, so a
+    # second trainer in the same process reuses the compiled program.
     def __hash__(self):
         return hash((type(self), self.settings))
 
     def __eq__(self, other):
         return type(self) is type(other) and self.settings == other.settings
 
-    def check_vocab(self, shared_vocab_size: int) -> None:
-        """Raise a clear error for settings that cannot work with this vocabulary overlap."""
+    # -- host side ---------------------------------------------------------------------------
+    def check(self, overlap) -> None:
+        """Raise one clear ValueError for settings that cannot work with this tokenizer pair."""
 
-    def kd_sum(self, hidden_flat, lm_head, batch: dict, teacher_rows, overlap: dict):
-        """Σ of per-position KD terms over this micro-batch (float32 scalar, differentiable).
-
-        hidden_flat: student final hidden states [M*T, H]; lm_head: [H, V_S];
-        batch: the packed micro-batch arrays; teacher_rows: what the teacher scoring produced;
-        overlap: {"s_ids": [V∩], "t_ids": [V∩]} device arrays."""
+    def prepare(self, host, start: int, stop: int) -> dict:
         raise NotImplementedError
+
+    # -- device side ---------------------------------------------------------------------------
+    def kd_weights(self) -> dict[str, float]:
+        """Coefficient of each distillation sum in the KD term."""
+        raise NotImplementedError
+
+    def kd_sums(self, x: StepInputs) -> tuple[dict[str, jax.Array], dict[str, tuple]]:
+        """({name: Σ of per-position terms}, {metric: (numerator, denominator)}) on device."""
+        raise NotImplementedError
+
+    def loss_weights(self) -> dict[str, float]:
+        """Coefficient of every sum in the trained loss, CE included (SPEC §1 kd_ratio mix)."""
+        kd_ratio = float(self.settings.kd_ratio)
+        weights = {k: kd_ratio * v for k, v in self.kd_weights().items()}
+        weights["ce"] = 1.0 - kd_ratio
+        return weights
+
+    def loss_sums(self, hidden, lm_head, teacher_hidden, teacher_lm_head, batch, overlap):
+        """All sums (the objective's and the CE) and metrics of one micro-batch."""
+        s = self.settings
+        grad = self.response_logprob_grad or s.kd_ratio < 1.0
+        h, w = (hidden, lm_head) if grad else jax.lax.stop_gradient((hidden, lm_head))
+        rows = jnp.take(h, batch["response_rows"], axis=0)
+        logp, _ = token_rows(rows, w, batch["response_targets"], chunk_rows=s.chunked_loss_size,
+                             implementation=s.implementation)
+        x = StepInputs(hidden, lm_head, teacher_hidden, teacher_lm_head, batch, overlap, logp)
+        sums, metrics = self.kd_sums(x)
+        sums = dict(sums)
+        sums["ce"] = losses.masked_sum(-logp, batch["response_weight"])
+        lp_w = batch["rollout_logprob_weight"]
+        gap = jnp.abs(batch["rollout_logprobs"] - jax.lax.stop_gradient(logp))
+        metrics = dict(metrics)
+        metrics["logprob_gap"] = (jnp.sum(lp_w * gap), jnp.sum(lp_w))
+        return sums, metrics

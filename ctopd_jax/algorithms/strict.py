@@ -1,41 +1,86 @@
 """Strict full (`strict`, byte_align_ctkd) and strict top-k (`topk_strict`) of SPEC §4.
 
-Both gather the student hidden states at the strict pairs' student rows and hand
-(hidden rows, lm_head) to the chunked kernel, so the lm_head, the V∩ projection and the
-divergence run per chunk of `chunked_loss_size` rows and no [R, V] student logits exist.
+Both gather the student hidden states at the strict pairs' student rows and hand (hidden rows,
+lm_head) with the teacher's (hidden rows, lm_head) to the chunked kernel, so the lm_heads, the
+V∩ projection and the divergence run per chunk of `chunked_loss_size` rows: no [R, V] logits
+of either model exist.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax.numpy as jnp
 
-from ctopd_jax.algorithms.base import Algorithm, register
-from ctopd_jax.kernels.api import strict_kd_sum
+from ctopd_jax.algorithms import pack
+from ctopd_jax.algorithms.base import Objective, register
+from ctopd_jax.config import AlgorithmSection, _require
+from ctopd_jax.kernels.api import strict_kd_rows
+
+
+@dataclass(frozen=True)
+class StrictSettings(AlgorithmSection):
+    ctkd_topk: int = 128                 # k of strict top-k (topk_strict; span_base topk_strict)
+
+    def validate(self) -> None:
+        super().validate()
+        _require(self.ctkd_topk >= 1, "algorithm.ctkd_topk",
+                 "must be >= 1 (and <= |V∩|, checked once the tokenizers are loaded)")
+
+
+def strict_inputs(host, start: int, stop: int) -> dict:
+    """Student and teacher tokens, response rows and strict pairs of one micro-batch; the
+    teacher hands back hidden states at the strict teacher rows."""
+    arrays = pack.student_arrays(host, start, stop)
+    arrays.update(pack.teacher_tokens(host, start, stop))
+    arrays.update(pack.strict_arrays(host, start, stop, arrays["student_ids"].shape[1],
+                                     arrays["teacher_ids"].shape[1]))
+    arrays["teacher_rows"] = arrays["strict_teacher_rows"]
+    return arrays
+
+
+def strict_sum(settings, topk, x, teacher_hidden, weight=None):
+    """(Σ_r w_r·D_r, per-row values) at the strict pairs; `teacher_hidden` [R, H_T] holds the
+    teacher rows of the pairs in order; `weight` overrides batch["strict_weight"]."""
+    s, batch = settings, x.batch
+    rows = jnp.take(x.hidden, batch["strict_student_rows"], axis=0)
+    weight = batch["strict_weight"] if weight is None else weight
+    return strict_kd_rows((rows, x.lm_head), (teacher_hidden, x.teacher_lm_head), x.overlap["s_ids"],
+                          weight, t_ids=x.overlap["t_ids"], divergence=s.kd_loss_fn, topk=topk,
+                          temperature=s.kd_temperature, implementation=s.implementation,
+                          chunk_rows=s.chunked_loss_size, jsd_beta=s.jsd_beta,
+                          skl_lambda=s.skl_lambda, akl_alpha=s.akl_alpha)
+
+
+def check_topk(topk: int | None, shared_size: int) -> None:
+    if topk is not None and topk > shared_size:
+        raise ValueError(f"algorithm.ctkd_topk={topk} exceeds the shared vocabulary |V∩|="
+                         f"{shared_size}; lower algorithm.ctkd_topk")
 
 
 @register("strict")
-class StrictFull(Algorithm):
-    needs = frozenset({"strict_pairs", "teacher_shared_rows"})
-    topk: int | None = None
+class StrictFull(Objective):
+    settings_class = StrictSettings
 
-    def _topk(self) -> int | None:
+    @property
+    def topk(self) -> int | None:
         return None
 
-    def check_vocab(self, shared_vocab_size: int) -> None:
-        k = self._topk()
-        if k is not None and k > shared_vocab_size:
-            raise ValueError(f"algorithm.ctkd_topk={k} exceeds the shared vocabulary |V∩|="
-                             f"{shared_vocab_size}; lower ctkd_topk")
+    def check(self, overlap) -> None:
+        check_topk(self.topk, overlap.shared)
 
-    def kd_sum(self, hidden_flat, lm_head, batch, teacher_rows, overlap):
-        s = self.settings
-        rows = jnp.take(hidden_flat, batch["strict_student_rows"], axis=0)
-        return strict_kd_sum((rows, lm_head), teacher_rows, overlap["s_ids"], batch["strict_weight"],
-                             divergence=s.kd_loss_fn, topk=self._topk(), temperature=s.kd_temperature,
-                             implementation=s.implementation, chunk_rows=s.chunked_loss_size,
-                             jsd_beta=s.jsd_beta, skl_lambda=s.skl_lambda, akl_alpha=s.akl_alpha)
+    def prepare(self, host, start, stop):
+        return strict_inputs(host, start, stop)
+
+    def kd_weights(self):
+        return {"strict": 1.0}
+
+    def kd_sums(self, x):
+        total, _ = strict_sum(self.settings, self.topk, x, x.teacher_hidden)
+        return {"strict": total}, {}
 
 
 @register("topk_strict")
 class StrictTopK(StrictFull):
-    def _topk(self) -> int | None:
+    @property
+    def topk(self) -> int | None:
         return int(self.settings.ctkd_topk)

@@ -1,12 +1,13 @@
-"""One entry point for the strict objectives: `strict_kd_sum(..., implementation=...)`.
+"""One entry point for the strict objectives: `strict_kd_rows(..., implementation=...)`.
 
 Implementations, tried in this order from the one asked for (ordered fallback):
   "pallas"    -> fused Pallas chunk kernels (interpret mode on CPU, compiled on GPU); akl and
                  top-k with k > PALLAS_MAX_TOPK are not supported there and fall back to xla.
   "xla"       -> row-chunked custom-VJP driver (kernels.row_chunks) with jnp chunk functions.
   "reference" -> plain jnp autodiff over the whole batch (the oracle; most memory).
-All return the same number: Σ_r row_weight[r] · D_r over the given rows (float32 scalar),
-differentiable w.r.t. the student logits (or hidden states and lm_head).
+All return the same numbers: the per-row values row_weight[r] · D_r [R] and their sum (float32
+scalar), the sum differentiable w.r.t. the student logits (or hidden states and lm_head); the
+per-row values are constants (metrics, per-row weights of other objectives).
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ IMPLEMENTATIONS = ("pallas", "xla", "reference")
 # random column gathers (student projection and the scatter back) into near-sequential ones.
 ORDER_FREE = ("kl", "rkl", "jsd", "skl", "srkl", "tvd")
 PALLAS_MAX_TOPK = 256
-DEFAULT_CHUNK_ROWS = 256
 _log = logging.getLogger(__name__)
 
 
@@ -51,6 +51,15 @@ def resolve_implementation(implementation: str, divergence: str, topk: int | Non
             return candidate
         _log.info("implementation %s unsupported (%s); falling back", candidate, reason)
     return "reference"
+
+
+def _rows_of(x):
+    """Row count of logits [R, V] or of (hidden [R, H], lm_head [H, V])."""
+    return x[0].shape[0] if isinstance(x, tuple) else x.shape[0]
+
+
+def _width_of(x):
+    return x[1].shape[1] if isinstance(x, tuple) else x.shape[1]
 
 
 def _validate(student, teacher, s_ids, row_weight, topk, t_ids, s_rows, t_rows):
@@ -80,10 +89,17 @@ def _validate(student, teacher, s_ids, row_weight, topk, t_ids, s_rows, t_rows):
         raise ValueError(f"|s_ids|={shared} must be in [1, V_S={vocab_s}]")
     want_cols = shared if t_ids is None else None
     teacher_rows = rows if t_rows is None else None
-    if teacher.ndim != 2 or (teacher_rows is not None and teacher.shape[0] != teacher_rows) or (
-            want_cols is not None and teacher.shape[1] != want_cols):
+    if isinstance(teacher, tuple):
+        if len(teacher) != 2 or teacher[0].ndim != 2 or teacher[1].ndim != 2 or \
+                teacher[0].shape[1] != teacher[1].shape[0]:
+            raise ValueError("teacher must be logits or (hidden [R, H_T], lm_head [H_T, V_T])")
+    elif teacher.ndim != 2:
+        raise ValueError(f"teacher must be 2-D logits; got shape {teacher.shape}")
+    if (teacher_rows is not None and _rows_of(teacher) != teacher_rows) or (
+            want_cols is not None and _width_of(teacher) != want_cols):
         raise ValueError(f"teacher must be [R={rows}, V∩={shared}] (projected) or [R, V_T] with "
-                         f"t_ids (or flat rows with teacher_row_ids); got {teacher.shape}")
+                         f"t_ids (or flat rows with teacher_row_ids); got "
+                         f"{(teacher[0].shape, teacher[1].shape) if isinstance(teacher, tuple) else teacher.shape}")
     if t_rows is not None and t_rows.shape[0] != rows:
         raise ValueError(f"teacher_row_ids must have R={rows} entries, got {t_rows.shape[0]}")
     if t_ids is not None and (t_ids.ndim != 1 or t_ids.shape[0] != shared):
@@ -106,18 +122,27 @@ def _chunk_fn(implementation, divergence, topk, temperature, div_items, interpre
     return topk_xla.make_chunk_fn(divergence, topk, temperature, div_items)
 
 
-def strict_kd_sum(student, teacher_shared, s_ids, row_weight, *, divergence: str,
-                  topk: int | None = None, temperature: float = 1.0,
-                  implementation: str = "xla", chunk_rows: int = DEFAULT_CHUNK_ROWS,
-                  t_ids=None, student_row_ids=None, teacher_row_ids=None,
-                  interpret: bool | None = None, jsd_beta: float = 0.5,
-                  skl_lambda: float = 0.1, akl_alpha: float = 0.5):
-    """Σ_r row_weight[r] · D(p̄_S[r], p̄_T[r]) over aligned rows (SPEC §4), float32 scalar.
+def strict_kd_sum(student, teacher_shared, s_ids, row_weight, **kwargs):
+    """Σ_r row_weight[r] · D(p̄_S[r], p̄_T[r]) (the total of `strict_kd_rows`)."""
+    return strict_kd_rows(student, teacher_shared, s_ids, row_weight, **kwargs)[0]
+
+
+def strict_kd_rows(student, teacher_shared, s_ids, row_weight, *, divergence: str,
+                   topk: int | None = None, temperature: float = 1.0,
+                   implementation: str = "xla", chunk_rows: int = 2048,
+                   t_ids=None, student_row_ids=None, teacher_row_ids=None,
+                   interpret: bool | None = None, jsd_beta: float = 0.5,
+                   skl_lambda: float = 0.1, akl_alpha: float = 0.5):
+    """(Σ_r w_r · D_r, per-row w_r · D_r [R]) over aligned rows (SPEC §4), float32.
+
+    The sum is differentiable; the per-row values are constants.
 
     student:        logits [R, V_S], or (hidden [R, H], lm_head [H, V_S]) for the chunked
                     from-hidden path (lm_head applied per chunk of `chunk_rows`).
     teacher_shared: teacher logits projected to V∩ [R, V∩] (a constant), or full [R, V_T] together
-                    with `t_ids` to project per chunk (never materialising [R, V∩]).
+                    with `t_ids` to project per chunk (never materialising [R, V∩]), or the
+                    teacher's (hidden [R, H_T], lm_head [H_T, V_T]) with `t_ids`: its logits are
+                    then computed chunk by chunk beside the student's.
     s_ids:          int [V∩] student column of each shared entry (same order as the teacher).
     row_weight:     [R] (0 for padding rows; 1 for strict pairs).
     topk:           None for strict full; k for strict top-k (1 <= k <= |V∩|).
@@ -141,12 +166,14 @@ def strict_kd_sum(student, teacher_shared, s_ids, row_weight, *, divergence: str
         if teacher_row_ids is not None:
             teacher_shared = gather_rows(teacher_shared, teacher_row_ids)
         if topk is None:
-            return full_reference.strict_full_sum(student, teacher_shared, s_ids, row_weight,
-                                                  divergence=divergence, temperature=temperature,
-                                                  t_ids=t_ids, **div_kwargs)
-        return topk_reference.strict_topk_sum(student, teacher_shared, s_ids, row_weight,
-                                              divergence=divergence, topk=topk,
-                                              temperature=temperature, t_ids=t_ids, **div_kwargs)
+            rows = full_reference.strict_full_rows(student, teacher_shared, s_ids, row_weight,
+                                                   divergence=divergence, temperature=temperature,
+                                                   t_ids=t_ids, **div_kwargs)
+        else:
+            rows = topk_reference.strict_topk_rows(student, teacher_shared, s_ids, row_weight,
+                                                   divergence=divergence, topk=topk,
+                                                   temperature=temperature, t_ids=t_ids, **div_kwargs)
+        return jnp.sum(rows), jax.lax.stop_gradient(rows)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     chunk_fn = _chunk_fn(impl, divergence, topk, float(temperature),
@@ -166,5 +193,7 @@ def strict_kd_sum(student, teacher_shared, s_ids, row_weight, *, divergence: str
 
 
 def gather_rows(logits_flat, row_index):
-    """Rows of flat [B*T, V] logits at the alignment's int32 flat row indices -> [R, V]."""
+    """Rows of flat [B*T, V] logits (or of (hidden, lm_head)) at int32 flat row indices."""
+    if isinstance(logits_flat, tuple):
+        return jnp.take(logits_flat[0], row_index.astype(jnp.int32), axis=0), logits_flat[1]
     return jnp.take(logits_flat, row_index.astype(jnp.int32), axis=0)

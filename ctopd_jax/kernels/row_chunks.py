@@ -1,9 +1,14 @@
 """Row-chunked loss driver with a custom VJP, shared by the xla and pallas implementations.
 
-A "chunk function" maps one chunk of projected rows to its weighted loss sum and the gradient
-of that sum with respect to the projected student logits:
+A "chunk function" maps one chunk of projected rows to its per-row weighted losses and the
+gradient of their sum with respect to the projected student logits:
 
-    chunk_fn(zs_bar [c, V∩] f32, zt_bar [c, V∩] f32, w [c] f32) -> (loss f32[], grad [c, V∩] f32)
+    chunk_fn(zs_bar [c, V∩] f32, zt_bar [c, V∩] f32, w [c] f32) -> (rows [c] f32, grad [c, V∩] f32)
+
+`rows[r]` is w_r · D_r (exactly 0 where w_r == 0). The driver returns the differentiable sum
+and the per-row values as constants (stop_gradient): the gradient is computed in the forward
+for a uniform cotangent of the sum, so a per-row cotangent cannot be honoured. Objectives that
+need a differentiable per-row quantity use `kernels.token_rows` (recomputing backward).
 
 The driver walks the rows in chunks of `chunk_rows`, gathers the shared-vocabulary columns of
 that chunk only (and the teacher columns when the teacher arrives over its full vocabulary),
@@ -29,6 +34,10 @@ appended zero column): gathers are much cheaper than scatters on XLA:CPU.
 Fused row gather: with row ids the aligned rows are gathered from the flat [B*T, V] logits
 chunk by chunk as well (teacher on either path, student on the logits path), so not even the
 [R, V] row copies exist; the student gradient is then accumulated into the flat layout.
+
+Teacher as hidden states: `teacher = (hidden [R, H_T], lm_head [H_T, V_T])` with `t_ids`; the
+shared columns of the teacher lm_head are gathered once and each chunk's teacher logits are one
+matmul, so the teacher hands over hidden rows only and no [R, V∩] teacher array exists.
 
 Hidden-state path (SPEC §1 chunked loss): `student = (hidden [R, H], lm_head [H, V_S])`. The
 shared columns of the lm_head are gathered once ([H, V∩]); each chunk computes its logits with
@@ -71,7 +80,20 @@ def _rows_chunk(x, row_ids, start, size):
     return jnp.take(x, jax.lax.dynamic_slice_in_dim(row_ids, start, size), axis=0)
 
 
+def teacher_columns(teacher, t_ids):
+    """The teacher as the driver reads it: logits [N, V] with optional column ids, or
+    (hidden [N, H], lm_head columns [H, V∩]) with the shared columns gathered once."""
+    if isinstance(teacher, tuple):
+        hidden, lm_head = teacher
+        return (hidden, lm_head if t_ids is None else jnp.take(lm_head, t_ids, axis=1)), None
+    return teacher, t_ids
+
+
 def _teacher_chunk(teacher, t_ids, start, size, t_rows=None):
+    if isinstance(teacher, tuple):  # t_ids already applied to the lm_head (teacher_columns)
+        hidden, w_cols = teacher
+        h = _rows_chunk(hidden, t_rows, start, size)
+        return jnp.dot(h, w_cols.astype(h.dtype), preferred_element_type=jnp.float32)
     rows = _rows_chunk(teacher, t_rows, start, size)
     if t_ids is not None:
         rows = jnp.take(rows, t_ids, axis=1)
@@ -87,7 +109,7 @@ def _logits_loss_and_grad(chunk_fn, chunk_rows, student, teacher, s_ids, t_ids, 
     gathered = s_rows is not None
 
     def one(start, rows, carry):
-        loss, grad_buf = carry
+        loss, per_row, grad_buf = carry
         if gathered:  # fused row gather: the aligned rows are read straight from flat logits
             idx = jax.lax.dynamic_slice_in_dim(s_rows, start, rows)
             zs = jnp.take(student, idx, axis=0)
@@ -96,20 +118,24 @@ def _logits_loss_and_grad(chunk_fn, chunk_rows, student, teacher, s_ids, t_ids, 
         zs_bar = jnp.take(zs, s_ids, axis=1).astype(jnp.float32)
         zt_bar = _teacher_chunk(teacher, t_ids, start, rows, t_rows)
         w = jax.lax.dynamic_slice_in_dim(weight, start, rows).astype(jnp.float32)
-        chunk_loss, g_bar = chunk_fn(zs_bar, zt_bar, w)
+        chunk_rows_out, g_bar = chunk_fn(zs_bar, zt_bar, w)
+        loss = loss + jnp.sum(chunk_rows_out)
+        per_row = jax.lax.dynamic_update_slice_in_dim(per_row, chunk_rows_out, start, axis=0)
         g = _to_student_layout(g_bar, inv).astype(grad_buf.dtype)
         if gathered:  # rows may repeat in general: accumulate
-            return loss + chunk_loss, grad_buf.at[idx].add(g)
-        return loss + chunk_loss, jax.lax.dynamic_update_slice_in_dim(grad_buf, g, start, axis=0)
+            return loss, per_row, grad_buf.at[idx].add(g)
+        return loss, per_row, jax.lax.dynamic_update_slice_in_dim(grad_buf, g, start, axis=0)
 
-    carry = (jnp.zeros((), jnp.float32), jnp.zeros_like(student) if gathered else student)
+    carry = (jnp.zeros((), jnp.float32), jnp.zeros((num_rows,), jnp.float32),
+             jnp.zeros_like(student) if gathered else student)
     if n_full:
         carry = jax.lax.fori_loop(0, n_full, lambda i, c: one(i * size, size, c), carry)
     if tail:
         carry = one(n_full * size, tail, carry)
+    loss, per_row, grad = carry
     if num_rows == 0:
-        carry = (carry[0], jnp.zeros_like(student))
-    return carry
+        grad = jnp.zeros_like(student)
+    return loss, per_row, grad
 
 
 def _hidden_loss_and_grad(chunk_fn, chunk_rows, hidden, lm_head, teacher, s_ids, t_ids, weight,
@@ -120,32 +146,37 @@ def _hidden_loss_and_grad(chunk_fn, chunk_rows, hidden, lm_head, teacher, s_ids,
     size, n_full, tail = _chunks(num_rows, chunk_rows)
 
     def one(start, rows, carry):
-        loss, g_hidden, g_wbar = carry
+        loss, per_row, g_hidden, g_wbar = carry
         h = jax.lax.dynamic_slice_in_dim(hidden, start, rows, axis=0)
-        zs_bar = jnp.dot(h, w_bar, preferred_element_type=jnp.float32)
+        # matmuls in the compute dtype of the hidden states, accumulated in float32
+        zs_bar = jnp.dot(h, w_bar.astype(h.dtype), preferred_element_type=jnp.float32)
         zt_bar = _teacher_chunk(teacher, t_ids, start, rows, t_rows)
         w = jax.lax.dynamic_slice_in_dim(weight, start, rows).astype(jnp.float32)
-        chunk_loss, g_bar = chunk_fn(zs_bar, zt_bar, w)
-        gh = jnp.dot(g_bar.astype(w_bar.dtype), w_bar.T, preferred_element_type=jnp.float32)
-        g_wbar = g_wbar + jnp.dot(h.T, g_bar.astype(h.dtype), preferred_element_type=jnp.float32)
+        chunk_rows_out, g_bar = chunk_fn(zs_bar, zt_bar, w)
+        g_bar = g_bar.astype(h.dtype)
+        gh = jnp.dot(g_bar, w_bar.T.astype(h.dtype), preferred_element_type=jnp.float32)
+        g_wbar = g_wbar + jnp.dot(h.T, g_bar, preferred_element_type=jnp.float32)
         g_hidden = jax.lax.dynamic_update_slice_in_dim(g_hidden, gh.astype(g_hidden.dtype),
                                                        start, axis=0)
-        return loss + chunk_loss, g_hidden, g_wbar
+        per_row = jax.lax.dynamic_update_slice_in_dim(per_row, chunk_rows_out, start, axis=0)
+        return loss + jnp.sum(chunk_rows_out), per_row, g_hidden, g_wbar
 
-    carry = (jnp.zeros((), jnp.float32), jnp.zeros_like(hidden),
-             jnp.zeros((hid, s_ids.shape[0]), jnp.float32))
+    carry = (jnp.zeros((), jnp.float32), jnp.zeros((num_rows,), jnp.float32),
+             jnp.zeros_like(hidden), jnp.zeros((hid, s_ids.shape[0]), jnp.float32))
     if n_full:
         carry = jax.lax.fori_loop(0, n_full, lambda i, c: one(i * size, size, c), carry)
     if tail:
         carry = one(n_full * size, tail, carry)
-    loss, g_hidden, g_wbar = carry
+    loss, per_row, g_hidden, g_wbar = carry
     g_lm_head = _to_student_layout(g_wbar, inverse_ids(s_ids, vocab))
-    return loss, g_hidden, g_lm_head.astype(lm_head.dtype)
+    return loss, per_row, g_hidden, g_lm_head.astype(lm_head.dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def make_chunked_loss(chunk_fn: ChunkFn, chunk_rows: int, from_hidden: bool):
-    """A differentiable f(student, teacher, s_ids, t_ids, weight, s_rows, t_rows) -> loss sum.
+    """f(student, teacher, s_ids, t_ids, weight, s_rows, t_rows) -> (loss sum, per-row values).
+
+    The sum is differentiable; the per-row values [R] are constants (see the module docstring).
 
     s_rows / t_rows (optional int [R]) gather the aligned rows from flat [N, V] logits chunk by
     chunk (the fused row gather); the student gradient then has the flat shape, zero elsewhere.
@@ -157,22 +188,30 @@ def make_chunked_loss(chunk_fn: ChunkFn, chunk_rows: int, from_hidden: bool):
 
     def run(student, teacher, s_ids, t_ids, weight, s_rows, t_rows):
         if from_hidden:
-            loss, gh, gw = _hidden_loss_and_grad(chunk_fn, chunk_rows, *student, teacher, s_ids,
-                                                 t_ids, weight, t_rows)
-            return loss, (gh, gw)
-        return _logits_loss_and_grad(chunk_fn, chunk_rows, student, teacher, s_ids, t_ids, weight,
-                                     s_rows, t_rows)
+            loss, per_row, gh, gw = _hidden_loss_and_grad(chunk_fn, chunk_rows, *student, teacher,
+                                                          s_ids, t_ids, weight, t_rows)
+            return (loss, per_row), (gh, gw)
+        loss, per_row, grad = _logits_loss_and_grad(chunk_fn, chunk_rows, student, teacher, s_ids,
+                                                    t_ids, weight, s_rows, t_rows)
+        return (loss, per_row), grad
 
     @jax.custom_vjp
-    def loss_fn(student, teacher, s_ids, t_ids, weight, s_rows=None, t_rows=None):
+    def sum_and_rows(student, teacher, s_ids, t_ids, weight, s_rows=None, t_rows=None):
         return run(student, teacher, s_ids, t_ids, weight, s_rows, t_rows)[0]
 
     def fwd(student, teacher, s_ids, t_ids, weight, s_rows=None, t_rows=None):
         return run(student, teacher, s_ids, t_ids, weight, s_rows, t_rows)
 
     def bwd(grads, cot):
-        scaled = jax.tree.map(lambda g: (g * cot.astype(g.dtype)), grads)
+        cot_sum, _ = cot  # the per-row output is a constant (stop_gradient below)
+        scaled = jax.tree.map(lambda g: (g * cot_sum.astype(g.dtype)), grads)
         return scaled, None, None, None, None, None, None
 
-    loss_fn.defvjp(fwd, bwd)
+    sum_and_rows.defvjp(fwd, bwd)
+
+    def loss_fn(student, teacher, s_ids, t_ids, weight, s_rows=None, t_rows=None):
+        teacher, t_ids = teacher_columns(teacher, t_ids)
+        total, per_row = sum_and_rows(student, teacher, s_ids, t_ids, weight, s_rows, t_rows)
+        return total, jax.lax.stop_gradient(per_row)
+
     return loss_fn

@@ -15,12 +15,15 @@ def student_logits_of(student):
 
 
 def teacher_shared_of(teacher, t_ids):
-    return teacher if t_ids is None else jnp.take(teacher, t_ids, axis=1)
+    """Teacher logits [R, V∩] from projected logits, full logits with t_ids, or (hidden, lm_head)."""
+    logits = student_logits_of(teacher)
+    return logits if t_ids is None else jnp.take(logits, t_ids, axis=1)
 
 
-def strict_full_sum(student, teacher, s_ids, row_weight, *, divergence, temperature=1.0,
-                    t_ids=None, **div_kwargs):
+def strict_full_rows(student, teacher, s_ids, row_weight, *, divergence, temperature=1.0,
+                     t_ids=None, **div_kwargs):
+    """Per-row w_r · D_r [R] (differentiable)."""
     zs_bar = jnp.take(student_logits_of(student), s_ids, axis=1)
     zt_bar = teacher_shared_of(teacher, t_ids)
     per_row = losses.divergence(divergence, zs_bar, zt_bar, temperature=temperature, **div_kwargs)
-    return losses.masked_sum(per_row, row_weight)
+    return losses.masked_rows(per_row, row_weight)

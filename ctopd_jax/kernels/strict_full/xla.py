@@ -20,18 +20,18 @@ from ctopd_jax.kernels import row_terms
 
 
 def autodiff_chunk(divergence, temperature, div_kwargs):
-    """(weighted loss sum, d loss / d zs_bar) of the divergence on whole rows, by autodiff."""
+    """(weighted per-row losses, d Σ / d zs_bar) of the divergence on whole rows, by autodiff."""
     def chunk_fn(zs_bar, zt_bar, w):
         log_pt = jax.lax.stop_gradient(losses.log_softmax_f32(zt_bar, temperature))
 
-        def loss_of(zs):
+        def rows_of(zs):
             log_ps = losses.log_softmax_f32(zs, temperature)
             per_row = losses.divergence_from_logprobs(divergence, log_ps, log_pt, **div_kwargs)
-            return losses.masked_sum(per_row, w)
+            return losses.masked_rows(per_row, w)
 
-        loss, vjp = jax.vjp(loss_of, zs_bar)
-        (grad,) = vjp(jnp.ones((), jnp.float32))
-        return loss, grad
+        rows, vjp = jax.vjp(rows_of, zs_bar)
+        (grad,) = vjp(jnp.ones_like(rows))
+        return rows, grad
 
     return chunk_fn
 
@@ -56,15 +56,15 @@ def _closed_form_chunk(divergence, temperature, div_kwargs):
             support = p > 0
             d = jnp.where(support, a - jnp.where(support, b, 0.0), 0.0)
             row = jnp.sum(p * d, axis=-1, keepdims=True)
-            loss, grad = losses.masked_sum(row[:, 0], w), scale * p * (d - row)
+            loss, grad = losses.masked_rows(row[:, 0], w), scale * p * (d - row)
         elif divergence == "kl":  # Σ f_a = −1, so the gradient is p_S − p_T
             pt = jnp.exp(b)
             support = pt > 0
             terms = jnp.where(support, pt * (b - jnp.where(support, a, 0.0)), 0.0)
-            loss, grad = losses.masked_sum(jnp.sum(terms, -1), w), scale * (jnp.exp(a) - pt)
+            loss, grad = losses.masked_rows(jnp.sum(terms, -1), w), scale * (jnp.exp(a) - pt)
         else:
             f, f_a = row_terms.terms_and_partials(divergence, a, b, is_top, **kw)
-            loss = losses.masked_sum(jnp.sum(f, axis=-1), w)
+            loss = losses.masked_rows(jnp.sum(f, axis=-1), w)
             grad = scale * (f_a - jnp.exp(a) * jnp.sum(f_a, axis=-1, keepdims=True))
         return loss, jnp.where(live[:, None], grad, 0.0)
 

@@ -115,6 +115,6 @@ def make_chunk_fn(divergence: str, topk: int, temperature: float, div_items: tup
             block_cols=block_cols)
         rows = jnp.arange(zs_bar.shape[0])[:, None]
         grad = jnp.zeros(zs_bar.shape, jnp.float32).at[rows, idx].set(g_k, unique_indices=True)
-        return jnp.sum(loss_rows), grad
+        return loss_rows, grad
 
     return chunk_fn

@@ -21,11 +21,11 @@ def select_topk(zs_bar, k: int):
     return jnp.take_along_axis(zs_bar, idx, axis=-1), idx
 
 
-def strict_topk_sum(student, teacher, s_ids, row_weight, *, divergence, topk, temperature=1.0,
+def strict_topk_rows(student, teacher, s_ids, row_weight, *, divergence, topk, temperature=1.0,
                     t_ids=None, **div_kwargs):
     zs_bar = jnp.take(student_logits_of(student), s_ids, axis=1)
     zt_bar = teacher_shared_of(teacher, t_ids)
     zs_k, idx = select_topk(zs_bar, topk)
     zt_k = jnp.take_along_axis(zt_bar, idx, axis=1)
     per_row = losses.divergence(divergence, zs_k, zt_k, temperature=temperature, **div_kwargs)
-    return losses.masked_sum(per_row, row_weight)
+    return losses.masked_rows(per_row, row_weight)

@@ -1,0 +1,110 @@
+"""Gradient diagnostics of SPEC §6 (paper §5), for any objective with a strict part.
+
+On a fixed replay set — `algorithm.diagnostics_prompts` prompts drawn once with a seed from the
+run's seed, and their responses sampled once by the student the first time the diagnostics run
+— at step 0 and every `algorithm.diagnostics_every` steps, per replay unit (a micro-batch of
+`optimizer.micro_batch_size` responses):
+
+    g_strict = ∇ L_strict,  g_mis = ∇ L_span   (the whole parameter vector)
+    grad_cos_mismatch = cos(g_strict, g_mis),  grad_norm_ratio = ‖g_mis‖ / ‖g_strict‖
+    grad_cos_control  = cos(∇ L_strict on half A of the strict pairs, ∇ on half B)
+
+with the halves a seeded random split of the unit's strict pairs. Reported: medians over units.
+L_strict is the trained objective's strict part (full or top-k, same divergence and kernel);
+L_span is SPEC §6's span term, whatever the trained objective (so `strict` runs can be
+diagnosed too). Decision: after a resume the replay responses are sampled again by the resumed
+student (they are not stored in checkpoints).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ctopd_jax import build
+from ctopd_jax.algorithms.device import objective_sums, scalar
+from ctopd_jax.algorithms.span import SpanLoss, SpanSettings
+from ctopd_jax.config import ConfigError
+from ctopd_jax.metrics import StepTimer
+from ctopd_jax.teacher import teacher_hidden_rows
+
+
+def tree_dot(a, b):
+    return sum(jnp.vdot(x.astype(jnp.float32), y.astype(jnp.float32))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def cosine_and_ratio(g, h):
+    """(cos(g, h), ‖h‖ / ‖g‖) of two gradient trees (0 where a norm is 0)."""
+    gg, hh, gh = tree_dot(g, g), tree_dot(h, h), tree_dot(g, h)
+    denom = jnp.sqrt(gg * hh)
+    cos = jnp.where(denom > 0, gh / jnp.where(denom > 0, denom, 1.0), 0.0)
+    ratio = jnp.where(gg > 0, jnp.sqrt(hh / jnp.where(gg > 0, gg, 1.0)), 0.0)
+    return cos, ratio
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "objective"))
+def unit_statistics(params, rest, batch, t_hidden, t_lm_head, overlap, half_a, *, graphdef, objective):
+    """(cos mismatch, norm ratio, cos control) of one replay unit."""
+    def grad_of(name, weight):
+        def f(p):
+            b = dict(batch, strict_weight=weight)
+            return objective_sums(p, rest, b, t_hidden, t_lm_head, overlap, graphdef=graphdef,
+                                  objective=objective)[0][name]
+        return jax.grad(f)(params)
+
+    w = batch["strict_weight"]
+    g_strict, g_mis = grad_of("strict", w), grad_of("span", w)
+    cos_mis, ratio = cosine_and_ratio(g_strict, g_mis)
+    cos_control, _ = cosine_and_ratio(grad_of("strict", w * half_a), grad_of("strict", w * (1 - half_a)))
+    return cos_mis, ratio, cos_control
+
+
+class Diagnostics:
+    def __init__(self, trainer):
+        c = trainer.config
+        topk = getattr(trainer.objective, "topk", False)
+        if topk is False:
+            raise ConfigError(f"algorithm.diagnostics_every: objective {c.algorithm.name!r} has no strict "
+                              "part to diagnose; use strict, topk_strict or span, or set it to 0")
+        fields = {f.name: getattr(c.algorithm, f.name) for f in dataclasses.fields(c.algorithm)
+                  if f.name in {g.name for g in dataclasses.fields(SpanSettings)}}
+        fields.update(name="span", span_base="strict" if topk is None else "topk_strict")
+        self.objective = SpanLoss(SpanSettings(**fields))
+        self.trainer, self.every = trainer, c.algorithm.diagnostics_every
+        rng = np.random.default_rng([c.seed, 6])
+        pool = trainer.stream.prompts
+        pick = rng.choice(len(pool), size=min(c.algorithm.diagnostics_prompts, len(pool)), replace=False)
+        self.prompts = [pool[i] for i in sorted(pick)]
+        self.seed = int(rng.integers(2 ** 31 - 1))
+        self.host = None
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def run(self) -> dict[str, float]:
+        t = self.trainer
+        if self.host is None:
+            self.host = t.collector.collect(self.prompts, self.seed, StepTimer())
+        host, micro = self.host, t.config.optimizer.micro_batch_size
+        rows = []
+        for unit, start in enumerate(range(0, host.size, micro)):
+            stop = min(start + micro, host.size)
+            arrays = self.objective.prepare(host, start, stop)
+            weight = arrays["strict_weight"]
+            split = np.random.default_rng([t.config.seed, 7, unit]).permutation(int(weight.sum()))
+            half_a = np.zeros_like(weight)
+            half_a[split[: len(split) // 2]] = 1.0
+            batch = build.to_global(arrays, t.mesh)
+            t_hidden = teacher_hidden_rows(t.t_graphdef, t.t_state, batch["teacher_ids"],
+                                           batch["teacher_mask"], batch["teacher_rows"])
+            stats = unit_statistics(t.params, t.rest, batch, t_hidden, t.t_lm_head, t.overlap_arrays,
+                                    build.replicated(half_a, t.mesh), graphdef=t.graphdef,
+                                    objective=self.objective)
+            rows.append([scalar(v) for v in stats])
+        med = np.median(np.asarray(rows), axis=0)
+        return {"grad_cos_mismatch": float(med[0]), "grad_norm_ratio": float(med[1]),
+                "grad_cos_control": float(med[2])}

@@ -1,0 +1,179 @@
+"""Building what the loop runs: models on the mesh, tokenizers, the rollout engine, prompts and
+the optimizer update. trainer.py only calls these.
+
+Decisions where SPEC is silent:
+- Prompts whose student rendering is longer than rollout.max_prompt_len are dropped once at
+  start-up (with a warning naming the count and the first one), so the data order is fixed.
+- Multi-process (jax.distributed): every process runs the same host work on the same data and
+  the embedded sampler runs per process on a gathered local copy of the student.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ctopd_jax import mesh as mesh_lib
+from ctopd_jax import sources
+
+
+class TrainerSetupError(ValueError):
+    """A model, tokenizer or data setting that cannot be used (raised before training)."""
+
+
+def model_dir(spec: str) -> Path | None:
+    """The checkpoint directory a `model.student` / `model.teacher` spec names, if any."""
+    if sources.is_named(spec) and not spec.startswith("preset:"):
+        return Path(sources.resolve("model", spec, "model"))
+    path = Path(spec).expanduser()
+    return path if path.is_dir() else None
+
+
+@functools.partial(nnx.jit, static_argnums=(0,))
+def _init_decoder(cfg, seed):
+    """A randomly initialised Decoder; compiled once per config (cached across trainers)."""
+    from ctopd_jax.models import Decoder
+    return Decoder(cfg, rngs=nnx.Rngs(jax.random.key(seed)))
+
+
+def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, role: str):
+    """(Decoder on the mesh, TokenizerSide) for `model.student` / `model.teacher`."""
+    from ctopd_jax.models import PRESETS
+    from ctopd_jax.tokenization.side import load_tokenizer_side
+
+    directory = model_dir(spec)
+    name = spec.split(":", 1)[1] if spec.startswith("preset:") else spec
+    if directory is None and name not in PRESETS:
+        raise TrainerSetupError(
+            f"model.{role}={spec!r}: not a checkpoint directory, a named source (demo:{role}), or a "
+            f"preset ({', '.join(sorted(PRESETS))})")
+    tok_spec = tokenizer_spec or (str(directory) if directory is not None else "")
+    if not tok_spec:
+        raise TrainerSetupError(f"model.{role}_tokenizer: a preset model ({spec}) needs a tokenizer; "
+                                f"set model.{role}_tokenizer (e.g. tiny_bpe)")
+    tokenizer = load_tokenizer_side(tok_spec)
+    param_dtype = model_section.param_dtype
+    if role == "teacher" and model_section.teacher_param_dtype:
+        param_dtype = model_section.teacher_param_dtype
+    kwargs = dict(dtype=model_section.dtype, param_dtype=param_dtype,
+                  remat=model_section.remat if role == "student" else False)
+    if directory is not None:
+        from ctopd_jax.models.weights import load_hf_checkpoint
+        model, _ = load_hf_checkpoint(directory, mesh=mesh, **kwargs)  # placed on its shardings
+    else:
+        cfg = PRESETS[name](vocab_size=tokenizer.vocab_size, **kwargs)
+        model = _init_decoder(cfg, seed)
+        place_module(model, mesh)
+    if model.cfg.vocab_size < tokenizer.vocab_size:
+        raise TrainerSetupError(
+            f"model.{role}: vocabulary {model.cfg.vocab_size} is smaller than its tokenizer's "
+            f"{tokenizer.vocab_size}; pair the model with the tokenizer it was trained with")
+    return model, tokenizer
+
+
+def place_module(module, mesh) -> None:
+    """Put every parameter on its logical sharding, from host values (works multi-process)."""
+    state = nnx.state(module)
+    host = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state)
+    nnx.update(module, jax.device_put(host, mesh_lib.module_shardings(module, mesh)))
+
+
+def replicated(value: np.ndarray, mesh) -> jax.Array:
+    """Identical host data on every process -> one array replicated over the mesh."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+
+
+def to_global(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
+    """Identical host arrays on every process -> global arrays (batch dim sharded when it divides)."""
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    out = {}
+    for key, value in batch.items():
+        if value.ndim >= 1 and value.shape[0] % shards == 0:
+            sharding = mesh_lib.batch_sharding(mesh, value.ndim)
+            out[key] = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
+        else:
+            out[key] = replicated(value, mesh)
+    return out
+
+
+def on_mesh(x, mesh):
+    """x itself when it already lives on a mesh sharding, else replicated over `mesh`."""
+    if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding):
+        return x
+    return replicated(np.asarray(jax.device_get(x)), mesh)
+
+
+def local_copy(module):
+    """A single-device copy of a (possibly multi-process sharded) module, for per-process work."""
+    from jax.experimental import multihost_utils
+
+    graphdef, state = nnx.split(module)
+    device = jax.local_devices()[0]
+    gathered = jax.tree.map(
+        lambda x: jax.device_put(np.asarray(multihost_utils.process_allgather(x, tiled=True)), device), state)
+    return nnx.merge(graphdef, gathered)
+
+
+class ProcessLocalEngine:
+    """Wraps an engine so that, with several processes, it samples from a local student copy."""
+
+    def __init__(self, make_engine: Callable[[Any], Any], student):
+        self.engine = make_engine(local_copy(student))
+        self.eos_ids = getattr(self.engine, "eos_ids", ())
+
+    def generate(self, prompts, params):
+        return self.engine.generate(prompts, params)
+
+    def update_weights(self, model) -> None:
+        self.engine.update_weights(local_copy(model))
+
+
+def make_engine(student, s_tok, rollout, mesh):
+    """The rollout engine of `rollout.engine` over the student policy."""
+    def make(model):
+        if rollout.engine == "vllm":
+            from ctopd_jax.rollout.vllm_engine import VllmEngine
+            return VllmEngine.from_config(model, s_tok, rollout)
+        from ctopd_jax.rollout.jax_sampler import JaxSampler
+        return JaxSampler(model, eos_ids=s_tok.eos_id, pad_id=s_tok.pad_id,
+                          mesh=mesh if jax.process_count() == 1 else None,
+                          max_prompt_len=rollout.max_prompt_len)
+
+    return make(student) if jax.process_count() == 1 else ProcessLocalEngine(make, student)
+
+
+def prompt_stream(config, s_tok):
+    """The training prompts (data.path) that fit rollout.max_prompt_len, as a resumable stream."""
+    from ctopd_jax.data import PromptStream, load_prompts, resolve_named_source
+    from ctopd_jax.host import render
+
+    d, r = config.data, config.rollout
+    path = resolve_named_source(d.path) if sources.is_named(d.path) else d.path
+    prompts = load_prompts(path, d.prompt_key, d.system_prompt)
+    encoded = s_tok.tokenizer.encode_batch([render(s_tok, p) for p in prompts], add_special_tokens=False)
+    fits = [len(e.ids) <= r.max_prompt_len for e in encoded]
+    kept = [p for p, ok in zip(prompts, fits) if ok]
+    if len(kept) < len(prompts):
+        first = prompts[fits.index(False)]
+        warnings.warn(f"data: dropped {len(prompts) - len(kept)} of {len(prompts)} prompts longer than "
+                      f"rollout.max_prompt_len={r.max_prompt_len} student tokens (first: {first.source})",
+                      RuntimeWarning, stacklevel=2)
+    if not kept:
+        raise TrainerSetupError(f"data.path {path}: no prompt fits rollout.max_prompt_len={r.max_prompt_len}")
+    return PromptStream(kept, r.rollout_batch_size, seed=d.seed, shuffle=d.shuffle)
+
+
+@functools.lru_cache(maxsize=8)
+def update_fns(settings, donate: bool):
+    """(tx, schedule, jitted update) per optimizer settings, so equal runs share the compile."""
+    from ctopd_jax.algorithms.device import make_apply_update
+    from ctopd_jax.optimizer import make_optimizer
+
+    tx, schedule = make_optimizer(settings)
+    return tx, schedule, make_apply_update(tx, schedule, donate=donate)
