@@ -107,8 +107,11 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, temperature=1.0, top_k=0, 
 def sample_keys(seed, sample_ids: jax.Array, step) -> jax.Array:
     """Per-sample, per-step keys: depend only on (seed, global sample index, step).
 
-    So a sample's randomness does not depend on which batch bucket or padding it landed in.
+    So a sample's randomness does not depend on which batch bucket, padding or decode slot it
+    landed in. `step` is a scalar or one per row ([B]): with continuous batching each slot is
+    at its own step (the sample's own token index); a scalar gives the same keys as [B] copies.
     """
     base = jax.random.key(jnp.asarray(seed, jnp.uint32))
     per_sample = jax.vmap(lambda i: jax.random.fold_in(base, i))(sample_ids)
-    return jax.vmap(lambda k: jax.random.fold_in(k, step))(per_sample)
+    steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), jnp.shape(sample_ids))
+    return jax.vmap(jax.random.fold_in)(per_sample, steps)
