@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -43,6 +44,17 @@ class Restored:
     step: int
     state: Any              # the pytree passed as `template`, filled with the saved arrays
     meta: dict[str, Any]
+
+
+_OBJECT_REPR = re.compile(r"<(?:bound method|built-in method|function|module) [^<>]*(?:<[^<>]*>[^<>]*)*>")
+
+
+def describe_error(err: BaseException, limit: int = 200) -> str:
+    """`Type: first line` of an exception, without `<bound method ...>` object reprs that some
+    libraries put in their messages (they name no file and help no one)."""
+    text = _OBJECT_REPR.sub("", str(err))
+    text = " ".join(text.split()).strip(" :;,")
+    return f"{type(err).__name__}: {text[:limit]}" if text else type(err).__name__
 
 
 def _leaf_key(i: int) -> str:
@@ -136,10 +148,10 @@ class Checkpointer:
                 raise
             except Exception as err:  # damaged files surface as many exception types
                 message = (f"checkpoint step {step} in {self.directory} is unreadable or corrupt "
-                           f"({type(err).__name__}: {str(err)[:200]}); moving it to {step}.corrupt "
+                           f"({describe_error(err)}); moving it to {step}.corrupt "
                            "and falling back to the previous checkpoint")
+                # one report: a warning (shown once by Python; logging would print it again)
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
-                log.warning(message)
                 self._set_aside(step)
         if steps:
             raise CheckpointError(f"no readable checkpoint in {self.directory} (tried steps {steps}); "

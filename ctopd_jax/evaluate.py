@@ -220,8 +220,13 @@ def write_report(report: EvalReport, out_dir: str | Path) -> Path:
 
 
 # ----------------------------------------------------------------------------- command line
+PROG = "python -m ctopd_jax.evaluate"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ctopd_jax.evaluate", description=__doc__.split("\n")[0])
+    from ctopd_jax.cli import Parser
+
+    p = Parser(prog=PROG, description=__doc__)
     p.add_argument("--config", help="run YAML (rollout sampling settings, model dtype, tokenizer)")
     p.add_argument("--set", action="append", default=[], metavar="A.B=C", help="config override")
     p.add_argument("--checkpoint", help="HF safetensors directory of the model to evaluate")
@@ -252,8 +257,17 @@ def _print(report: EvalReport, out: str | None) -> None:
           f"methods={report.grading_methods}" + (f"  -> {out}" if out else ""))
 
 
+def _positive(args, name: str) -> None:
+    value = getattr(args, name.lstrip("-").replace("-", "_"))
+    if value is not None and value < 1:
+        raise SystemExit(f"{name} {value}: must be >= 1 (leave it out for the config's value)")
+
+
 def main(argv: Sequence[str] | None = None) -> EvalReport:
+    """The command as a function: returns the report, raises on bad input (see `cli_main`)."""
     args = _parser().parse_args(argv)
+    for name in ("--samples", "--limit", "--max-new-tokens", "--workers"):
+        _positive(args, name)
     grader = MathGrader(timeout_s=args.timeout, workers=args.workers)
     try:
         if args.grade_only:
@@ -282,13 +296,21 @@ def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
         raise SystemExit("--checkpoint DIR is required unless --grade-only is given")
     if not dataset_name:
         raise SystemExit("--dataset is required (or set evaluation.dataset in the config)")
-    k = args.samples or cfg.evaluation.samples
-    limit = args.limit or (cfg.evaluation.max_problems or None)
+    k = args.samples if args.samples is not None else cfg.evaluation.samples
+    limit = args.limit if args.limit is not None else (cfg.evaluation.max_problems or None)
     dataset = load_dataset(dataset_name, limit=limit, seed=args.seed)  # bad rows fail here, first
     checkpoint = Path(args.checkpoint)
     if not (checkpoint / "config.json").is_file():
         raise SystemExit(f"--checkpoint {checkpoint}: no config.json; pass an HF safetensors "
                          "directory (the trainer's export)")
+    from ctopd_jax.preflight import check_hf_checkpoint
+
+    check_hf_checkpoint(checkpoint, "--checkpoint")   # shard headers, before any weight is read
+    if args.mesh:
+        import jax
+
+        from ctopd_jax.config import validate
+        validate(cfg, device_count=jax.device_count())
 
     from ctopd_jax.models.weights import load_hf_checkpoint
     from ctopd_jax.tokenization.side import load_tokenizer_side
@@ -312,13 +334,13 @@ def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
         grader=grader, mesh=mesh, engine_name=cfg.rollout.engine)
 
 
-def _cli() -> None:
-    """Entry point: bad input ends with one line naming the problem, not a traceback."""
-    try:
-        main(sys.argv[1:])
-    except (ValueError, FileNotFoundError) as exc:  # DatasetError, config/tokenizer/ckpt errors
-        raise SystemExit(f"error: {exc}") from None
+def cli_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: bad input ends with one line naming the problem and exit status 2
+    (`ctopd_jax.cli`; --debug shows the traceback)."""
+    from ctopd_jax.cli import run
+
+    return run(lambda a: (main(a), 0)[1], argv, PROG)
 
 
 if __name__ == "__main__":
-    _cli()
+    sys.exit(cli_main())

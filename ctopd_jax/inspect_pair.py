@@ -11,13 +11,13 @@ aligns (green: strict pairs, yellow: mismatch groups, with ``|`` between tokens)
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from ctopd_jax.align import strict_align
 from ctopd_jax.align.strict import describe_byte_mismatch
+from ctopd_jax.cli import UserError
 from ctopd_jax.tokenization import load_tokenizer_side, overlap_map, retokenize_pair
 
 GREEN, YELLOW, RESET = "\x1b[32m", "\x1b[33m", "\x1b[0m"
@@ -29,21 +29,39 @@ def read_responses(path: Path) -> list[str]:
         raise FileNotFoundError(f"--text: no such file {path}")
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not lines:
-        raise ValueError(f"--text: {path} has no non-empty line")
+        raise UserError(f"--text: {path} has no non-empty line")
     if path.suffix == ".jsonl" or lines[0].lstrip().startswith("{"):
         out = []
         for n, line in enumerate(lines, 1):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"--text: {path}:{n} is not JSON ({err}); use one JSON object "
+                raise UserError(f"--text: {path}:{n} is not JSON ({err}); use one JSON object "
                                  "per line or plain text") from err
             value = row.get("response", row.get("text")) if isinstance(row, dict) else None
             if not isinstance(value, str):
-                raise ValueError(f"--text: {path}:{n} has no string 'response' or 'text' field")
+                raise UserError(f"--text: {path}:{n} has no string 'response' or 'text' field")
             out.append(value)
         return out
     return lines
+
+
+def token_text(data: bytes) -> str:
+    """A token's bytes for display: UTF-8 where they decode, and a byte that is only part of a
+    character (an emoji split over several byte-level tokens) as <f0>, never as U+FFFD."""
+    out, i = [], 0
+    while i < len(data):
+        for width in (4, 3, 2, 1):
+            try:
+                out.append(data[i:i + width].decode("utf-8"))
+                i += width
+                break
+            except UnicodeDecodeError:
+                continue
+        else:
+            out.append(f"<{data[i]:02x}>")
+            i += 1
+    return "".join(out).replace("\n", "\\n")
 
 
 def colour_view(side, batch, alignment, sample: int, teacher_side: bool, colour: bool) -> str:
@@ -53,7 +71,7 @@ def colour_view(side, batch, alignment, sample: int, teacher_side: bool, colour:
     lo, hi = batch.prompt_lens[sample], batch.prompt_lens[sample] + batch.response_lens[sample]
     parts = []
     for k, token in enumerate(batch.input_ids[sample, lo:hi].tolist()):
-        text = side.token_bytes[token].decode("utf-8", "replace").replace("\n", "\\n")
+        text = token_text(side.token_bytes[token])
         if colour:
             parts.append((GREEN if k in strict else YELLOW) + text + RESET)
         else:
@@ -63,8 +81,13 @@ def colour_view(side, batch, alignment, sample: int, teacher_side: bool, colour:
 
 def inspect(teacher_name: str, student_name: str, text: Path | None, show: int | None,
             prompt: str) -> tuple[dict, list[str]]:
-    teacher = load_tokenizer_side(teacher_name)
-    student = load_tokenizer_side(student_name)
+    sides = []
+    for flag, name in (("--teacher", teacher_name), ("--student", student_name)):
+        try:
+            sides.append(load_tokenizer_side(name))
+        except Exception as err:  # TokenizerLoadError, OSError, the Rust tokenizer's errors
+            raise UserError(f"{flag} {name}: {err}") from None
+    teacher, student = sides
     report = {"teacher": teacher_name, "student": student_name,
               "overlap": overlap_map(teacher, student).summary()}
     views = []
@@ -91,13 +114,24 @@ def inspect(teacher_name: str, student_name: str, text: Path | None, show: int |
                 t_batch, s_batch, first)
         if show is not None:
             if not 0 <= show < len(responses):
-                raise ValueError(f"--show: sample {show} out of range [0, {len(responses)})")
+                raise UserError(f"--show: sample {show} out of range [0, {len(responses)})")
             views = [(teacher, t_batch, True), (student, s_batch, False), show, alignment]
     return report, views
 
 
+PROG = "python -m ctopd_jax.inspect_pair"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from ctopd_jax.cli import run
+
+    return run(_main, argv, PROG)
+
+
+def _main(argv: list[str]) -> int:
+    from ctopd_jax.cli import Parser
+
+    parser = Parser(prog=PROG, description=__doc__)
     parser.add_argument("--teacher", required=True,
                         help="tokenizer directory or tiny_bpe / tiny_unigram / qwen2.5 / llama3")
     parser.add_argument("--student", required=True, help="as --teacher")
@@ -108,11 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--no-color", action="store_true")
     args = parser.parse_args(argv)
-    try:
-        report, views = inspect(args.teacher, args.student, args.text, args.show, args.prompt)
-    except (OSError, ValueError) as err:
-        print(f"inspect_pair: {err}", file=sys.stderr)
-        return 2
+    report, views = inspect(args.teacher, args.student, args.text, args.show, args.prompt)
     colour = not args.no_color and sys.stdout.isatty() and not args.json
     if views:
         (t, tb, _), (s, sb, _), sample, alignment = views
@@ -134,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * a['teacher_coverage']:.2f}% ({a['strict_pairs']:,}/"
               f"{a['teacher_response_tokens']:,}); byte-mismatched samples "
               f"{a['byte_mismatch_samples']}")
+        groups = ", ".join(f"{k} -> {v}" for k, v in a["mismatch_groups"].items())
         print("mismatch groups (teacher:student tokens -> count): "
-              + ", ".join(f"{k} -> {v}" for k, v in a["mismatch_groups"].items()))
+              + (groups or "none (every token is in a strict pair)"))
         if "first_byte_mismatch" in a:
             print(f"first byte mismatch: {a['first_byte_mismatch']}")
         if "view" in a:

@@ -40,15 +40,17 @@ def parse_mesh(text: str) -> dict[str, int]:
         name, sep, value = part.partition("=")
         name = name.strip()
         if not sep or name not in MESH_AXES:
+            what = f"unknown axis {name!r}" if sep else f"bad entry {part!r}"
             raise MeshError(
-                f"mesh: bad entry {part!r}; write axis=size with axis in {MESH_AXES}, "
+                f"mesh: {what}; write axis=size with axis one of {', '.join(MESH_AXES)}, "
                 "e.g. --mesh data=2,fsdp=2,tensor=2")
         if name in shape:
             raise MeshError(f"mesh: axis {name!r} given twice in {text!r}")
         try:
             shape[name] = int(value)
         except ValueError:
-            raise MeshError(f"mesh.{name}: {value!r} is not an integer") from None
+            raise MeshError(f"mesh.{name}: {value.strip()!r} is not an integer; write a size "
+                            f"such as {name}=2 (or {name}=-1 to take the remaining devices)") from None
     return shape
 
 

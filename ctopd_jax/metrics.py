@@ -5,14 +5,26 @@ Decisions:
   (loss, lr, grad_norm, coverage_student / coverage_teacher per batch and cumulative,
   byte_mismatch_samples, logprob_gap, response_length, time_* seconds, tokens_per_s, ...).
   Non-scalar extras (e.g. a few byte-mismatch sample texts) go to `<run_dir>/samples.jsonl`.
-- On resume the JSONL log is truncated to the steps before the restored checkpoint's step, so
-  a killed-and-resumed run leaves the same log as an uninterrupted one.
+- Every row also gets `wall_time` (unix seconds), `elapsed_s` (seconds of training so far,
+  continued across resumes from the last kept row) and, where the device reports it,
+  `peak_device_memory_bytes` (the largest `peak_bytes_in_use` over this process's devices).
+- Nothing is ever truncated or overwritten. A fresh start (start_step 0) over an existing
+  non-empty `metrics.jsonl` / `samples.jsonl` first renames it to `metrics.1.jsonl` (the next
+  free number). A resume from step N keeps the rows of steps <= N in place and moves the rows
+  after N (written by the run that was interrupted after its checkpoint) to
+  `metrics.after_step_N.jsonl` (`.2`, ... when that exists), so the log ends up as an
+  uninterrupted run's while the discarded rows stay on disk. A damaged line (a kill in the
+  middle of a write) is set aside with them.
+- Progress: a tqdm bar when the stream is a terminal; otherwise (redirected to a file, CI) one
+  plain line per logged step. Messages (`write`) always get lines of their own, never inside
+  the bar.
 - Only process 0 writes; other processes get a silent logger.
 """
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +33,11 @@ from typing import Any, Iterable, Mapping
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 TIME_KEYS = ("rollout", "align", "teacher", "student", "sync", "checkpoint")
+NOT_SCALARS_FOR_TENSORBOARD = ("wall_time",)
+
+
+class MetricsError(ValueError):
+    """A run directory or metrics log that cannot be read; the message names the path."""
 
 
 def _scalar(value: Any) -> float | int | None:
@@ -56,39 +73,125 @@ class StepTimer:
         return out
 
 
-def truncate_log(path: Path, before_step: int) -> None:
-    """Keep only records with step < before_step (for an exact resume)."""
+def _free_name(path: Path, stem_suffix: str) -> Path:
+    """<stem><stem_suffix>.jsonl, or with .2, .3 ... when taken."""
+    candidate = path.with_name(f"{path.stem}{stem_suffix}{path.suffix}")
+    n = 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}{stem_suffix}.{n}{path.suffix}")
+    return candidate
+
+
+def rotate_log(path: Path) -> Path | None:
+    """Rename a non-empty log to metrics.1.jsonl, metrics.2.jsonl ... (the first free number);
+    returns the new path (None when there was nothing to keep)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    n = 1
+    while (target := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    path.rename(target)
+    return target
+
+
+def _row_step(line: str) -> int | None:
+    try:
+        row = json.loads(line)
+        return int(row["step"]) if isinstance(row, dict) else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def set_aside_after(path: Path, step: int) -> Path | None:
+    """Move the rows with step > `step` (and damaged lines) to <stem>.after_step_<step>.jsonl;
+    the rows up to `step` stay. Returns the set-aside file, None when nothing moved."""
     if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) < before_step]
-    path.write_text("".join(line + "\n" for line in kept))
+        return None
+    kept, moved = [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        row_step = _row_step(line)
+        (kept if row_step is not None and row_step <= step else moved).append(line)
+    if not moved:
+        return None
+    aside = _free_name(path, f".after_step_{step}")
+    aside.write_text("".join(line + "\n" for line in moved), encoding="utf-8")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    tmp.replace(path)
+    return aside
+
+
+def peak_device_memory() -> int | None:
+    """The largest peak_bytes_in_use over this process's devices (None when not reported)."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    peaks = []
+    try:
+        for device in jax.local_devices():
+            stats = device.memory_stats() or {}
+            if "peak_bytes_in_use" in stats:
+                peaks.append(int(stats["peak_bytes_in_use"]))
+    except Exception:  # backends without memory stats raise various errors
+        return None
+    return max(peaks) if peaks else None
+
+
+def _last_elapsed(path: Path) -> float:
+    if not path.is_file():
+        return 0.0
+    for line in reversed(path.read_text(encoding="utf-8").splitlines()):
+        try:
+            return float(json.loads(line).get("elapsed_s", 0.0))
+        except (ValueError, AttributeError, TypeError):
+            continue
+    return 0.0
 
 
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0, jsonl: bool = True,
-                 tensorboard: bool = True, progress: bool = True, is_writer: bool = True):
+                 tensorboard: bool = True, progress: bool = True, is_writer: bool = True,
+                 stream=None):
         self.run_dir = Path(run_dir)
+        self.total_steps = total_steps
         self.is_writer = is_writer
+        self.stream = stream if stream is not None else sys.stderr
+        self.moved: list[Path] = []       # logs rotated or rows set aside at start
         self._jsonl = None
         self._samples = None
         self._tb = None
         self._bar = None
+        self._lines = False
+        self._started = time.time()
+        self._elapsed_before = 0.0
         if not is_writer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if jsonl:
-            truncate_log(self.run_dir / METRICS_FILE, start_step + 1)
-            truncate_log(self.run_dir / SAMPLES_FILE, start_step + 1)
-            self._jsonl = (self.run_dir / METRICS_FILE).open("a")
-            self._samples = (self.run_dir / SAMPLES_FILE).open("a")
+            for name in (METRICS_FILE, SAMPLES_FILE):
+                path = self.run_dir / name
+                moved = set_aside_after(path, start_step) if start_step else rotate_log(path)
+                if moved is not None:
+                    self.moved.append(moved)
+            if start_step:
+                self._elapsed_before = _last_elapsed(self.run_dir / METRICS_FILE)
+            self._jsonl = (self.run_dir / METRICS_FILE).open("a", encoding="utf-8")
+            self._samples = (self.run_dir / SAMPLES_FILE).open("a", encoding="utf-8")
         if tensorboard:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
         if progress:
-            from tqdm import tqdm
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                             dynamic_ncols=True)
+            if getattr(self.stream, "isatty", lambda: False)():
+                from tqdm import tqdm
+                self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                                 dynamic_ncols=True, file=self.stream)
+            else:
+                self._lines = True
+        for path in self.moved:
+            self.write(f"metrics: kept the earlier rows in {path}")
 
     def log(self, step: int, metrics: Mapping[str, Any], samples: Iterable[Mapping[str, Any]] = ()) -> dict:
         record = {"step": int(step)}
@@ -96,6 +199,12 @@ class MetricsLogger:
             number = _scalar(value)
             if number is not None:
                 record[key] = number
+        now = time.time()
+        record.setdefault("wall_time", now)
+        record.setdefault("elapsed_s", self._elapsed_before + now - self._started)
+        peak = peak_device_memory()
+        if peak is not None:
+            record.setdefault("peak_device_memory_bytes", peak)
         if not self.is_writer:
             return record
         if self._jsonl is not None:
@@ -106,22 +215,28 @@ class MetricsLogger:
             self._samples.flush()
         if self._tb is not None:
             for key, value in record.items():
-                if key != "step" and math.isfinite(value):
+                if key != "step" and key not in NOT_SCALARS_FOR_TENSORBOARD and math.isfinite(value):
                     self._tb.add_scalar(f"train/{key}", value, step)
             self._tb.flush()
+        keys = ("loss", "coverage_student", "tokens_per_s")
         if self._bar is not None:
-            post = {k: f"{record[k]:.4g}" for k in ("loss", "coverage_student", "tokens_per_s") if k in record}
+            post = {k: f"{record[k]:.4g}" for k in keys if k in record}
             self._bar.set_postfix(post, refresh=False)
             self._bar.update(1)
+        elif self._lines:
+            shown = "  ".join(f"{k} {record[k]:.4g}" for k in keys if k in record)
+            print(f"step {step}/{self.total_steps}  {shown}  elapsed {record['elapsed_s']:.1f}s",
+                  file=self.stream, flush=True)
         return record
 
     def write(self, message: str) -> None:
+        """One line of its own (above the bar when there is one)."""
         if not self.is_writer:
             return
         if self._bar is not None:
-            self._bar.write(message)
+            self._bar.write(message, file=self.stream)
         else:
-            print(message, flush=True)
+            print(message, file=self.stream, flush=True)
 
     def close(self) -> None:
         for handle in (self._jsonl, self._samples):
@@ -134,7 +249,24 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / METRICS_FILE
+    """The rows of <run_dir>/metrics.jsonl; a damaged last line (a kill mid-write) is skipped."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise MetricsError(f"{run_dir}: no such run directory; pass the output_dir of a run")
+    path = run_dir / METRICS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no metrics log; pass a run directory written by ctopd_jax.train")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        raise MetricsError(f"{path}: no metrics log; pass a run directory written by "
+                           "ctopd_jax.train (logging.jsonl must be true)")
+    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if line.strip()]
+    rows = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if i == len(lines) - 1:
+                break
+            raise MetricsError(f"{path}:{n}: not a JSON row; fix or remove the line") from None
+        if isinstance(row, dict) and "step" in row:
+            rows.append(row)
+    return rows

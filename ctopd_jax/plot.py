@@ -1,48 +1,69 @@
 """`python -m ctopd_jax.plot RUN_DIR`: PNG curves from a run's metrics.jsonl.
 
 Writes `<RUN_DIR>/plots/<group>.png` for the groups below (a group is skipped when the run
-logged none of its keys) and prints the paths.
+logged none of its keys) and prints the paths. Every axis is labelled; series of one group are
+drawn with distinct line styles and widths (the first widest, underneath), so a series that
+equals another (`loss` == `kd_loss` when kd_ratio is 1) stays visible. The trainer calls
+`plot_after_training(run_dir)` at the end of a run; it never fails the run.
 """
 from __future__ import annotations
 
-import argparse
+import sys
+import warnings
 from pathlib import Path
 
-from ctopd_jax.metrics import read_metrics
+from ctopd_jax.metrics import MetricsError, read_metrics
 
+# group -> (series keys, y-axis label)
 GROUPS = {
-    "loss": ("loss", "kd_loss", "ce_loss"),
-    "coverage": ("coverage_student", "coverage_teacher", "coverage_student_cum", "coverage_teacher_cum"),
-    "lr": ("lr",),
-    "grad_norm": ("grad_norm",),
-    "logprob_gap": ("logprob_gap",),
-    "response_length": ("response_length",),
-    "byte_mismatch": ("byte_mismatch_samples",),
-    "time": ("time_rollout", "time_align", "time_teacher", "time_student", "time_sync", "time_checkpoint"),
-    "throughput": ("tokens_per_s",),
-    "eval": ("eval_mean_at_k", "eval_pass_at_k"),
+    "loss": (("loss", "kd_loss", "ce_loss"), "loss (per student response token)"),
+    "coverage": (("coverage_student", "coverage_teacher", "coverage_student_cum",
+                  "coverage_teacher_cum"), "strict coverage (fraction of tokens)"),
+    "lr": (("lr",), "learning rate"),
+    "grad_norm": (("grad_norm",), "gradient norm (before clipping)"),
+    "logprob_gap": (("logprob_gap",), "log-prob gap (rollout vs trainer)"),
+    "response_length": (("response_length",), "student tokens per response"),
+    "byte_mismatch": (("byte_mismatch_samples",), "byte-mismatched samples"),
+    "time": (("time_rollout", "time_align", "time_teacher", "time_student", "time_sync",
+              "time_checkpoint", "time_eval"), "seconds per step"),
+    "throughput": (("tokens_per_s",), "student tokens per second"),
+    "memory": (("peak_device_memory_bytes",), "peak device memory (bytes)"),
+    "eval": (("eval_mean_at_k", "eval_pass_at_k"), "accuracy"),
 }
+STYLES = ("-", "--", ":", "-.")
+
+
+class PlotError(MetricsError):
+    """Nothing to plot (empty log); the message names the file."""
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
+    """Draw every group with data; returns the PNG paths. Raises MetricsError / PlotError."""
+    records = read_metrics(run_dir)
+    if not records:
+        raise PlotError(f"{Path(run_dir) / 'metrics.jsonl'}: the log has no rows yet; plot "
+                        "after the run has logged a step")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(run_dir)
     out_dir = Path(run_dir) / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for group, keys in GROUPS.items():
+    for group, (keys, ylabel) in GROUPS.items():
         series = {k: [(r["step"], r[k]) for r in records if k in r] for k in keys}
         series = {k: v for k, v in series.items() if v}
         if not series:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        for key, points in series.items():
+        count = len(series)
+        for i, (key, points) in enumerate(series.items()):
             steps, values = zip(*points)
-            ax.plot(steps, values, marker="." if len(points) < 50 else None, label=key)
+            ax.plot(steps, values, linestyle=STYLES[i % len(STYLES)],
+                    linewidth=1.2 + 1.2 * (count - 1 - i), zorder=2 + i,
+                    marker="." if len(points) < 50 else None, label=key)
         ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
         ax.set_title(group)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -54,13 +75,30 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     return written
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir")
+def plot_after_training(run_dir: str | Path) -> list[Path]:
+    """For the end of a run: draw the plots, or warn (never raise) when they cannot be drawn."""
+    try:
+        return plot_run(run_dir)
+    except Exception as err:  # a plot must never fail a finished run
+        warnings.warn(f"plots of {run_dir} not drawn: {err}", RuntimeWarning, stacklevel=2)
+        return []
+
+
+def _main(argv: list[str]) -> int:
+    from ctopd_jax.cli import Parser
+
+    parser = Parser(prog="python -m ctopd_jax.plot", description=__doc__)
+    parser.add_argument("run_dir", help="a run's output_dir (holds metrics.jsonl)")
     args = parser.parse_args(argv)
     for path in plot_run(args.run_dir):
         print(path)
+    return 0
+
+
+def main(argv=None) -> int:
+    from ctopd_jax.cli import run
+    return run(_main, argv, "python -m ctopd_jax.plot")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

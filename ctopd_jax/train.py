@@ -1,54 +1,109 @@
-"""`python -m ctopd_jax.train --config configs/X.yaml [--mesh data=2,...] [--set a.b=c] [--resume]`.
+"""Train a student by cross-tokenizer on-policy distillation.
+
+    python -m ctopd_jax.train --config configs/X.yaml [--mesh data=2,fsdp=2,tensor=2]
+        [--set section.key=value ...] [--resume [--allow-config-change]] [--debug]
+
+Order of work: read the config (YAML + --set + --mesh), then every cheap check
+(`ctopd_jax.preflight`: data file and rows, tokenizers and their shared vocabulary, algorithm,
+mesh against the devices, checkpoint headers, the checkpoint directory and --resume), and only
+then load the models and train. Outputs go to `output_dir`: metrics.jsonl, checkpoints/,
+hf_student/, plots/, config.json (and config_changes.jsonl when a resume changed the config).
+
+Exit status: 0 done; 2 bad input (one line naming the field or file and the fix; --debug
+shows the traceback); 3 training diverged (the message names the step, the values and the last
+good checkpoint); 143 / 130 stopped by SIGTERM / SIGINT after checkpointing the step in flight
+(continue with --resume; a second signal exits at once).
 
 Multi-process (one process per host): set CTOPD_COORDINATOR=host:port, CTOPD_NUM_PROCESSES and
 CTOPD_PROCESS_ID (see launch/multi_host.sh); `jax.distributed.initialize` runs before anything
-else touches JAX, and the mesh spans the devices of all processes.
+else touches JAX, and the mesh spans the devices of all processes. On CPU, more (virtual)
+devices for --mesh: XLA_FLAGS=--xla_force_host_platform_device_count=N.
 """
 from __future__ import annotations
 
-import argparse
+import inspect
 import json
 import sys
 
+from ctopd_jax.cli import EXIT_DIVERGED, Parser, one_line, run
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ctopd_jax.train", description=__doc__.splitlines()[0])
+PROG = "python -m ctopd_jax.train"
+
+
+def build_parser() -> Parser:
+    p = Parser(prog=PROG, description=__doc__)
     p.add_argument("--config", required=True, help="YAML run config, e.g. configs/tiny_cpu.yaml")
-    p.add_argument("--mesh", default=None, help="mesh axes, e.g. data=2,fsdp=2,tensor=2")
+    p.add_argument("--mesh", default=None, help="mesh axes, e.g. data=2,fsdp=2,tensor=2 (one may "
+                   "be -1: the remaining devices)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
-                   help="override one config value (repeatable)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint")
+                   help="override one config value, e.g. --set optimizer.lr=1e-5 (repeatable)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest good checkpoint of output_dir")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: accept a config that differs from the saved one in "
+                        "fields that matter (the changes are logged to config_changes.jsonl)")
     return p
 
 
-def main(argv=None) -> int:
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.allow_config_change and not args.resume:
+        raise SystemExit("--allow-config-change only applies with --resume")
     from ctopd_jax.mesh import initialize_distributed
 
     initialize_distributed()
     import jax
 
-    from ctopd_jax.config import ConfigError, load_config, validate
+    from ctopd_jax.config import load_config
+    from ctopd_jax.preflight import preflight
+
+    config = load_config(args.config, args.overrides, args.mesh)
+    pre = preflight(config, resume=args.resume, allow_config_change=args.allow_config_change,
+                    device_count=jax.device_count())
+    writer = jax.process_index() == 0
+    if pre.config_changes and writer:
+        from ctopd_jax.resume_config import record_config_changes
+
+        path = record_config_changes(config.output_dir, pre.config_changes,
+                                     resumed_step=max(pre.checkpoint_steps))
+        print(f"resume: config changed ({', '.join(c.field for c in pre.config_changes)}); "
+              f"logged to {path}", file=sys.stderr, flush=True)
+
+    from ctopd_jax.run_guard import SignalGuard, Stopped
     from ctopd_jax.trainer import Trainer, TrainingDiverged
 
+    # Until the loop takes these (preflight=, stop=), it runs as before: a SignalGuard is only
+    # installed when the loop checks it, or a SIGTERM would be swallowed.
+    trainer = Trainer(config, preflight=pre) if _accepts(Trainer, "preflight") else Trainer(config)
     try:
-        config = load_config(args.config, args.overrides, args.mesh)
-        validate(config, device_count=jax.device_count())
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    trainer = Trainer(config)
-    try:
-        result = trainer.train(resume=args.resume)
+        if _accepts(trainer.train, "stop"):
+            with SignalGuard() as stop:
+                result = trainer.train(resume=args.resume, stop=stop)
+        else:
+            result = trainer.train(resume=args.resume)
     except TrainingDiverged as err:
-        print(f"training stopped: {err}", file=sys.stderr)
-        return 3
-    if jax.process_index() == 0:
+        print(f"{PROG}: training stopped: {one_line(err)}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except Stopped as err:
+        print(f"{PROG}: {one_line(err)}", file=sys.stderr)
+        return err.exit_code
+    if writer:
         print(json.dumps({"final_step": result.final_step, "run_dir": str(result.run_dir),
                           "checkpoints": str(result.checkpoint_dir),
                           "hf_student": str(result.hf_dir) if result.hf_dir else None,
                           "last_metrics": result.last_metrics}, indent=2))
     return 0
+
+
+def main(argv=None) -> int:
+    return run(_main, argv, PROG)
 
 
 if __name__ == "__main__":

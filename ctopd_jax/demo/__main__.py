@@ -63,8 +63,13 @@ def strict_targets_in_shared_vocab(t_tok, s_tok, overlap, problems) -> float:
     return float(np.isin(targets, overlap.s_ids).mean()) if len(rows) else 0.0
 
 
+PROG = "python -m ctopd_jax.demo"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ctopd_jax.demo", description=__doc__.splitlines()[0])
+    from ctopd_jax.cli import Parser
+
+    p = Parser(prog=PROG, description=__doc__)
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML run config")
     p.add_argument("--out", type=Path, default=Path("runs/demo"),
                    help="run directory (a new sibling is used if it is not empty)")
@@ -165,8 +170,10 @@ def _print_summary(s: dict) -> None:
 
 
 def main(argv=None) -> int:
-    run(argv)
-    return 0
+    """Bad input: one line and exit status 2 (`ctopd_jax.cli`; --debug for the traceback)."""
+    from ctopd_jax import cli
+
+    return cli.run(lambda a: (run(a), 0)[1], argv, PROG)
 
 
 if __name__ == "__main__":

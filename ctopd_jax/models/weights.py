@@ -16,6 +16,7 @@ Decisions:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -26,7 +27,8 @@ from typing import Iterator
 import jax
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError
+from safetensors import safe_open as _safe_open
 from safetensors.numpy import save_file
 
 from ctopd_jax.models.config import DTYPES, ModelConfig, ModelConfigError
@@ -35,6 +37,18 @@ from ctopd_jax.models.decoder import Decoder
 
 class CheckpointError(ValueError):
     """A checkpoint whose files, tensor names, shapes or config disagree (message names it)."""
+
+
+@contextlib.contextmanager
+def safe_open(path, framework: str):
+    """`safetensors.safe_open` whose errors name the file (the library's own say only e.g.
+    "incomplete metadata")."""
+    try:
+        with _safe_open(path, framework) as handle:
+            yield handle
+    except SafetensorError as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({err}); it is damaged or "
+                              "truncated: copy or download it again") from None
 
 
 @dataclasses.dataclass(frozen=True)

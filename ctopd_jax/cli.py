@@ -1,0 +1,118 @@
+"""One error path for every command line (train, evaluate, inspect_pair, plot, plan, demo).
+
+A command's inner `main(argv) -> int` raises; `run(inner, argv, prog)` turns a known user error
+(a bad config value, data row, tokenizer, mesh, checkpoint, missing file ...) into ONE line on
+stderr, `prog: error: <message>`, and exit status 2, with no traceback. `--debug` (or
+CTOPD_DEBUG=1) re-raises it so the traceback shows. Anything else is a bug and keeps its
+traceback. Exit statuses: 0 done, 2 bad input, 3 training diverged, 130 / 143 stopped by
+SIGINT / SIGTERM (128 + the signal number, what shells report for a signal).
+
+Error classes are matched by (module, name) and only when their module is already imported, so
+this module imports nothing heavy and a command never loads jax just to report a typo.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, NoReturn, Sequence
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_DIVERGED = 3
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+
+
+class UserError(ValueError):
+    """A bad input found by a command itself; its message is the one line shown."""
+
+
+# Exceptions whose message already names the field or file and the fix.
+USER_ERRORS: tuple[tuple[str, str], ...] = (
+    ("ctopd_jax.cli", "UserError"),
+    ("ctopd_jax.config", "ConfigError"),
+    ("ctopd_jax.preflight", "PreflightError"),
+    ("ctopd_jax.resume_config", "ConfigChangeError"),
+    ("ctopd_jax.records", "RecordError"),
+    ("ctopd_jax.mesh", "MeshError"),
+    ("ctopd_jax.tokenization.side", "TokenizerLoadError"),
+    ("ctopd_jax.tokenization.overlap", "NoOverlapError"),
+    ("ctopd_jax.checkpoint", "CheckpointError"),
+    ("ctopd_jax.models.weights", "CheckpointError"),
+    ("ctopd_jax.models.config", "ModelConfigError"),
+    ("ctopd_jax.trainer", "TrainerSetupError"),
+    ("ctopd_jax.tokenization.chat", "ChatTemplateError"),
+    ("ctopd_jax.tokenization.setup_assets", "AssetSetupError"),
+    ("ctopd_jax.rollout.base", "RolloutConfigError"),
+    ("ctopd_jax.rollout.vllm_engine", "VllmNotInstalledError"),
+    ("ctopd_jax.metrics", "MetricsError"),
+    ("ctopd_jax.align", "ByteMismatchError"),
+)
+# Plain OS errors about a path the user gave (the message holds the path).
+OS_USER_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def is_user_error(err: BaseException) -> bool:
+    if isinstance(err, OS_USER_ERRORS):
+        return True
+    for module, name in USER_ERRORS:
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type) and isinstance(err, cls):
+            return True
+    return False
+
+
+def one_line(err: BaseException | str) -> str:
+    """The message on one line (whitespace runs, newlines included, become one space)."""
+    text = str(err) if not isinstance(err, OSError) or not err.filename else (
+        f"{err.filename}: {err.strerror or err}" if err.strerror else str(err))
+    return " ".join(text.split()) or type(err).__name__
+
+
+def debug_requested(argv: Sequence[str]) -> bool:
+    return "--debug" in argv or os.environ.get("CTOPD_DEBUG", "") not in ("", "0")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line usage error (`prog: error: ...; see --help`, exit 2) and the
+    shared `--debug` flag; descriptions keep their line breaks."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.add_argument("--debug", action="store_true",
+                          help="show the full traceback of an error instead of one line")
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {one_line(message)}; see {self.prog} --help", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def fail(prog: str, message: str) -> int:
+    print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def run(inner: Callable[[list[str]], int | None], argv: Sequence[str] | None, prog: str) -> int:
+    """Call `inner(argv)` and map what it raises to an exit status (see the module doc)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = debug_requested(argv)
+    try:
+        code = inner(argv)
+    except SystemExit as exc:  # argparse (--help, usage errors) or an explicit exit
+        if isinstance(exc.code, str):
+            if debug:
+                raise
+            return fail(prog, exc.code)
+        return EXIT_OK if exc.code is None else int(exc.code)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_SIGINT
+    except Exception as err:
+        if debug or not is_user_error(err):
+            raise
+        return fail(prog, one_line(err))
+    return EXIT_OK if code is None else int(code)

