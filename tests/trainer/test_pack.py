@@ -1,9 +1,12 @@
 """Micro-batch slicing of a real re-tokenized, aligned batch keeps every row pointing at the
-same token, and packing pads with weight-0 rows only."""
+same token, each micro-batch is padded to its own length bucket, and packing pads with
+weight-0 rows only."""
 import numpy as np
 
 from ctopd_jax.align import strict_align
-from ctopd_jax.algorithms.pack import rows_bucket, slice_micro_batch
+from ctopd_jax.algorithms.pack import round_up, rows_bucket
+from ctopd_jax.algorithms.strict import strict_inputs
+from ctopd_jax.host import HostBatch
 from ctopd_jax.tokenization.retokenize import retokenize_pair
 from ctopd_jax.tokenization.side import load_tokenizer_side
 
@@ -11,19 +14,23 @@ from ctopd_jax.tokenization.side import load_tokenizer_side
 def test_slices_rebase_rows_to_the_same_tokens():
     s_tok, t_tok = load_tokenizer_side("tiny_unigram"), load_tokenizer_side("tiny_bpe")
     messages = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in ((3, 4), (12, 7), (5, 5), (8, 1))]
-    responses = ["(3+4)=7. The answer is 7.", "12 plus 7 is 19", "The answer is 10.", "9"]
+    responses = ["(3+4)=7. The answer is 7.", "12 plus 7 is 19 " * 24, "The answer is 10.", "9"]
     t_rt, s_rt = retokenize_pair(t_tok, s_tok, [t_tok.render_chat(m) for m in messages],
                                  [s_tok.render_chat(m) for m in messages], responses, pad_to_multiple=16)
     alignment = strict_align(t_rt, s_rt)
     assert alignment.num_pairs > 0
     lp = (np.arange(int(s_rt.loss_mask.sum()), dtype=np.float32), np.ones(int(s_rt.loss_mask.sum()), np.float32))
+    host = HostBatch(s_rt, t_rt, alignment, lp, responses, [])
     seen_pairs, seen_rows = 0, 0
     for start in (0, 2):
-        mb = slice_micro_batch(s_rt, t_rt, alignment, start, start + 2, lp, min_rows=8)
+        mb = strict_inputs(host, start, start + 2)
+        longest = s_rt.attention_mask[start:start + 2].sum(1).max()
+        assert mb["student_ids"].shape[1] == round_up(longest, 64)  # its own bucket
+        assert mb["teacher_rows"] is mb["strict_teacher_rows"]
         sel = (alignment.pair_sample >= start) & (alignment.pair_sample < start + 2)
         n = int(sel.sum())
         w = mb["strict_weight"]
-        assert w[:n].all() and not w[n:].any() and len(w) == rows_bucket(n, 8)
+        assert w[:n].all() and not w[n:].any() and len(w) == rows_bucket(n, 64)
         # the token each strict row predicts is the token the whole-batch row predicts
         np.testing.assert_array_equal(mb["student_ids"].reshape(-1)[mb["strict_student_rows"][:n] + 1],
                                       s_rt.input_ids.reshape(-1)[alignment.student_rows[sel] + 1])
@@ -36,3 +43,4 @@ def test_slices_rebase_rows_to_the_same_tokens():
         np.testing.assert_array_equal(mb["rollout_logprobs"][:r], lp[0][seen_rows:seen_rows + r])
         seen_pairs, seen_rows = seen_pairs + n, seen_rows + r
     assert seen_pairs == alignment.num_pairs and seen_rows == s_rt.num_response_tokens
+    assert s_rt.seq_len > 64  # the long sample made the whole batch longer than one bucket

@@ -3,8 +3,9 @@
 The oracle takes full student logits from the model's plain forward over a padded batch,
 picks the rows of strict pairs and response tokens by (sample, position) itself, projects to
 V∩, computes the divergence and CE with plain jnp, mixes with kd_ratio and divides by the total
-student response tokens (SPEC §1). The path under test packs flat row indices, gathers hidden
-rows, runs the chunked kernel and accumulates micro-batches.
+student response tokens (SPEC §1). The path under test goes through the objective interface:
+a host batch, `objective.prepare` (flat rows, per-micro-batch length buckets), the teacher's
+hidden rows, the chunked kernel beside the student's, and accumulated micro-batches.
 """
 import jax
 import jax.numpy as jnp
@@ -12,10 +13,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ctopd_jax.algorithms import AlgorithmSettings, get_algorithm
-from ctopd_jax.algorithms.pack import AlignedSample, pack_micro_batch
-from ctopd_jax.algorithms.step import add_trees, micro_grad, teacher_scores
+from types import SimpleNamespace
+
+from ctopd_jax.algorithms import get_objective
+from ctopd_jax.algorithms.device import add_trees, micro_grad
+from ctopd_jax.config import from_dict
+from ctopd_jax.host import HostBatch
 from ctopd_jax.models import Decoder, tiny_llama, tiny_qwen2
+from ctopd_jax.teacher import lm_head_of, teacher_hidden_rows
 
 VS, VT = 48, 56
 
@@ -34,8 +39,38 @@ def samples(rng, n):
         k = int(rng.integers(1, min(lr, tr) + 1))
         s_pos = np.sort(rng.choice(lr + 1, k, replace=False))
         t_pos = np.sort(rng.choice(tr + 1, k, replace=False))
-        out.append(AlignedSample(ids, int(lp), tids, int(tp), s_pos, t_pos))
+        out.append(SimpleNamespace(student_ids=ids, student_prompt_len=int(lp), teacher_ids=tids,
+                                   teacher_prompt_len=int(tp), strict_student=s_pos, strict_teacher=t_pos,
+                                   student_response_tokens=int(lr + 1)))
     return out
+
+
+def side(seqs, prompt_lens, length=32):
+    """A re-tokenized side (the fields the packers read) with right padding to `length`."""
+    ids = np.zeros((len(seqs), length), np.int32)
+    mask = np.zeros_like(ids, bool)
+    loss_mask = np.zeros_like(ids, bool)
+    labels = np.zeros_like(ids)
+    for i, (seq, p) in enumerate(zip(seqs, prompt_lens)):
+        ids[i, :len(seq)], mask[i, :len(seq)] = seq, True
+        loss_mask[i, p - 1:len(seq) - 1] = True     # logits rows predicting the response
+        labels[i, :len(seq) - 1] = seq[1:]
+    return SimpleNamespace(input_ids=ids, attention_mask=mask, loss_mask=loss_mask, labels=labels,
+                           seq_len=length, batch_size=len(seqs),
+                           response_lens=np.array([len(q) - p for q, p in zip(seqs, prompt_lens)]))
+
+
+def host_batch(batch_samples, length=32):
+    """A HostBatch of hand-made samples: strict pairs as flat logits rows of the whole batch."""
+    s = side([x.student_ids for x in batch_samples], [x.student_prompt_len for x in batch_samples], length)
+    t = side([x.teacher_ids for x in batch_samples], [x.teacher_prompt_len for x in batch_samples], length)
+    sample = np.concatenate([np.full(len(x.strict_student), i) for i, x in enumerate(batch_samples)])
+    s_rows = np.concatenate([i * length + x.student_prompt_len + x.strict_student - 1
+                             for i, x in enumerate(batch_samples)])
+    t_rows = np.concatenate([i * length + x.teacher_prompt_len + x.strict_teacher - 1
+                             for i, x in enumerate(batch_samples)])
+    alignment = SimpleNamespace(pair_sample=sample, student_rows=s_rows, teacher_rows=t_rows)
+    return HostBatch(s, t, alignment, None, [], [])
 
 
 def padded(seqs, length=24):
@@ -89,25 +124,29 @@ def test_accumulated_loss_and_grad_match_hand_computation(name, kd_ratio, topk):
     t_ids = rng.choice(VT, 30, replace=False).astype(np.int32)
     batch_samples = samples(rng, 4)
     oracle, total = make_oracle(batch_samples, s_ids, t_ids, kd_ratio, topk, teacher)
-    algo = get_algorithm(name, AlgorithmSettings(kd_loss_fn="rkl", kd_ratio=kd_ratio, ctkd_topk=5,
-                                                 chunked_loss_size=16))
+    settings = from_dict({"algorithm": {"name": name, "kd_loss_fn": "rkl", "kd_ratio": kd_ratio,
+                                        "ctkd_topk": 5, "chunked_loss_size": 8}}).algorithm
+    objective = get_objective(settings)
     overlap = {"s_ids": jnp.asarray(s_ids), "t_ids": jnp.asarray(t_ids)}
     graphdef, params, rest = nnx.split(student, nnx.Param, ...)
     tgraph, tstate = nnx.split(teacher)
+    host = host_batch(batch_samples)
 
-    def run(groups):
+    def run(micro):
         loss, grads = 0.0, None
-        for group in groups:
-            batch = {k: jnp.asarray(v) for k, v in pack_micro_batch(group, 0, 0, length_multiple=16, min_rows=16).items()}
-            rows = teacher_scores(tgraph, tstate, batch, overlap["t_ids"], chunk=8)
-            l, aux, g = micro_grad(params, rest, batch, rows, overlap, jnp.float32(total), graphdef=graphdef,
-                                   accumulation=len(groups), algorithm=algo, kd_ratio=kd_ratio, chunk=8)
+        for start in range(0, len(batch_samples), micro):
+            batch = {k: jnp.asarray(v) for k, v in objective.prepare(host, start, start + micro).items()}
+            hidden = teacher_hidden_rows(tgraph, tstate, batch["teacher_ids"], batch["teacher_mask"],
+                                         batch["teacher_rows"])
+            l, sums, metrics, g = micro_grad(params, rest, batch, hidden, lm_head_of(tgraph, tstate), overlap,
+                                             jnp.float32(total), graphdef=graphdef,
+                                             accumulation=len(batch_samples) // micro, objective=objective)
             loss += float(l)
             grads = g if grads is None else add_trees(grads, g)
         return loss, grads
 
     expected_loss, expected_grads = nnx.jit(nnx.value_and_grad(oracle))(student)
-    two_loss, two_grads = run([batch_samples[:2], batch_samples[2:]])
+    two_loss, two_grads = run(2)
     np.testing.assert_allclose(two_loss, float(expected_loss), rtol=2e-5)
     for a, b in zip(jax.tree.leaves(two_grads), jax.tree.leaves(nnx.state(expected_grads, nnx.Param))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-7)
