@@ -84,6 +84,8 @@ class RolloutSection:
     generate_max_len: int = 64           # max new tokens
     max_prompt_len: int = 256
     vllm_gpu_memory_utilization: float = 0.5
+    jax_decode_slots: int = 256          # JaxSampler: samples decoded together (refilled)
+    jax_kv_cache_budget_gb: float = 8.0  # JaxSampler: KV cache limit; over it = one-line error
 
 
 @dataclass(frozen=True)
@@ -383,6 +385,8 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     _require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "must be -1 (off) or >= 1")
     _require(r.generate_max_len >= 1, "rollout.generate_max_len", "must be >= 1")
     _require(r.max_prompt_len >= 1, "rollout.max_prompt_len", "must be >= 1")
+    _require(r.jax_decode_slots >= 1, "rollout.jax_decode_slots", "must be >= 1")
+    _require(r.jax_kv_cache_budget_gb > 0, "rollout.jax_kv_cache_budget_gb", "must be > 0 (GB)")
     a.validate()
     _require(o.lr > 0, "optimizer.lr", "must be > 0")
     _require(all(0 <= b < 1 for b in o.betas), "optimizer.betas", "each must be in [0, 1)")

@@ -8,7 +8,8 @@ ENGINES = ("jax", "vllm")
 def make_rollout_engine(name: str, model, eos_ids, pad_id=None, mesh=None, **kwargs):
     """Build a rollout engine for the student `model` by name.
 
-    "jax": the native sampler (kwargs: max_batch_size, max_prompt_len); "vllm": an in-process
+    "jax": the native sampler (kwargs: max_batch_size (decode slots), max_prompt_len,
+    kv_cache_budget_gb); "vllm": an in-process
     vLLM engine (kwargs: max_model_len, dtype, seed, llm_kwargs); vLLM ignores `mesh`.
     """
     if name == "jax":
@@ -37,7 +38,9 @@ def engine_from_config(rollout, model, eos_ids, pad_id=None, mesh=None):
             max_model_len=rollout.max_prompt_len + rollout.generate_max_len,
             gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
     return make_rollout_engine(rollout.engine, model, eos_ids, pad_id, mesh=mesh,
-                               max_prompt_len=rollout.max_prompt_len)
+                               max_prompt_len=rollout.max_prompt_len,
+                               max_batch_size=rollout.jax_decode_slots,
+                               kv_cache_budget_gb=rollout.jax_kv_cache_budget_gb)
 
 
 __all__ = ["engine_from_config", "sampling_params_from_config", "ENGINES", "FINISH_LENGTH", "FINISH_STOP", "RolloutConfigError", "RolloutEngine",

@@ -3,8 +3,9 @@
 What it is for: the CPU / small-model engine (tests, the tiny demo, debugging, a small student
 on one accelerator). It is plain XLA: no paged attention, no CUDA graphs, every decode step
 attends over the whole per-slot cache. For the reference workload (a 3B student, 256 rows of
-up to 10,240 tokens) use rollout.engine='vllm' on GPU: a dense cache for that is
-256 x 10,240 x 36 layers x 2 KV heads x 128 x 2 (K and V) x 2 bytes ~ 300 GB, which is why this
+up to 10,240 tokens) use rollout.engine='vllm' on GPU: a dense cache for that is, at
+Llama-3.2-3B, 256 x 10,240 x 28 layers x 8 KV heads x 128 x 2 (K and V) x 2 bytes ~ 300 GB
+(a paged cache holds only the tokens that exist). This
 engine sizes its cache to its slots and refuses, with one line naming the setting, a request
 whose cache does not fit `kv_cache_budget_gb` (see `kv_cache_bytes`).
 
@@ -97,12 +98,12 @@ def check_kv_cache_fits(cfg, slots: int, cache_len: int, budget_gb: float) -> No
         return
     per_slot = kv_cache_bytes(cfg, 1, cache_len)
     fit = int(budget // per_slot)
-    hint = (f"lower rollout.max_batch_size (decode slots) to <= {fit}" if fit >= 1 else
+    hint = (f"lower rollout.jax_decode_slots to <= {fit}" if fit >= 1 else
             "lower max_new_tokens / rollout.max_prompt_len (not even one slot fits)")
     raise RolloutConfigError(
         f"JaxSampler: {slots} slots x {cache_len} cache positions need "
-        f"{need / 1e9:.2f} GB of KV cache, over rollout.kv_cache_budget_gb={budget_gb:g}; "
-        f"{hint}, raise rollout.kv_cache_budget_gb, or use rollout.engine='vllm'")
+        f"{need / 1e9:.2f} GB of KV cache, over rollout.jax_kv_cache_budget_gb={budget_gb:g}; "
+        f"{hint}, raise rollout.jax_kv_cache_budget_gb, or use rollout.engine='vllm'")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "slots", "cache_len", "cache_sharding"))
@@ -211,18 +212,26 @@ class JaxSampler:
                 raise RolloutConfigError(
                     f"rollout.{name}={ids} outside the student vocabulary [0, {vocab})")
         if max_batch_size < 1:
-            raise RolloutConfigError(f"rollout.max_batch_size={max_batch_size} must be >= 1")
+            raise RolloutConfigError(f"rollout.jax_decode_slots (max_batch_size)={max_batch_size} must be >= 1")
         if not kv_cache_budget_gb > 0:
             raise RolloutConfigError(
-                f"rollout.kv_cache_budget_gb={kv_cache_budget_gb} must be > 0 (GB)")
+                f"rollout.jax_kv_cache_budget_gb={kv_cache_budget_gb} must be > 0 (GB)")
         if not 0 < refill_fraction <= 1:
             raise RolloutConfigError(
-                f"rollout.refill_fraction={refill_fraction} must be in (0, 1]")
+                f"JaxSampler refill_fraction={refill_fraction} must be in (0, 1]")
         self.mesh = mesh
         self.max_batch_size = max_batch_size
         self.max_prompt_len = max_prompt_len
         self.kv_cache_budget_gb = float(kv_cache_budget_gb)
         self.refill_fraction = float(refill_fraction)
+
+    @classmethod
+    def from_config(cls, model, tokenizer, rollout, mesh=None) -> "JaxSampler":
+        """From the run config's `rollout` section and the student tokenizer (eos_id, pad_id)."""
+        return cls(model, eos_ids=tokenizer.eos_id, pad_id=tokenizer.pad_id, mesh=mesh,
+                   max_batch_size=rollout.jax_decode_slots,
+                   max_prompt_len=rollout.max_prompt_len,
+                   kv_cache_budget_gb=rollout.jax_kv_cache_budget_gb)
 
     # -- protocol ---------------------------------------------------------------------------
     def update_weights(self, model: Any) -> None:

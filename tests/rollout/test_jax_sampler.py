@@ -174,3 +174,63 @@ def test_bad_inputs_get_clear_errors(llama):
         sampler.generate([[1, 2]], SamplingParams(max_new_tokens=10_000))
     with pytest.raises(RolloutConfigError, match="eos_ids"):
         JaxSampler(model, eos_ids=[10_000])
+
+
+@pytest.mark.slow  # ~45 s on 2 shared cores: compiles decode + prefill for 3 slot counts
+def test_refilled_slots_equal_hf_and_one_batch(llama):
+    """Samples stop at different steps (EOS) and free slots refill from the queue: with 2 slots
+    for 7 samples the greedy outputs still equal HF generate per prompt, and seeded samples equal
+    those of one 8-slot batch (the randomness follows the sample, not the slot)."""
+    family, hf, model = llama
+    prompts = random_prompts(np.random.default_rng(6), 7, max_len=16)
+    free = JaxSampler(model, eos_ids=None, pad_id=0).generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
+    # An EOS that stops some samples early and leaves others running to the length limit.
+    eos = free.token_ids[0][2]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
+    refilled = JaxSampler(model, eos_ids=[eos], pad_id=0, max_batch_size=2,
+                          refill_fraction=0.5).generate(prompts, greedy)
+    assert refilled.stats["slots"] == 2 and refilled.stats["refills"] >= 3
+    lengths = {len(t) for t in refilled.token_ids}
+    assert len(lengths) > 1  # rows really finished at different steps
+    for prompt, tokens in zip(prompts, refilled.token_ids):
+        assert tokens == hf_greedy(hf, prompt, MAX_NEW, eos_id=eos)
+
+    params = SamplingParams(temperature=1.0, top_k=40, max_new_tokens=MAX_NEW, n=2, seed=9)
+    one_batch = JaxSampler(model, eos_ids=[eos], pad_id=0, max_batch_size=16).generate(
+        prompts[:4], params)
+    slotted = JaxSampler(model, eos_ids=[eos], pad_id=0, max_batch_size=2).generate(
+        prompts[:4], params)
+    assert one_batch.stats["refills"] == 0 and slotted.stats["refills"] > 0
+    assert slotted.token_ids == one_batch.token_ids
+    assert slotted.finish_reasons == one_batch.finish_reasons
+    np.testing.assert_allclose(np.concatenate(slotted.logprobs),
+                               np.concatenate(one_batch.logprobs), atol=1e-6)
+
+
+def test_kv_cache_budget_sizes_to_slots_and_fails_in_one_line(llama):
+    from ctopd_jax.models.config import llama3_2_3b
+    from ctopd_jax.rollout.jax_sampler import check_kv_cache_fits, kv_cache_bytes
+
+    family, hf, model = llama
+    sampler = JaxSampler(model, eos_ids=None, pad_id=0, max_batch_size=4)
+    plan = sampler.plan(num_samples=100, longest_prompt=20, max_new_tokens=100)
+    # 4 slots of (prompt bucket 32 + new bucket 128), not 100 samples' worth.
+    assert (plan["slots"], plan["cache_len"]) == (4, 32 + 128)
+    cfg = model.cfg
+    kv = 2 * cfg.num_layers * 4 * 160 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert kv < plan["bytes"] < kv * 1.5
+    tight = JaxSampler(model, eos_ids=None, pad_id=0, max_batch_size=4,
+                       kv_cache_budget_gb=plan["bytes"] / 1e9 * 0.6)
+    with pytest.raises(RolloutConfigError) as err:
+        tight.generate([[1, 2]] * 4, SamplingParams(max_new_tokens=100))
+    message = str(err.value)
+    assert "\n" not in message and "rollout.jax_kv_cache_budget_gb" in message
+    assert "rollout.jax_decode_slots to <= 2" in message
+    # The reference workload (3B, 256 rows x 10,240 positions, bf16) is ~300 GB: refused.
+    big = llama3_2_3b()
+    assert 250e9 < kv_cache_bytes(big, 256, 10_240) < 350e9
+    with pytest.raises(RolloutConfigError, match="jax_kv_cache_budget_gb=80"):
+        check_kv_cache_fits(big, 256, 10_240, 80.0)
+    with pytest.raises(RolloutConfigError, match="kv_cache_budget_gb"):
+        JaxSampler(model, eos_ids=None, kv_cache_budget_gb=0)
