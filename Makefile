@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ASSETS := $(HOME)/.cache/ctopd_jax/tokenizers/.ready
 
-.PHONY: demo test test-fast test-vllm assets
+.PHONY: demo test test-fast test-slow test-vllm assets
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: $(STAMP) assets
 
 test-fast: $(STAMP) assets
 	$(PY) -m pytest -q
+
+# Marked slow (multi-process training, compile-only memory analysis at real shapes, the GPU
+# check's CPU dry run): a step of its own.
+test-slow: $(STAMP) assets
+	$(PY) -m pytest -q -m "slow and not vllm"
 
 # vLLM (CPU build) pins numpy below our range, so its tests run from a venv of their own,
 # in their own pytest process. torchvision & co. break `import vllm` on CPU: removed.
@@ -41,4 +46,4 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP) assets
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/rollout
 
-test: test-fast test-vllm
+test: test-fast test-slow test-vllm

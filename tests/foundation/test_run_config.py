@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from ctopd_jax.config import ConfigError, TrainConfig, load_config, validate
@@ -17,7 +19,7 @@ def test_yaml_overrides_and_mesh(tmp_path):
     assert cfg.optimizer.betas == (0.9, 0.95)
     assert cfg.algorithm.ctkd_topk == 16 and cfg.rollout.top_p == 0.95
     assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (1, 4, 2)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign"):
         cfg.steps = 4  # frozen
 
 

@@ -10,6 +10,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 import yaml
 from flax import nnx
@@ -37,10 +38,12 @@ def write(tmp_path, name):
     return path, tmp_path / name
 
 
+@pytest.mark.slow  # ~2-3 minutes on 2 cores: run by .ci/run in the slow step
 def test_two_processes_agree_with_one(tmp_path, compile_cache):
     cfg, single_dir = write(tmp_path, "single")
     trainer = Trainer(load_config(cfg))
     teacher_before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(trainer.teacher))]
+    student_before = np.array(trainer.student.embed[...])
     trainer.train()
     # the teacher is frozen: not one of its parameters moved
     for a, b in zip(teacher_before, jax.tree.leaves(nnx.state(trainer.teacher))):
@@ -74,5 +77,6 @@ def test_two_processes_agree_with_one(tmp_path, compile_cache):
     for a, b in zip(s_log, m_log):
         for key in ("loss", "grad_norm", "coverage_student", "strict_pairs", "student_response_tokens"):
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=key)
-    # the trained student moved away from its initialisation in both runs
-    assert any(not np.allclose(single[n], 0) for n in single)
+    # training changed the student (two steps at lr 1e-3 after warmup): the embedding moved
+    trained = single["model.embed_tokens.weight"][:student_before.shape[0]]
+    assert np.abs(trained - student_before).max() > 1e-5
