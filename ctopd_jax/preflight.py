@@ -224,12 +224,15 @@ def check_hf_checkpoint(directory: Path, field_name: str):
 # ----------------------------------------------------------------------------- models, tokenizers
 
 def _model_dir(spec: str, field_name: str) -> Path | None:
-    if spec.startswith("demo:"):
-        from ctopd_jax.demo.data import checkpoint_dir
+    """As build.model_dir: a named source (`demo:student`) or an existing directory."""
+    from ctopd_jax import sources
+
+    if sources.is_named(spec) and not spec.startswith("preset:"):
         try:
-            return checkpoint_dir(spec.split(":", 1)[1])
-        except (ValueError, FileNotFoundError) as err:
-            raise _fail(f"{field_name}={spec!r}: {err}") from None
+            return Path(sources.resolve("model", spec, field_name))
+        except (ValueError, OSError) as err:   # SourceError, the owner's own errors
+            text = str(err) if field_name in str(err) else f"{field_name}={spec!r}: {err}"
+            raise _fail(text) from None
     path = Path(spec).expanduser()
     return path if path.is_dir() else None
 
@@ -293,17 +296,18 @@ def _check_mesh(config: TrainConfig, device_count: int | None) -> dict[str, int]
 
 
 def _check_data(config: TrainConfig):
+    from ctopd_jax import sources
     from ctopd_jax.data import load_prompts, resolve_named_source
     from ctopd_jax.records import RecordError
 
     d = config.data
     try:
-        path = Path(d.path)
-        if ":" in d.path and not path.exists() and not path.drive:
-            path = resolve_named_source(d.path)
+        path = resolve_named_source(d.path) if sources.is_named(d.path) else Path(d.path)
         prompts = load_prompts(path, d.prompt_key, d.system_prompt)
     except (RecordError, OSError, UnicodeDecodeError) as err:
-        text = str(err) if "data.path" in str(err) else f"data.path {d.path}: {err}"
+        text = str(err)   # file:line messages name the file already
+        if "data.path" not in text and str(d.path) not in text:
+            text = f"data.path {d.path}: {text}"
         raise _fail(text) from None
     e = config.evaluation
     if e.dataset:

@@ -1,5 +1,8 @@
-"""MetricsLogger JSONL content and resume truncation; plot writes readable PNGs."""
+"""MetricsLogger JSONL content, rotation and set-aside on resume (nothing is destroyed), line
+based progress when redirected; plot writes readable, labelled PNGs."""
+import io
 import json
+import time
 
 import matplotlib.image as mpimg
 import numpy as np
@@ -18,7 +21,7 @@ def test_jsonl_tensorboard_and_resume_truncation(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[1]["loss"] == float(np.float32(0.25)) and "note" not in records[1]
     assert list((tmp_path / "tensorboard").iterdir())
-    # resuming from a checkpoint at step 1 drops the records of steps 2, 3
+    # resuming from a checkpoint at step 1 sets the records of steps 2, 3 aside
     logger = MetricsLogger(tmp_path, total_steps=4, start_step=1, progress=False, tensorboard=False)
     logger.log(2, {"loss": 9.0})
     logger.close()
@@ -51,3 +54,70 @@ def test_plot_writes_pngs(tmp_path):
     assert {p.name for p in paths} == {"loss.png", "coverage.png", "time.png"}
     image = mpimg.imread(paths[0])
     assert image.ndim == 3 and image.shape[0] > 100
+
+
+def test_fresh_start_rotates_an_existing_log_and_never_truncates(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    (tmp_path / "metrics.1.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    logger = MetricsLogger(tmp_path, total_steps=2, progress=False, tensorboard=False)
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    assert logger.moved == [tmp_path / "metrics.2.jsonl"]
+    assert json.loads((tmp_path / "metrics.2.jsonl").read_text())["loss"] == 3.0
+    assert json.loads((tmp_path / "metrics.1.jsonl").read_text())["loss"] == 4.0
+    assert [r["loss"] for r in read_metrics(tmp_path)] == [1.0]
+
+
+def test_resume_sets_later_rows_aside_and_keeps_elapsed_running(tmp_path):
+    logger = MetricsLogger(tmp_path, total_steps=4, progress=False, tensorboard=False)
+    for step in (1, 2, 3):
+        logger.log(step, {"loss": float(step)})
+    logger.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "lo')                  # a kill in the middle of a write
+    first = read_metrics(tmp_path)
+    assert [r["step"] for r in first] == [1, 2, 3]  # the damaged last line is skipped
+    logger = MetricsLogger(tmp_path, total_steps=4, start_step=2, progress=False, tensorboard=False)
+    logger.log(3, {"loss": 30.0})
+    logger.close()
+    rows = read_metrics(tmp_path)
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    aside = (tmp_path / "metrics.after_step_2.jsonl").read_text().splitlines()
+    assert json.loads(aside[0])["loss"] == 3.0 and aside[1] == '{"step": 4, "lo'
+    assert rows[2]["elapsed_s"] >= rows[1]["elapsed_s"]
+    assert all(abs(r["wall_time"] - time.time()) < 3600 for r in rows)
+
+
+def test_redirected_output_is_line_based_and_messages_get_their_own_lines(tmp_path):
+    stream = io.StringIO()                            # not a TTY: no bar, one line per step
+    logger = MetricsLogger(tmp_path, total_steps=2, tensorboard=False, stream=stream)
+    logger.write("overlap: {}")
+    logger.log(1, {"loss": 0.5, "tokens_per_s": 10.0})
+    logger.write("a message")
+    logger.log(2, {"loss": 0.25})
+    logger.close()
+    lines = stream.getvalue().split("\n")
+    assert "\r" not in stream.getvalue()
+    assert lines[0] == "overlap: {}" and lines[1].startswith("step 1/2  loss 0.5  tokens_per_s 10")
+    assert lines[2] == "a message" and lines[3].startswith("step 2/2  loss 0.25")
+
+
+def test_plots_label_axes_and_keep_equal_series_visible(tmp_path, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    drawn, labels = [], []
+    original_plot, original_label = Axes.plot, Axes.set_ylabel
+    monkeypatch.setattr(Axes, "plot", lambda ax, *a, **k: (drawn.append(k), original_plot(ax, *a, **k))[1])
+    monkeypatch.setattr(Axes, "set_ylabel", lambda ax, t, **k: (labels.append(t), original_label(ax, t, **k))[1])
+    logger = MetricsLogger(tmp_path, total_steps=2, progress=False, tensorboard=False)
+    for step in (1, 2):
+        logger.log(step, {"loss": 1.0 / step, "kd_loss": 1.0 / step})  # kd_ratio 1: identical
+    logger.close()
+    paths = plot_run(tmp_path)
+    assert [p.name for p in paths] == ["loss.png"]
+    loss, kd = drawn
+    assert (loss["label"], kd["label"]) == ("loss", "kd_loss")
+    assert loss["linestyle"] != kd["linestyle"] and loss["linewidth"] > kd["linewidth"]
+    assert labels == ["loss (per student response token)"]

@@ -1,0 +1,270 @@
+"""Every bad input of the command lines: one line naming the field or file, exit status 2, no
+traceback, nothing written to disk, and no model weight loaded (the loaders are replaced by
+tripwires). The in-process cases call each command's main(argv); two subprocess cases prove the
+exit status and the absence of a traceback in a real process. Seconds to the error are printed
+(`pytest -s`), never asserted."""
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ctopd_jax import evaluate, inspect_pair, plot, train
+from ctopd_jax.demo import __main__ as demo
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
+DEMO_STUDENT = ROOT / "ctopd_jax" / "assets" / "demo" / "student"
+TIMES: dict[str, float] = {}
+
+
+@pytest.fixture(autouse=True)
+def no_weights_loaded(monkeypatch):
+    """Any model load is a test failure (AssertionError is no user error: it propagates)."""
+    def tripwire(*args, **kwargs):
+        raise AssertionError("a model was loaded before the error was reported")
+
+    import ctopd_jax.build as build
+    import ctopd_jax.models.weights as weights
+    monkeypatch.setattr(weights, "load_hf_checkpoint", tripwire)
+    monkeypatch.setattr(build, "load_side", tripwire)
+
+
+def files_under(path: Path) -> set[str]:
+    return {str(p.relative_to(path)) for p in path.rglob("*")}
+
+
+def checkpoint_step(run: Path, step: int, meta: dict | None) -> None:
+    d = run / "checkpoints" / str(step)
+    (d / "state").mkdir(parents=True)
+    if meta is not None:
+        (d / "meta").mkdir()
+        (d / "meta" / "metadata").write_text(json.dumps(meta))
+
+
+def tiny_config_dict(out: Path) -> dict:
+    from ctopd_jax.config import load_config
+    return load_config(TINY, [f"output_dir={out}"]).to_dict()
+
+
+# ----------------------------------------------------------------------------- setups
+# each returns the argv after `--config TINY --set output_dir=<run>`
+
+def bad_jsonl_row(tmp, run):
+    p = tmp / "bad.jsonl"
+    p.write_text('{"prompt": "What is 1 + 1?"}\n{"prompt": "unterminated\n')
+    return ["--set", f"data.path={p}"]
+
+
+def truncated_shard(tmp, run):
+    d = tmp / "student"
+    shutil.copytree(DEMO_STUDENT, d)
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return ["--set", f"model.student={d}"]
+
+
+def garbage_shard(tmp, run):  # what safetensors reports as "incomplete metadata"
+    d = tmp / "student"
+    shutil.copytree(DEMO_STUDENT, d)
+    (d / "model.safetensors").write_bytes(b"\x10\x00")
+    return ["--set", f"model.student={d}"]
+
+
+def shape_mismatch(tmp, run):
+    d = tmp / "student"
+    shutil.copytree(DEMO_STUDENT, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] += 8
+    (d / "config.json").write_text(json.dumps(cfg))
+    return ["--set", f"model.student={d}"]
+
+
+def missing_shard(tmp, run):
+    d = tmp / "student"
+    shutil.copytree(DEMO_STUDENT, d)
+    (d / "model.safetensors").unlink()
+    return ["--set", f"model.student={d}"]
+
+
+def existing_checkpoints(tmp, run):
+    checkpoint_step(run, 2, {"step": 2, "config": tiny_config_dict(run)})
+    return []
+
+
+def all_unreadable(tmp, run):
+    checkpoint_step(run, 2, None)
+    checkpoint_step(run, 4, None)
+    return ["--resume"]
+
+
+def changed_config(tmp, run):
+    checkpoint_step(run, 2, {"step": 2})
+    saved = tiny_config_dict(run)
+    (run / "config.json").write_text(json.dumps(saved))
+    return ["--resume", "--set", "optimizer.lr=2e-3", "--set", "data.seed=7"]
+
+
+def yaml_nan(tmp, run):
+    cfg = tmp / "nan.yaml"
+    cfg.write_text(Path(TINY).read_text().replace("lr: 1.0e-3", "lr: .nan"))
+    return ["--config", str(cfg)]
+
+
+def no_overlap(tmp, run, monkeypatch=None):
+    return []
+
+
+def nothing(tmp, run):
+    return []
+
+
+TRAIN_CASES = [
+    # point 1: numbers
+    ("lr_inf", lambda t, r: ["--set", "optimizer.lr=.inf"], "optimizer.lr"),
+    ("lr_nan_in_yaml", yaml_nan, "optimizer.lr"),
+    ("lr_word", lambda t, r: ["--set", "optimizer.lr=fast"], "optimizer.lr"),
+    ("steps_zero", lambda t, r: ["--set", "steps=0"], "steps"),
+    ("unknown_key", lambda t, r: ["--set", "algorithm.nam=strict"], "algorithm.nam"),
+    ("missing_config", lambda t, r: ["--config", str(t / "none.yaml")], "none.yaml"),
+    # point 2 / 3: data, tokenizers, pair, shards, objective, engine, mesh, checkpoints
+    ("missing_data", lambda t, r: ["--set", f"data.path={t / 'none.jsonl'}"], "data.path"),
+    ("malformed_row", bad_jsonl_row, "bad.jsonl:2"),
+    ("missing_teacher_tok", lambda t, r: ["--set", f"model.teacher_tokenizer={t / 'no_tok'}"],
+     "model.teacher_tokenizer"),
+    ("missing_student_tok", lambda t, r: ["--set", "model.student_tokenizer=nosuchtok"],
+     "model.student_tokenizer"),
+    ("missing_model", lambda t, r: ["--set", f"model.teacher={t / 'no_model'}"], "model.teacher"),
+    ("truncated_shard", truncated_shard, "model.safetensors"),
+    ("garbage_shard", garbage_shard, "model.safetensors"),
+    ("missing_shard", missing_shard, "model.student"),
+    ("shape_mismatch", shape_mismatch, "config.json"),
+    ("topk_above_shared", lambda t, r: ["--set", "algorithm.ctkd_topk=100000"], "algorithm.ctkd_topk"),
+    ("unknown_algorithm", lambda t, r: ["--set", "algorithm.name=nope"], "algorithm.name"),
+    ("mesh_unknown_axis", lambda t, r: ["--mesh", "data=1,pipeline=2"], "pipeline"),
+    ("mesh_not_int", lambda t, r: ["--mesh", "data=two"], "mesh.data"),
+    ("mesh_vs_devices", lambda t, r: ["--mesh", "data=3"], "XLA_FLAGS"),
+    ("checkpoints_without_resume", existing_checkpoints, "--resume"),
+    ("resume_nothing", lambda t, r: ["--resume"], "--resume"),
+    ("all_checkpoints_unreadable", all_unreadable, "none of the checkpoints"),
+    ("resume_changed_config", changed_config, "optimizer.lr"),
+    ("allow_change_without_resume", lambda t, r: ["--allow-config-change"], "--resume"),
+]
+
+
+def run_case(capsys, name, main, argv, tmp_path):
+    capsys.readouterr()   # drop what earlier calls printed
+    before = files_under(tmp_path)
+    start = time.perf_counter()
+    code = main(argv)
+    TIMES[name] = time.perf_counter() - start
+    out, err = capsys.readouterr()
+    print(f"\n[{name}] {TIMES[name]:.2f} s to the error: {err.strip()}")
+    assert code == 2, (code, err)
+    assert err.strip() and "\n" not in err.strip(), err   # exactly one line
+    assert "Traceback" not in err and not out.strip()
+    assert files_under(tmp_path) == before                 # nothing written
+    return err
+
+
+@pytest.mark.parametrize("name,setup,field", TRAIN_CASES, ids=[c[0] for c in TRAIN_CASES])
+def test_train_bad_input(tmp_path, capsys, name, setup, field):
+    run = tmp_path / "run"
+    extra = setup(tmp_path, run)
+    config = [] if "--config" in extra else ["--config", TINY]
+    err = run_case(capsys, name, train.main, config + ["--set", f"output_dir={run}"] + extra,
+                   tmp_path)
+    assert err.startswith("python -m ctopd_jax.train: error:") and field in err
+
+
+def test_train_pair_without_shared_token(tmp_path, capsys, monkeypatch):
+    import ctopd_jax.tokenization.overlap as overlap
+
+    def none_shared(teacher, student, rule=None):
+        raise overlap.NoOverlapError("overlap: 'a' and 'b' share no token under the 'bytes' rule")
+    monkeypatch.setattr(overlap, "overlap_map", none_shared)
+    err = run_case(capsys, "no_shared_token", train.main,
+                   ["--config", TINY, "--set", f"output_dir={tmp_path / 'run'}"], tmp_path)
+    assert "model.teacher_tokenizer / model.student_tokenizer" in err and "share no token" in err
+
+
+def test_train_vllm_engine_without_vllm(tmp_path, capsys):
+    import importlib.util
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed in this environment")
+    err = run_case(capsys, "vllm_missing", train.main,
+                   ["--config", TINY, "--set", f"output_dir={tmp_path / 'run'}",
+                    "--set", "rollout.engine=vllm"], tmp_path)
+    assert "rollout.engine" in err and "rollout.engine=jax" in err
+
+
+def test_debug_flag_shows_the_traceback(tmp_path):
+    from ctopd_jax.config import ConfigError
+    with pytest.raises(ConfigError, match="optimizer.lr"):
+        train.main(["--config", TINY, "--set", f"output_dir={tmp_path}", "--set",
+                    "optimizer.lr=.inf", "--debug"])
+
+
+# ----------------------------------------------------------------------------- other commands
+
+def test_plot_missing_dir_and_empty_log(tmp_path, capsys):
+    err = run_case(capsys, "plot_missing", plot.main, [str(tmp_path / "nope")], tmp_path)
+    assert "nope" in err and "run directory" in err
+    (tmp_path / "metrics.jsonl").write_text("")
+    err = run_case(capsys, "plot_empty", plot.main, [str(tmp_path)], tmp_path)
+    assert "metrics.jsonl" in err and "no rows" in err
+
+
+@pytest.mark.parametrize("flag", ["--samples", "--limit", "--max-new-tokens"])
+def test_evaluate_zero_counts_are_rejected(tmp_path, capsys, flag):
+    err = run_case(capsys, f"evaluate{flag}", evaluate.cli_main,
+                   ["--checkpoint", str(DEMO_STUDENT), "--dataset", "demo", flag, "0"], tmp_path)
+    assert flag in err and ">= 1" in err
+
+
+def test_evaluate_bad_set_and_truncated_checkpoint(tmp_path, capsys):
+    err = run_case(capsys, "evaluate_set", evaluate.cli_main,
+                   ["--config", TINY, "--set", "optimizer.lr=.inf", "--checkpoint",
+                    str(DEMO_STUDENT), "--dataset", "demo"], tmp_path)
+    assert "optimizer.lr" in err
+    truncated_shard(tmp_path, None)
+    err = run_case(capsys, "evaluate_truncated", evaluate.cli_main,
+                   ["--checkpoint", str(tmp_path / "student"), "--dataset", "demo",
+                    "--tokenizer", "tiny_unigram"], tmp_path)
+    assert "model.safetensors" in err and "truncated" in err
+
+
+def test_inspect_pair_and_demo_bad_input(tmp_path, capsys):
+    err = run_case(capsys, "inspect_missing_tok", inspect_pair.main,
+                   ["--teacher", str(tmp_path / "none"), "--student", "tiny_unigram"], tmp_path)
+    assert err.startswith("python -m ctopd_jax.inspect_pair: error: --teacher")
+    err = run_case(capsys, "demo_missing_config", demo.main,
+                   ["--config", str(tmp_path / "none.yaml"), "--out", str(tmp_path / "o")], tmp_path)
+    assert "--config" in err
+
+
+def test_usage_errors_are_one_line(tmp_path, capsys):
+    err = run_case(capsys, "train_no_config", train.main, [], tmp_path)
+    assert "--config" in err and "--help" in err
+
+
+# ----------------------------------------------------------------------------- real processes
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv,field", [
+    (["-m", "ctopd_jax.train", "--config", TINY, "--set", "optimizer.lr=.inf"], "optimizer.lr"),
+    (["-m", "ctopd_jax.train", "--config", TINY, "--mesh", "data=two"], "mesh.data"),
+])
+def test_subprocess_exit_status_and_no_traceback(tmp_path, argv, field):
+    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(Path.home())}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, *argv, "--set", f"output_dir={tmp_path / 'run'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    print(f"\n[subprocess {field}] {time.perf_counter() - start:.2f} s: {proc.stderr.strip()}")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and field in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
