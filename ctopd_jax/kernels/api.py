@@ -11,6 +11,7 @@ per-row values are constants (metrics, per-row weights of other objectives).
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -32,25 +33,68 @@ PALLAS_MAX_TOPK = 256
 _log = logging.getLogger(__name__)
 
 
-def _unsupported_reason(implementation: str, divergence: str, topk: int | None) -> str | None:
+def _unsupported_reason(implementation: str, divergence: str, topk: int | None,
+                        chunk_shape: tuple[int, int] | None = None,
+                        interpret: bool | None = None) -> str | None:
     if implementation == "pallas":
         if divergence == "akl":
             return "akl needs a full sort of p_T per row"
         if topk is not None and topk > PALLAS_MAX_TOPK:
             return f"top-k selection in the kernel is limited to k <= {PALLAS_MAX_TOPK}"
+        if chunk_shape is not None:
+            return pallas_lowering_failure(divergence, topk, chunk_shape, interpret)
     return None
 
 
-def resolve_implementation(implementation: str, divergence: str, topk: int | None = None) -> str:
-    """The implementation that will run: the asked one or the next supported one after it."""
+def resolve_implementation(implementation: str, divergence: str, topk: int | None = None, *,
+                           chunk_shape: tuple[int, int] | None = None,
+                           interpret: bool | None = None) -> str:
+    """The implementation that will run: the asked one or the next supported one after it.
+
+    With `chunk_shape` = (rows per chunk, |V∩|), a compiled (non-interpret) Pallas kernel is
+    also lowered once for that shape on the current backend; if that fails it falls back too.
+    """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; use one of {IMPLEMENTATIONS}")
     for candidate in IMPLEMENTATIONS[IMPLEMENTATIONS.index(implementation):]:
-        reason = _unsupported_reason(candidate, divergence, topk)
+        reason = _unsupported_reason(candidate, divergence, topk, chunk_shape, interpret)
         if reason is None:
             return candidate
         _log.info("implementation %s unsupported (%s); falling back", candidate, reason)
     return "reference"
+
+
+def pallas_lowering_failure(divergence: str, topk: int | None, chunk_shape: tuple[int, int],
+                            interpret: bool | None = None) -> str | None:
+    """Why the compiled Pallas chunk kernel does not lower for this chunk shape, or None.
+
+    Interpret mode lowers anywhere (None). Otherwise the kernel is lowered (`jax.jit(...).lower`,
+    which runs the Mosaic GPU lowering and its shared-memory check) once per shape and backend;
+    the answer is cached and a failure is logged as a warning.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if interpret:
+        return None
+    rows, cols = max(1, int(chunk_shape[0])), int(chunk_shape[1])
+    return _pallas_lowering_error(divergence, topk, rows, cols, jax.default_backend())
+
+
+@functools.lru_cache(maxsize=None)
+def _pallas_lowering_error(divergence, topk, rows, cols, backend) -> str | None:
+    # temperature and divergence parameters are compile-time constants of the kernel that do
+    # not change what lowers, so the defaults stand in for them
+    div_items = (("akl_alpha", 0.5), ("jsd_beta", 0.5), ("skl_lambda", 0.1))
+    fn = _chunk_fn("pallas", divergence, topk, 1.0, div_items, False)
+    block = jax.ShapeDtypeStruct((rows, cols), jnp.float32)
+    try:
+        jax.jit(fn).lower(block, block, jax.ShapeDtypeStruct((rows,), jnp.float32))
+    except Exception as err:  # noqa: BLE001  (any lowering error means: use the next one)
+        reason = f"Pallas kernel does not lower on {backend} for chunk [{rows}, {cols}]: " \
+                 f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+        _log.warning("%s; falling back to xla", reason)
+        return reason
+    return None
 
 
 def _rows_of(x):
@@ -158,7 +202,9 @@ def strict_kd_rows(student, teacher_shared, s_ids, row_weight, *, divergence: st
               teacher_row_ids)
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows={chunk_rows} must be >= 1 (chunked_loss_size)")
-    impl = resolve_implementation(implementation, divergence, topk)
+    impl = resolve_implementation(
+        implementation, divergence, topk, interpret=interpret,
+        chunk_shape=(min(int(chunk_rows), row_weight.shape[0]), s_ids.shape[0]))
     div_kwargs = dict(jsd_beta=jsd_beta, skl_lambda=skl_lambda, akl_alpha=akl_alpha)
     if impl == "reference":  # the oracle gathers the rows up front
         if student_row_ids is not None:
