@@ -21,20 +21,28 @@ Rows = list[tuple[str, dict[str, Any]]]   # ("path:line", row)
 def read_jsonl(path: Path) -> Rows:
     """Every non-blank line of a jsonl file as a JSON object."""
     rows = []
-    with Path(path).open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise RecordError(f"{where}: not valid JSON ({err.msg}); each line must be one "
-                                  "JSON object: fix or remove the line") from None
-            if not isinstance(row, dict):
-                raise RecordError(f"{where}: expected a JSON object per line, got "
-                                  f"{type(row).__name__}")
-            rows.append((where, row))
+    try:
+        lines = Path(path).read_bytes().split(b"\n")
+    except IsADirectoryError:
+        raise RecordError(f"{path}: is a directory; give a .jsonl file") from None
+    for number, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise RecordError(f"{path}:{number}: not UTF-8 text (byte {err.start}); save the file "
+                              "as UTF-8 jsonl") from None
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise RecordError(f"{where}: not valid JSON ({err.msg}); each line must be one "
+                              "JSON object: fix or remove the line") from None
+        if not isinstance(row, dict):
+            raise RecordError(f"{where}: expected a JSON object per line, got "
+                              f"{type(row).__name__}")
+        rows.append((where, row))
     return rows
 
 

@@ -95,6 +95,9 @@ def _main(argv: list[str]) -> int:
         print(f"{PROG}: {one_line(err)}", file=sys.stderr)
         return err.exit_code
     if writer:
+        from ctopd_jax.plot import plot_after_training
+
+        plot_after_training(result.run_dir)   # <run_dir>/plots/*.png; warns, never fails
         print(json.dumps({"final_step": result.final_step, "run_dir": str(result.run_dir),
                           "checkpoints": str(result.checkpoint_dir),
                           "hf_student": str(result.hf_dir) if result.hf_dir else None,

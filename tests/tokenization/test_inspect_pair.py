@@ -73,3 +73,18 @@ def test_text_that_does_not_round_trip(qwen, llama):
     assert counted.num_student_response_tokens == int(s.response_lens.sum())
     with pytest.raises(ByteMismatchError, match="sample 0: .* differ at byte 3"):
         strict_align(t, s, on_byte_mismatch="raise")
+
+
+def test_token_text_shows_partial_characters_as_bytes_not_replacement_marks():
+    emoji = "🙂".encode()
+    assert inspect_pair.token_text(emoji) == "🙂"
+    assert [inspect_pair.token_text(emoji[:2]), inspect_pair.token_text(emoji[2:])] == ["<f0><9f>", "<99><82>"]
+    assert inspect_pair.token_text("a\nb".encode()) == "a\\nb"
+
+
+def test_no_mismatch_groups_says_none(tmp_path, capsys):
+    path = tmp_path / "r.txt"
+    path.write_text("7 + 5 = 12.\n")
+    code, out, _ = run(capsys, "--teacher", "tiny_bpe", "--student", "tiny_bpe", "--text", str(path))
+    line = next(x for x in out.splitlines() if x.startswith("mismatch groups"))
+    assert code == 0 and line.endswith("none (every token is in a strict pair)")

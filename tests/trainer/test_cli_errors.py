@@ -59,6 +59,12 @@ def bad_jsonl_row(tmp, run):
     return ["--set", f"data.path={p}"]
 
 
+def binary_data(tmp, run):
+    p = tmp / "bin.jsonl"
+    p.write_bytes(b'{"prompt": "What is 1 + 1?"}\n\xff\xfe\n')
+    return ["--set", f"data.path={p}"]
+
+
 def truncated_shard(tmp, run):
     d = tmp / "student"
     shutil.copytree(DEMO_STUDENT, d)
@@ -114,14 +120,6 @@ def yaml_nan(tmp, run):
     return ["--config", str(cfg)]
 
 
-def no_overlap(tmp, run, monkeypatch=None):
-    return []
-
-
-def nothing(tmp, run):
-    return []
-
-
 TRAIN_CASES = [
     # point 1: numbers
     ("lr_inf", lambda t, r: ["--set", "optimizer.lr=.inf"], "optimizer.lr"),
@@ -133,6 +131,7 @@ TRAIN_CASES = [
     # point 2 / 3: data, tokenizers, pair, shards, objective, engine, mesh, checkpoints
     ("missing_data", lambda t, r: ["--set", f"data.path={t / 'none.jsonl'}"], "data.path"),
     ("malformed_row", bad_jsonl_row, "bad.jsonl:2"),
+    ("binary_data", binary_data, "bin.jsonl:2: not UTF-8"),
     ("missing_teacher_tok", lambda t, r: ["--set", f"model.teacher_tokenizer={t / 'no_tok'}"],
      "model.teacher_tokenizer"),
     ("missing_student_tok", lambda t, r: ["--set", "model.student_tokenizer=nosuchtok"],
