@@ -1,0 +1,509 @@
+"""Memory and time planner: `python -m ctopd_jax.plan --config X --device h100|h200|b200 [--gpus N]`.
+
+Reads a TrainConfig, resolves the student and teacher shapes (an HF directory's config.json, a
+preset name, or a directory name that matches a preset: `checkpoints/Llama-3.2-3B-Instruct` ->
+llama3_2_3b; `--student-preset/--teacher-preset` force one), and prints per device:
+
+  rollout engine share   vLLM takes rollout.vllm_gpu_memory_utilization of the WHOLE device
+                         (outside the XLA pool); the JAX sampler's KV cache is counted instead
+  student parameters     param_dtype, sharded over fsdp x tensor (data replicates)
+  gradients              2 x parameters: the accumulator plus one micro-batch's gradients
+                         (trainer.py adds them after `micro_grad` returns)
+  optimizer state        AdamW m and v in the parameter dtype (`--mu-dtype bfloat16` shows m in bf16)
+  teacher weights        teacher_param_dtype (or param_dtype), sharded like the student
+  student activations    one micro-batch (per device), see `activation_bytes`
+  loss chunk             chunked_loss_size rows of student and teacher logits, see `loss_chunk_bytes`
+  teacher scoring        the prefill's working set; a separate jit, so the transient part is
+                         max(student activations + loss chunk, teacher scoring)
+
+Budget: the device's memory (h100 80 GB, h200 141 GB, b200 180 GB; GB = 1e9 bytes). The XLA pool
+is `XLA_PYTHON_CLIENT_MEM_FRACTION` of that; the planner assumes (and prints) the fraction
+`1 - vllm share - 0.05` with vLLM (0.05 for the CUDA context, NCCL and cuDNN workspaces outside
+both pools), or 0.90 with the JAX sampler, unless `--xla-mem-fraction` says otherwise. Verdict:
+fits, or the first item at which the running total passes the budget, with the setting to change.
+Exit 0 fits, 1 does not fit, 2 bad config or arguments (one line, no traceback).
+
+Activations (per token per layer, compute dtype c bytes, float32 4 bytes; checked against XLA's
+compile-only memory analysis on CPU in tests/test_plan.py):
+- without remat every layer keeps what its backward needs: the two norm inputs in float32, the
+  normed inputs, q/k/v before and q/k after RoPE, the attention output, and the MLP's gate, up,
+  silu(gate) and their product: c*(3H + 2(nq+2nkv)d - nkv d + nq d + 4I) + 4*2H;
+- with remat (`model.remat`) each layer keeps only its input (c*H) and ONE layer's full set is
+  live during its recomputed backward, plus half as much again of that layer's gradient
+  transients (REMAT_LIVE_LAYERS = 1.5, read off a scanned-layer probe on CPU);
+- einsum attention (the model's `attention` setting; "einsum" when the model has no such
+  setting) adds, per token and layer, the [heads, T] rows of scores and softmax in float32
+  and the probabilities in c: nq*T*(8 + c); cuDNN adds O(T) only (the per-row log-sum-exp);
+  blockwise adds its float32 output and dq/dk/dv accumulators and BLOCKWISE_TILES float32
+  [heads, block, block] score tiles a layer, so no [T, T] term either.
+Tensor parallelism divides the head and MLP terms by `tensor`; a micro-batch is split over
+data x fsdp and a micro_batch_size that does not divide by it is reported (every device would
+then hold the whole micro-batch).
+
+Time (rough): FLOPs at an assumed model-FLOPs utilisation, printed with the estimate:
+training 6 x params x tokens (8 x with remat: the forward runs twice) plus attention, teacher
+prefill 2 x params x tokens plus attention, rollout 2 x params x generated tokens at a lower
+assumed utilisation (decoding is memory-bound). Every response is taken at its full length
+(`--fill` scales the sequence length: 0.5 = responses average half of generate_max_len).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from ctopd_jax.cli import Parser, UserError, run
+
+GB = 1e9
+HEADROOM = 0.05            # CUDA context, NCCL, cuDNN workspaces: outside both pools
+SAMPLER_POOL = 0.90        # XLA pool fraction when the JAX sampler is the engine
+VLLM_OVERHEAD_GB = 2.0     # vLLM's own activations / CUDA graphs inside its share
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    name: str
+    memory_gb: float       # what the planner budgets (GB = 1e9 bytes)
+    bf16_tflops: float     # dense bf16 peak by the vendor's datasheet (a lead, not a reading)
+
+
+DEVICES = {
+    "h100": Device("h100", 80.0, 989.0),
+    "h200": Device("h200", 141.0, 989.0),
+    "b200": Device("b200", 180.0, 2250.0),
+}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ----------------------------------------------------------------------------- model shapes
+def _norm_name(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
+# Directory-name fragments (lower case, punctuation removed) -> preset; checked in order.
+_NAME_HINTS = (("llama323b", "llama3_2_3b"), ("qwen257b", "qwen2_5_7b"))
+
+
+def preset_for_name(spec: str) -> str | None:
+    """The preset a model spec names: `preset:X`, `X`, or a checkpoint directory whose name
+    matches one (`checkpoints/Llama-3.2-3B-Instruct` -> llama3_2_3b). None if nothing matches."""
+    from ctopd_jax.models.config import PRESETS
+
+    name = spec.split(":", 1)[1] if spec.startswith("preset:") else spec
+    if name in PRESETS:
+        return name
+    key = _norm_name(Path(name).name)
+    for fragment, preset in _NAME_HINTS:
+        if fragment in key:
+            return preset
+    for preset in PRESETS:
+        if _norm_name(preset) and key.startswith(_norm_name(preset)):
+            return preset
+    return None
+
+
+def resolve_model(spec: str, preset: str | None, role: str, dtype: str, param_dtype: str):
+    """ModelConfig for `model.<role>`: forced preset, HF config.json, or a name-matched preset."""
+    from ctopd_jax.models.config import PRESETS, ModelConfig
+
+    if preset:
+        if preset not in PRESETS:
+            raise UserError(f"--{role}-preset {preset!r}: not a preset; use one of "
+                            f"{', '.join(sorted(PRESETS))}")
+        return PRESETS[preset](dtype=dtype, param_dtype=param_dtype), f"preset {preset} (forced)"
+    directory = Path(spec).expanduser()
+    config_json = directory / "config.json"
+    if config_json.is_file():
+        try:
+            hf = json.loads(config_json.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise UserError(f"model.{role}: cannot read {config_json}: {err}") from None
+        return (ModelConfig.from_hf_dict(hf, dtype=dtype, param_dtype=param_dtype),
+                f"{config_json}")
+    name = preset_for_name(spec)
+    if name is None:
+        raise UserError(
+            f"model.{role}={spec!r}: no config.json there and no preset matches the name; pass "
+            f"--{role}-preset with one of {', '.join(sorted(PRESETS))}")
+    return PRESETS[name](dtype=dtype, param_dtype=param_dtype), f"preset {name} (matched by name)"
+
+
+def param_count(cfg) -> int:
+    """Parameters of the Decoder (embedding, untied lm_head, layers, final norm)."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+    per_layer = h * qkv + cfg.num_heads * d * h + 3 * h * i + 2 * h
+    if cfg.qkv_bias:
+        per_layer += qkv
+    total = cfg.vocab_size * h + cfg.num_layers * per_layer + h
+    if not cfg.tie_word_embeddings:
+        total += h * cfg.vocab_size
+    return total
+
+
+def attention_kind(cfg, override: str | None = None, gpu: bool = False) -> str:
+    """The attention path to plan for: "einsum" (materialises [heads, T, T]), "blockwise"
+    (O(T) plus a few [block, block] tiles a layer) or "cudnn" (O(T)). The model's `attention`
+    setting when it has one ("auto" resolves as models/attention.py does: cuDNN for bf16/fp16
+    on a GPU, else blockwise); a model without the setting computes the einsum."""
+    kind = str(override or getattr(cfg, "attention", None) or "einsum")
+    if kind == "auto":
+        half = getattr(cfg, "dtype", "float32") in ("bfloat16", "float16")
+        kind = "cudnn" if gpu and half else "blockwise"
+    return kind
+
+
+BLOCKWISE_TILES = 2  # [block_q, block_k] float32 tiles a layer holds (compile-only, CPU)
+
+
+# ----------------------------------------------------------------------------- memory terms
+def layer_saved_bytes_per_token(cfg, c: int, seq: int, attention: str, tensor: int = 1) -> float:
+    """Bytes one layer keeps per token for its backward when nothing is rematerialised."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
+    sharded = c * (2 * (nq + 2 * nkv) - nkv + nq + 4 * i)
+    replicated = c * 3 * h + 4 * 2 * h
+    if attention == "einsum":
+        sharded += cfg.num_heads * seq * (8 + c)
+    else:
+        sharded += cfg.num_heads * 4          # per-row log-sum-exp
+    if attention == "blockwise":
+        # float32 output and dq/dk/dv accumulators, and the score tiles of its loops
+        block = min(getattr(cfg, "attention_block", 512), seq)
+        sharded += 4 * (2 * nq + 2 * nkv)
+        sharded += BLOCKWISE_TILES * cfg.num_heads * block * block * 4 / seq
+    return replicated + sharded / tensor
+
+
+def model_constant_bytes_per_token(cfg, c: int, seq: int, attention: str) -> float:
+    """Per token, independent of depth: embedding output and its gradient, final norm, RoPE
+    tables (cos, sin) and the boolean mask (a [T, T] row per token while it is dense)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    mask = seq if attention == "einsum" else 0
+    return c * 2 * h + 4 * 2 * h + 4 * 4 * d + mask
+
+
+REMAT_LIVE_LAYERS = 1.5  # one layer's recomputed set + half as much of its gradient transients
+
+
+def layer_stack_bytes(cfg, batch: int, seq: int, *, remat: bool, attention: str,
+                      tensor: int = 1, compute_dtype: str | None = None) -> float:
+    """Temporaries of the gradient through the layer stack alone (no embedding, no loss)."""
+    c = DTYPE_BYTES[compute_dtype or cfg.dtype]
+    per_layer = layer_saved_bytes_per_token(cfg, c, seq, attention, tensor)
+    if remat:
+        body = cfg.num_layers * c * cfg.hidden_size + REMAT_LIVE_LAYERS * per_layer
+    else:
+        body = cfg.num_layers * per_layer
+    return batch * seq * body
+
+
+def activation_bytes(cfg, batch: int, seq: int, *, remat: bool, attention: str,
+                     tensor: int = 1, compute_dtype: str | None = None) -> float:
+    """Temporaries of one student gradient over `batch` sequences of `seq` tokens (no loss)."""
+    c = DTYPE_BYTES[compute_dtype or cfg.dtype]
+    const = model_constant_bytes_per_token(cfg, c, seq, attention)
+    return (layer_stack_bytes(cfg, batch, seq, remat=remat, attention=attention, tensor=tensor,
+                              compute_dtype=compute_dtype) + batch * seq * const)
+
+
+def inference_bytes(cfg, batch: int, seq: int, *, attention: str, tensor: int = 1) -> float:
+    """Teacher prefill (no gradient): the residual stream and ONE layer's live set at a time."""
+    c = DTYPE_BYTES[cfg.dtype]
+    per_layer = layer_saved_bytes_per_token(cfg, c, seq, attention, tensor)
+    const = model_constant_bytes_per_token(cfg, c, seq, attention)
+    return batch * seq * (2 * c * cfg.hidden_size + per_layer + const)
+
+
+def loss_chunk_bytes(rows: int, vocab_s: int, vocab_t: int, vocab_shared: int) -> float:
+    """One chunk of the strict loss: float32 student logits, their softmax and gradient
+    (3 x V_S), teacher logits and log-softmax (2 x V_T), the projected pair (2 x V∩)."""
+    return rows * 4 * (3 * vocab_s + 2 * vocab_t + 2 * vocab_shared)
+
+
+def kv_bytes_per_token(cfg, c: int = 2) -> int:
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * c
+
+
+# ----------------------------------------------------------------------------- the plan
+@dataclasses.dataclass
+class Row:
+    item: str
+    bytes: float
+    note: str
+    setting: str
+    in_pool: bool = True   # inside the XLA pool (False: the rollout engine's own share)
+
+
+@dataclasses.dataclass
+class Plan:
+    device: Device
+    gpus: int
+    mesh: dict
+    pool_fraction: float
+    rows: list
+    transient: str         # which transient item set the peak
+    verdict: str
+    fits: bool
+    notes: list
+    time: dict
+
+    @property
+    def budget(self) -> float:
+        return self.device.memory_gb * GB
+
+    @property
+    def pool(self) -> float:
+        return self.pool_fraction * self.budget
+
+
+def _mesh_for(config, gpus: int) -> dict:
+    from ctopd_jax.mesh import MeshError, resolve_mesh_shape
+    try:
+        return resolve_mesh_shape(dataclasses.asdict(config.mesh), gpus)
+    except MeshError as err:
+        raise UserError(f"{err} (planning for --gpus {gpus})") from None
+
+
+def make_plan(config, device: str, gpus: int | None = None, *, student_preset=None,
+              teacher_preset=None, attention=None, mu_dtype=None, xla_mem_fraction=None,
+              vocab_shared: int | None = None, mfu: float = 0.35, prefill_mfu: float = 0.45,
+              rollout_mfu: float = 0.10, fill: float = 1.0) -> Plan:
+    if device not in DEVICES:
+        raise UserError(f"--device {device!r}: use one of {', '.join(DEVICES)}")
+    dev = DEVICES[device]
+    m = config.model
+    if gpus is None:
+        sizes = [s for s in dataclasses.asdict(config.mesh).values()]
+        if -1 in sizes:
+            raise UserError("--gpus: the config's mesh has a -1 (fill) axis; say how many GPUs "
+                            "to plan for, e.g. --gpus 8")
+        gpus = math.prod(sizes)
+    if gpus < 1:
+        raise UserError(f"--gpus {gpus}: must be >= 1")
+    if not 0 < fill <= 1:
+        raise UserError(f"--fill {fill}: must be in (0, 1]")
+    mesh = _mesh_for(config, gpus)
+    shard = mesh["fsdp"] * mesh["tensor"]
+    batch_shards = mesh["data"] * mesh["fsdp"]
+    student, s_src = resolve_model(m.student, student_preset, "student", m.dtype, m.param_dtype)
+    t_param_dtype = m.teacher_param_dtype or m.param_dtype
+    teacher, t_src = resolve_model(m.teacher, teacher_preset, "teacher", m.dtype, t_param_dtype)
+    attention = attention or getattr(m, "attention", None)   # a config-level switch, if any
+    attn = attention_kind(student, attention, gpu=True)
+    t_attn = attention_kind(teacher, attention, gpu=True)
+    r, a, o = config.rollout, config.algorithm, config.optimizer
+    seq = max(1, int(round(r.max_prompt_len + fill * r.generate_max_len))) + 1  # + EOS
+    notes = [f"student: {s_src}; teacher: {t_src}; attention: {attn}",
+             f"sequence: {r.max_prompt_len} prompt + {fill:g} x {r.generate_max_len} generated "
+             f"+ EOS = {seq} tokens"]
+    if o.micro_batch_size % batch_shards:
+        per_dev_batch = o.micro_batch_size
+        notes.append(f"optimizer.micro_batch_size {o.micro_batch_size} does not divide by "
+                     f"data x fsdp = {batch_shards}: the batch is then replicated, every device "
+                     f"holds all {o.micro_batch_size} sequences; use a multiple of {batch_shards}")
+    else:
+        per_dev_batch = o.micro_batch_size // batch_shards
+
+    ps, pt = param_count(student), param_count(teacher)
+    pbytes = DTYPE_BYTES[m.param_dtype]
+    mu_bytes = DTYPE_BYTES[mu_dtype] if mu_dtype else pbytes
+    rows: list[Row] = []
+    if r.engine == "vllm":
+        share = r.vllm_gpu_memory_utilization * dev.memory_gb * GB
+        rows.append(Row("rollout engine (vLLM share)", share,
+                        f"gpu_memory_utilization {r.vllm_gpu_memory_utilization:g} of the device",
+                        "rollout.vllm_gpu_memory_utilization", in_pool=False))
+        pool_fraction = xla_mem_fraction or round(1 - r.vllm_gpu_memory_utilization - HEADROOM, 4)
+        weights = ps * 2 / mesh["tensor"]
+        kv_tok = kv_bytes_per_token(student) / mesh["tensor"]
+        kv_room = share - weights - VLLM_OVERHEAD_GB * GB
+        seqs = kv_room / (kv_tok * seq) if kv_room > 0 else 0.0
+        per_engine = r.rollout_batch_size * r.n_samples_per_prompt * mesh["tensor"] / gpus
+        notes.append(f"vLLM share: {weights / GB:.1f} GB bf16 student weights, "
+                     f"{max(kv_room, 0) / GB:.1f} GB KV cache = {seqs:.1f} full-length sequences "
+                     f"at once of {per_engine:g} per engine")
+        vllm_short = seqs < 1
+    else:
+        seqs_dev = math.ceil(r.rollout_batch_size * r.n_samples_per_prompt / batch_shards)
+        c = DTYPE_BYTES[m.dtype]
+        kv = seqs_dev * seq * kv_bytes_per_token(student, c) / mesh["tensor"]
+        rows.append(Row("rollout engine (JAX sampler KV cache)", kv,
+                        f"{seqs_dev} sequences x {seq} tokens per device",
+                        "rollout.rollout_batch_size"))
+        pool_fraction = xla_mem_fraction or SAMPLER_POOL
+        vllm_short = False
+    if not 0 < pool_fraction <= 1:
+        raise UserError(f"XLA pool fraction {pool_fraction:g} is not in (0, 1]: lower "
+                        "rollout.vllm_gpu_memory_utilization or pass --xla-mem-fraction")
+    rows += [
+        Row("student parameters", ps * pbytes / shard,
+            f"{ps / 1e9:.2f} B x {pbytes} B ({m.param_dtype}) / fsdp x tensor {shard}",
+            "mesh.fsdp (shard more) or model.param_dtype"),
+        Row("gradients (accumulator + micro-batch)", 2 * ps * pbytes / shard,
+            f"2 x {ps / 1e9:.2f} B x {pbytes} B / {shard}", "mesh.fsdp"),
+        Row("optimizer state (AdamW m, v)", ps * (mu_bytes + pbytes) / shard,
+            f"m {mu_dtype or m.param_dtype}, v {m.param_dtype}", "mesh.fsdp or --mu-dtype bfloat16"),
+        Row("teacher weights", pt * DTYPE_BYTES[t_param_dtype] / shard,
+            f"{pt / 1e9:.2f} B x {DTYPE_BYTES[t_param_dtype]} B ({t_param_dtype}) / {shard}",
+            "model.teacher_param_dtype: bfloat16, or mesh.fsdp"),
+    ]
+    act = activation_bytes(student, per_dev_batch, seq, remat=m.remat, attention=attn,
+                           tensor=mesh["tensor"])
+    v_shared = min(vocab_shared or student.vocab_size, student.vocab_size, teacher.vocab_size)
+    chunk_rows = min(a.chunked_loss_size, per_dev_batch * seq)
+    loss = loss_chunk_bytes(chunk_rows, student.vocab_size, teacher.vocab_size, v_shared)
+    teach = inference_bytes(teacher, per_dev_batch, seq, attention=t_attn, tensor=mesh["tensor"])
+    step_label = f"{per_dev_batch} seq x {seq} tok, remat {'on' if m.remat else 'off'}"
+    if act + loss >= teach:
+        transient = "student step"
+        rows += [Row("student activations (micro-batch)", act, step_label,
+                     "optimizer.micro_batch_size, model.remat: true, blockwise attention"),
+                 Row("loss chunk working set", loss,
+                     f"{chunk_rows} rows x (3 V_S + 2 V_T + 2 V∩) x 4 B",
+                     "algorithm.chunked_loss_size")]
+        other = f"teacher scoring {teach / GB:.2f} GB (separate jit, smaller)"
+    else:
+        transient = "teacher scoring"
+        rows.append(Row("teacher scoring (prefill)", teach, f"{per_dev_batch} seq x {seq} tok",
+                        "optimizer.micro_batch_size, blockwise attention"))
+        other = f"student step {(act + loss) / GB:.2f} GB (separate jit, smaller)"
+    notes.append(f"transient peak: {transient}; {other}")
+
+    budget = dev.memory_gb * GB
+    pool = pool_fraction * budget
+    total, pool_used, first = 0.0, 0.0, None
+    for row in rows:
+        total += row.bytes
+        if row.in_pool:
+            pool_used += row.bytes
+        if first is None and (total > budget or pool_used > pool):
+            first = row
+    if first is None and vllm_short:
+        first = rows[0]
+        verdict = ("DOES NOT FIT: the vLLM share does not hold one full-length sequence's KV "
+                   "cache; raise rollout.vllm_gpu_memory_utilization")
+    elif first is None:
+        verdict = (f"FITS: {pool_used / GB:.1f} GB of the {pool / GB:.1f} GB XLA pool "
+                   f"({pool_fraction:g} x {dev.memory_gb:g} GB)")
+    else:
+        where = "the XLA pool" if pool_used > pool else "device memory"
+        verdict = (f"DOES NOT FIT: '{first.item}' passes {where}; change {first.setting}")
+    time = estimate_time(student, teacher, config, dev, gpus, seq, attn, t_attn,
+                         mfu=mfu, prefill_mfu=prefill_mfu, rollout_mfu=rollout_mfu, fill=fill)
+    return Plan(dev, gpus, mesh, pool_fraction, rows, transient, verdict,
+                first is None and not vllm_short, notes, time)
+
+
+def _attention_flops(cfg, seq: int, attention: str) -> float:
+    """Forward QK^T and PV FLOPs of one sequence: causal blockwise kernels skip the upper
+    triangle (half), the einsum computes the full [T, T]."""
+    full = 4.0 * seq * seq * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return full if attention == "einsum" else full / 2
+
+
+def estimate_time(student, teacher, config, dev: Device, gpus: int, seq: int, attn: str,
+                  t_attn: str, *, mfu: float, prefill_mfu: float, rollout_mfu: float,
+                  fill: float) -> dict:
+    r = config.rollout
+    n = r.rollout_batch_size * r.n_samples_per_prompt
+    tokens = n * seq
+    gen = n * fill * r.generate_max_len
+    ps_body = param_count(student) - student.vocab_size * student.hidden_size
+    pt_body = param_count(teacher) - teacher.vocab_size * teacher.hidden_size
+    passes = 4 if config.model.remat else 3              # forward (+ recompute) + 2 x backward
+    head_s = 2.0 * student.hidden_size * student.vocab_size * gen
+    head_t = 2.0 * teacher.hidden_size * teacher.vocab_size * gen
+    train = passes * (2.0 * ps_body * tokens + n * _attention_flops(student, seq, attn)
+                      + head_s) + head_t
+    prefill = 2.0 * pt_body * tokens + n * _attention_flops(teacher, seq, t_attn)
+    rollout = 2.0 * param_count(student) * gen + n * _attention_flops(student, seq, "causal")
+    peak = dev.bf16_tflops * 1e12 * gpus
+    parts = {"rollout": rollout / (peak * rollout_mfu), "teacher prefill": prefill / (peak * prefill_mfu),
+             "student step": train / (peak * mfu)}
+    return {"flops": {"rollout": rollout, "teacher prefill": prefill, "student step": train},
+            "seconds": parts, "total_s": sum(parts.values()),
+            "assumed": f"MFU {mfu:g} train, {prefill_mfu:g} prefill, {rollout_mfu:g} rollout "
+                       f"of {dev.bf16_tflops:g} TFLOP/s dense bf16 x {gpus} GPU(s); "
+                       f"responses at {fill:g} x generate_max_len"}
+
+
+# ----------------------------------------------------------------------------- output
+def format_plan(plan: Plan, title: str = "") -> str:
+    d = plan.device
+    mesh = ",".join(f"{k}={v}" for k, v in plan.mesh.items())
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append(f"device {d.name} ({d.memory_gb:g} GB) x {plan.gpus}, mesh {mesh}; XLA pool "
+                 f"{plan.pool_fraction:g} x {d.memory_gb:g} GB = {plan.pool / GB:.1f} GB "
+                 f"(export XLA_PYTHON_CLIENT_MEM_FRACTION={plan.pool_fraction:g})")
+    lines.append("")
+    lines.append(f"| {'item (per device)':<40} | {'GB':>7} | {'running':>7} | note |")
+    lines.append(f"|{'-' * 42}|{'-' * 9}|{'-' * 9}|------|")
+    total = 0.0
+    for row in plan.rows:
+        total += row.bytes
+        lines.append(f"| {row.item:<40} | {row.bytes / GB:7.2f} | {total / GB:7.2f} | {row.note} |")
+    lines.append(f"| {'total':<40} | {total / GB:7.2f} | {'':>7} | budget {d.memory_gb:g} GB |")
+    lines.append("")
+    for note in plan.notes:
+        lines.append(f"- {note}")
+    t = plan.time
+    parts = ", ".join(f"{k} {v:.0f} s ({t['flops'][k]:.2e} FLOP)" for k, v in t["seconds"].items())
+    lines.append(f"- time per iteration ~{t['total_s']:.0f} s: {parts}")
+    lines.append(f"- assumed: {t['assumed']}")
+    lines.append(plan.verdict)
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = Parser(prog="python -m ctopd_jax.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="training config YAML")
+    parser.add_argument("--device", required=True, choices=sorted(DEVICES))
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="devices to plan for (default: the config's mesh product)")
+    parser.add_argument("--set", action="append", default=[], metavar="a.b=c",
+                        help="config override, as for training")
+    parser.add_argument("--mesh", default=None, help="mesh override, e.g. data=1,fsdp=8,tensor=1")
+    parser.add_argument("--student-preset", default=None)
+    parser.add_argument("--teacher-preset", default=None)
+    parser.add_argument("--attention", default=None,
+                        help="attention implementation to plan for (default: the model's "
+                             "`attention` setting, else einsum)")
+    parser.add_argument("--mu-dtype", choices=("float32", "bfloat16"), default=None,
+                        help="AdamW first moment dtype (default: the parameter dtype)")
+    parser.add_argument("--xla-mem-fraction", type=float, default=None)
+    parser.add_argument("--vocab-shared", type=int, default=109_567,
+                        help="|V∩| (default: Qwen2.5 x Llama-3, SPEC §10)")
+    parser.add_argument("--mfu", type=float, default=0.35)
+    parser.add_argument("--prefill-mfu", type=float, default=0.45)
+    parser.add_argument("--rollout-mfu", type=float, default=0.10)
+    parser.add_argument("--fill", type=float, default=1.0,
+                        help="mean response length as a fraction of generate_max_len")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = parser.parse_args(argv)
+    from ctopd_jax.config import load_config
+
+    config = load_config(args.config, args.set, args.mesh)
+    plan = make_plan(config, args.device, args.gpus, student_preset=args.student_preset,
+                     teacher_preset=args.teacher_preset, attention=args.attention,
+                     mu_dtype=args.mu_dtype, xla_mem_fraction=args.xla_mem_fraction,
+                     vocab_shared=args.vocab_shared, mfu=args.mfu,
+                     prefill_mfu=args.prefill_mfu, rollout_mfu=args.rollout_mfu, fill=args.fill)
+    if args.json:
+        print(json.dumps({"fits": plan.fits, "verdict": plan.verdict, "mesh": plan.mesh,
+                          "pool_fraction": plan.pool_fraction,
+                          "rows": [dataclasses.asdict(r) for r in plan.rows],
+                          "notes": plan.notes, "time": plan.time}, indent=2))
+    else:
+        print(format_plan(plan, f"plan for {args.config}"))
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run(main, None, "python -m ctopd_jax.plan"))
