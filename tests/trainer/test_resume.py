@@ -32,10 +32,6 @@ def test_sigkill_between_checkpoints_then_resume_is_exact(write_config, compile_
     reference = Trainer(load_config(ref_cfg))
     reference.train()
     expected = final_state(reference)
-    # the training-time log-prob gap: the engine's sampling-time log-probs of the sampled tokens
-    # against the student step's own (same weights, τ = 1, top_p = 1), row for row
-    gaps = [r["logprob_gap"] for r in read_metrics(ref_dir)]
-    assert len(gaps) == 4 and max(gaps) < 1e-4, gaps
 
     cfg, run_dir = write_config("killed")
     proc = subprocess.Popen([sys.executable, "-m", "ctopd_jax.train", "--config", str(cfg)],
