@@ -189,7 +189,7 @@ class Trainer:
     def _checkpoint_meta(self) -> dict[str, Any]:
         cov = self.coverage
         return {"data": self.stream.state(), "config": self.config.to_dict(),
-                "update_count": self.update_count,
+                "update_count": self.update_count, "objective": self.objective.state_dict(),
                 "coverage": {k: getattr(cov, k) for k in ("pairs", "student_tokens", "teacher_tokens",
                                                           "mismatched", "samples")}}
 
@@ -200,6 +200,7 @@ class Trainer:
         self._load_state(restored.state)
         self.stream.restore(restored.meta["data"])
         self.update_count = int(restored.meta["update_count"])
+        self.objective.load_state_dict(restored.meta.get("objective", {}))
         for k, v in restored.meta["coverage"].items():
             setattr(self.coverage, k, v)
         self.engine.update_weights(self.student)

@@ -11,7 +11,8 @@ An objective is one module in `algorithms/` that registers a class with:
 - `prepare(host, start, stop)`: the device arrays of one micro-batch from the host batch
   (tokens, masks, alignment records...); it must set `teacher_rows`, the flat teacher rows whose
   hidden states the teacher hands back (teacher.py);
-- `kd_sums(x)`: named loss SUMS over the micro-batch and metrics, on device.
+- `kd_sums(x)`: named loss SUMS over the micro-batch and metrics, on device;
+- optionally `state_dict()` / `load_state_dict()`: host-side run state saved with checkpoints.
 
 The trainer adds the CE term, applies the SPEC §1 normalization to Σ_k weight_k · sum_k
 (÷ total student response tokens of the optimizer batch) and differentiates. A new objective
@@ -98,6 +99,14 @@ class Objective:
 
     def __eq__(self, other):
         return type(self) is type(other) and self.settings == other.settings
+
+    # -- run state (host side; checkpointed with the run, so a resume is bit-exact) -------------
+    def state_dict(self) -> dict:
+        """JSON-able run state of the objective (e.g. a noise EMA); {} when it has none."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned."""
 
     # -- host side ---------------------------------------------------------------------------
     def check(self, overlap) -> None:
