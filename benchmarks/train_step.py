@@ -2,17 +2,27 @@
 iteration spent in host-side alignment (decode + both-side re-tokenization + strict alignment).
 
     python benchmarks/train_step.py [--config configs/tiny_cpu.yaml] [--steps 7] [--set a.b=c ...]
+    python benchmarks/train_step.py --baseline REV [--rounds 2]   # after/before ratio
 
 The first iteration (compilation) and the last (which saves the checkpoint) are reported
 separately; the steady-state numbers are means over the iterations in between, and every share is a ratio of phases measured in
 that same run.
+
+`--baseline REV` checks REV out into a temporary git worktree and runs this same measurement
+there and here, alternating (`--rounds` times each, best steady state kept), and prints the
+per-iteration ratio after/before (this tree / REV) of the whole iteration and of its device
+part (teacher + student).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import platform
+import re
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ["JAX_PLATFORMS"] == "cpu":
@@ -26,7 +36,11 @@ def main(argv=None):
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--baseline", default="", help="git revision to compare against (after/before)")
+    p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
+    if args.baseline:
+        return compare(args)
 
     import jax
     import numpy as np
@@ -64,6 +78,37 @@ def main(argv=None):
     device = np.mean([x["time_teacher"] + x["time_student"] for x in rest])
     print(f"host-side alignment share of the iteration: {100 * align / total:.2f} % "
           f"(align / (teacher + student) = {align / device:.3f})")
+
+
+def _steady(tree: Path, args) -> tuple[float, float]:
+    """(s/iteration, device s/iteration) of one run of the script in `tree` (its own code)."""
+    cmd = [sys.executable, str(tree / "benchmarks" / "train_step.py"), "--config", args.config,
+           "--steps", str(args.steps)] + [f"--set={o}" for o in args.overrides]
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=True).stdout
+    total = float(re.search(r"steady state over \d+ iterations: ([0-9.]+) s/iteration", out).group(1))
+    device = sum(float(re.search(rf"  {phase} +([0-9.]+) s", out).group(1)) for phase in ("teacher", "student"))
+    return total, device
+
+
+def compare(args) -> None:
+    here = Path(__file__).resolve().parents[1]
+    base = Path(tempfile.mkdtemp(prefix="train_step_baseline_")) / "tree"
+    subprocess.run(["git", "-C", str(here), "worktree", "add", "--detach", str(base), args.baseline],
+                   check=True, capture_output=True)
+    try:
+        before, after = [], []
+        for _ in range(args.rounds):  # alternate so machine load affects both alike
+            before.append(_steady(base, args))
+            after.append(_steady(here, args))
+    finally:
+        subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force", str(base)], check=False)
+    b, a = min(before), min(after)
+    print(f"machine: {platform.machine()} {os.cpu_count()} cpus; config {args.config}; "
+          f"best of {args.rounds} alternating runs each, {args.steps} steps")
+    print(f"before ({args.baseline}): {b[0]:.3f} s/iteration (device {b[1]:.3f} s)")
+    print(f"after  (this tree):  {a[0]:.3f} s/iteration (device {a[1]:.3f} s)")
+    print(f"after/before: iteration {a[0] / b[0]:.3f}, device part {a[1] / b[1]:.3f}")
 
 
 if __name__ == "__main__":
