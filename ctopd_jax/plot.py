@@ -3,7 +3,9 @@
 Writes `<RUN_DIR>/plots/<group>.png` for the groups below (a group is skipped when the run
 logged none of its keys) and prints the paths. Every axis is labelled; series of one group are
 drawn with distinct line styles and widths (the first widest, underneath), so a series that
-equals another (`loss` == `kd_loss` when kd_ratio is 1) stays visible. The trainer calls
+equals another (`loss` == `kd_loss` when kd_ratio is 1) stays visible; every `*_loss` key the
+objective logs joins the loss plot, and a plot whose positive values span more than 100x uses a
+log scale. The trainer calls
 `plot_after_training(run_dir)` at the end of a run; it never fails the run.
 """
 from __future__ import annotations
@@ -50,7 +52,12 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     out_dir = Path(run_dir) / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for group, (keys, ylabel) in GROUPS.items():
+    from matplotlib.ticker import MaxNLocator
+
+    # objectives log their own named sums (strict_loss, span_loss, ...): they join the loss plot
+    named = sorted({k for r in records for k in r if k.endswith("_loss")} - set(GROUPS["loss"][0]))
+    groups = dict(GROUPS, loss=(GROUPS["loss"][0] + tuple(named), GROUPS["loss"][1]))
+    for group, (keys, ylabel) in groups.items():
         series = {k: [(r["step"], r[k]) for r in records if k in r] for k in keys}
         series = {k: v for k, v in series.items() if v}
         if not series:
@@ -62,6 +69,12 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             ax.plot(steps, values, linestyle=STYLES[i % len(STYLES)],
                     linewidth=1.2 + 1.2 * (count - 1 - i), zorder=2 + i,
                     marker="." if len(points) < 50 else None, label=key)
+        values = [v for points in series.values() for _, v in points if isinstance(v, (int, float))]
+        positive = [v for v in values if v > 0]
+        if len(positive) == len(values) and positive and max(positive) > 100 * min(positive):
+            ax.set_yscale("log")    # e.g. an untrained CE beside a small KD loss
+            ylabel += ", log scale"
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.set_title(group)

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+import ctopd_jax.algorithms  # noqa: F401  (heavy imports at collection, not inside a test)
+import ctopd_jax.data  # noqa: F401
+import ctopd_jax.models  # noqa: F401
 from ctopd_jax import evaluate, inspect_pair, plot, train
 from ctopd_jax.demo import __main__ as demo
 
