@@ -5,6 +5,8 @@ import json
 import time
 
 import matplotlib.image as mpimg
+import matplotlib.pyplot  # noqa: F401  (heavy imports at collection, not inside a test)
+import tensorboardX  # noqa: F401
 import numpy as np
 
 from ctopd_jax.metrics import MetricsLogger, StepTimer, read_metrics
