@@ -8,7 +8,7 @@ The training loop uses both at step boundaries:
             reason = divergence.check(step, metrics)      # DivergenceGuard
             if reason: raise TrainingDiverged(reason + last good checkpoint)
             ... save if due ...
-            if stop.requested:
+            if stop.requested_everywhere():
                 save a checkpoint of `step` (unless just saved), close the logs
                 raise Stopped(stop.signum, step, checkpoint_dir)
     # train.py prints Stopped's one line and exits with stop.exit_code (143 / 130)
@@ -78,6 +78,22 @@ class SignalGuard:
     @property
     def exit_code(self) -> int | None:
         return None if self.signum is None else exit_code_for(self.signum)
+
+    def requested_everywhere(self) -> bool:
+        """`requested`, agreed over all JAX processes: a scheduler may signal only some hosts,
+        and every process must stop at the same step or the next collective hangs. Call it at
+        the step boundary on every process (it is a collective when there are several)."""
+        jax = sys.modules.get("jax")
+        if jax is None or jax.process_count() == 1:
+            return self.requested
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.asarray([int(self.requested)], np.int32))
+        agreed = bool(np.asarray(flags).any())
+        if agreed and self.signum is None:
+            self.signum = signal.SIGTERM     # another host was signalled: exit as it will
+        return agreed
 
     def _say(self, message: str) -> None:
         stream = self.stream or sys.stderr

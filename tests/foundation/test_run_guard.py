@@ -77,3 +77,10 @@ def test_guard_from_config_section():
     assert guard.zero_grad_norm_steps == 2 and guard.loss_jump_factor == 0
     assert guard.check(1, {"loss": 1.0, "grad_norm": 0.0}) is None
     assert "2 steps in a row" in guard.check(2, {"loss": 1e9, "grad_norm": 0.0})
+
+
+def test_single_process_agreement_is_the_local_flag():
+    with SignalGuard(hard_exit=lambda code: None, stream=io.StringIO()) as guard:
+        assert guard.requested_everywhere() is False
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert guard.requested_everywhere() is True and guard.exit_code == 143
