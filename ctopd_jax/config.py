@@ -201,7 +201,7 @@ class GuardSection:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    run_name: str = "run"
+    run_name: str = "run"                # named in the run's first log line (and loggers)
     output_dir: str = "runs/run"
     seed: int = 0
     steps: int = 10                      # on-policy iterations (optimizer steps)
@@ -216,9 +216,6 @@ class TrainConfig:
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     guard: GuardSection = field(default_factory=GuardSection)
 
-    @property
-    def accumulation_steps(self) -> int:
-        return self.optimizer.train_batch_size // self.optimizer.micro_batch_size
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

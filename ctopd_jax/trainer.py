@@ -127,7 +127,7 @@ class Trainer:
                               np.float32(total_tokens), graphdef=self.graphdef, accumulation=accumulation,
                               objective=self.objective)
 
-    def iteration(self, step: int, timer: StepTimer) -> tuple[dict[str, Any], list[dict]]:
+    def iteration(self, timer: StepTimer) -> tuple[dict[str, Any], list[dict]]:
         o = self.config.optimizer
         self.rng, sub = jax.random.split(self.rng)
         seed = int(jax.random.randint(sub, (), 0, 2 ** 31 - 1))
@@ -223,7 +223,8 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, c.steps, start_step=start, jsonl=lg.jsonl,
                                tensorboard=lg.tensorboard, progress=lg.progress, is_writer=self.is_writer)
         if start == 0:
-            logger.write(f"overlap: {json.dumps(self.overlap.summary())}")
+            logger.write(f"run {c.run_name}, objective {c.algorithm.name}; overlap: "
+                         f"{json.dumps(self.overlap.summary())}")
         last_saved = start if start else None
         record: dict[str, Any] = {}
         try:
@@ -234,7 +235,7 @@ class Trainer:
                 if self.diagnostics is not None and self.diagnostics.due(step - 1):
                     with timer("diagnostics"):  # on the weights before this step's update
                         diagnostics = self.diagnostics.run()
-                metrics, samples = self.iteration(step, timer)
+                metrics, samples = self.iteration(timer)
                 metrics.update(diagnostics)
                 if not metrics["update_applied"]:
                     raise TrainingDiverged(

@@ -242,3 +242,40 @@ def test_shape_errors_name_the_field():
     with pytest.raises(ValueError, match="row_weight"):
         api.strict_kd_sum(jnp.asarray(case.zs), jnp.asarray(case.zt), jnp.asarray(case.s_ids),
                           jnp.ones(3), divergence="rkl", t_ids=jnp.asarray(case.t_ids))
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
+@pytest.mark.parametrize("topk", [None, 7])
+def test_teacher_from_hidden_rows_and_per_row_values_match_torch(topk, implementation):
+    """The one teacher path: the teacher arrives as (hidden rows, lm_head) and its V∩ columns are
+    computed chunk by chunk; the per-row values are each row's weighted divergence."""
+    rng = np.random.default_rng(21)
+    case = make_case(seed=21)
+    t_hidden = rng.normal(size=(case.zs.shape[0], 12)).astype(np.float32)
+    t_head = (rng.normal(size=(12, case.zt.shape[1])) * 0.7).astype(np.float32)
+    zs = torch.tensor(case.zs, requires_grad=True)
+    per_row = torch_strict.strict_rows("rkl", zs, torch.tensor(t_hidden @ t_head), case.s_ids, case.t_ids,
+                                       topk=topk) * torch.tensor(case.w)
+    per_row.sum().backward()
+
+    def loss(z):
+        return api.strict_kd_rows(z, (jnp.asarray(t_hidden), jnp.asarray(t_head)), jnp.asarray(case.s_ids),
+                                  jnp.asarray(case.w), divergence="rkl", topk=topk, chunk_rows=4,
+                                  implementation=implementation, t_ids=jnp.asarray(case.t_ids))
+
+    (total, rows), grad = jax.jit(lambda z: (loss(z), jax.grad(lambda x: loss(x)[0])(z)))(
+        jnp.asarray(case.zs))
+    np.testing.assert_allclose(np.asarray(rows), per_row.detach().numpy(), rtol=2e-5, atol=1e-6)
+    assert_close(total, grad, float(per_row.sum().detach()), zs.grad.numpy(), rtol=2e-5)
+
+
+@pytest.mark.parametrize("implementation", ("reference", "xla", "pallas"))
+def test_zero_weight_row_with_infinite_divergence_has_zero_gradient(implementation):
+    """p_S > 0 where p_T = 0 makes a row's rkl +inf; with weight 0 it adds exactly nothing."""
+    zs = jnp.array([[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]])
+    zt = jnp.array([[0.0, -jnp.inf, 2.0], [0.5, 1.0, 2.0]])
+    w = jnp.array([0.0, 1.0])
+    value, grad = jax.value_and_grad(lambda z: api.strict_kd_sum(
+        z, zt, jnp.arange(3), w, divergence="rkl", implementation=implementation))(zs)
+    assert np.isfinite(float(value)) and np.all(np.asarray(grad[0]) == 0.0)
+    assert np.all(np.isfinite(np.asarray(grad))) and np.any(np.asarray(grad[1]) != 0.0)

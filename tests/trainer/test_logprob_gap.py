@@ -20,6 +20,6 @@ def test_gap_is_zero_where_the_retokenized_response_equals_the_samples(tmp_path)
         "model.student_tokenizer": "", "model.teacher_tokenizer": "", "data.path": "demo:train",
         "rollout.generate_max_len": 36})
     trainer = Trainer(from_dict(tree))
-    metrics, _ = trainer.iteration(1, StepTimer())
+    metrics, _ = trainer.iteration(StepTimer())
     assert "logprob_gap" in metrics, "no re-tokenized response equalled its sampled ids"
     assert metrics["logprob_gap"] < 1e-4, metrics["logprob_gap"]

@@ -20,10 +20,17 @@ def teacher_shared_of(teacher, t_ids):
     return logits if t_ids is None else jnp.take(logits, t_ids, axis=1)
 
 
+def dead_rows_neutral(zs_bar, zt_bar, row_weight):
+    """Rows of weight 0 replaced by zeros on both sides: their divergence is then 0 with a finite
+    gradient, so an inf there (p_S > 0 where p_T = 0) cannot turn into 0 · inf = NaN."""
+    live = (row_weight != 0)[:, None]
+    return jnp.where(live, zs_bar, 0.0), jnp.where(live, zt_bar, 0.0)
+
+
 def strict_full_rows(student, teacher, s_ids, row_weight, *, divergence, temperature=1.0,
                      t_ids=None, **div_kwargs):
     """Per-row w_r · D_r [R] (differentiable)."""
-    zs_bar = jnp.take(student_logits_of(student), s_ids, axis=1)
-    zt_bar = teacher_shared_of(teacher, t_ids)
+    zs_bar, zt_bar = dead_rows_neutral(jnp.take(student_logits_of(student), s_ids, axis=1),
+                                       teacher_shared_of(teacher, t_ids), row_weight)
     per_row = losses.divergence(divergence, zs_bar, zt_bar, temperature=temperature, **div_kwargs)
     return losses.masked_rows(per_row, row_weight)

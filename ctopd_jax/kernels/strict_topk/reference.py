@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ctopd_jax import losses
-from ctopd_jax.kernels.strict_full.reference import student_logits_of, teacher_shared_of
+from ctopd_jax.kernels.strict_full.reference import dead_rows_neutral, student_logits_of, teacher_shared_of
 
 
 def select_topk(zs_bar, k: int):
@@ -23,8 +23,8 @@ def select_topk(zs_bar, k: int):
 
 def strict_topk_rows(student, teacher, s_ids, row_weight, *, divergence, topk, temperature=1.0,
                     t_ids=None, **div_kwargs):
-    zs_bar = jnp.take(student_logits_of(student), s_ids, axis=1)
-    zt_bar = teacher_shared_of(teacher, t_ids)
+    zs_bar, zt_bar = dead_rows_neutral(jnp.take(student_logits_of(student), s_ids, axis=1),
+                                       teacher_shared_of(teacher, t_ids), row_weight)
     zs_k, idx = select_topk(zs_bar, topk)
     zt_k = jnp.take_along_axis(zt_bar, idx, axis=1)
     per_row = losses.divergence(divergence, zs_k, zt_k, temperature=temperature, **div_kwargs)
