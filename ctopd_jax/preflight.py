@@ -17,8 +17,10 @@ naming the field or file and the fix) for the first problem in this order:
    header readable and not truncated, every tensor the config implies present with its shape)
    or a preset name;
 6. the tokenizers (`model.*_tokenizer`, or the model directory's own), each model's vocabulary
-   against its tokenizer, the shared vocabulary V∩ non-empty, and `algorithm.ctkd_topk <= |V∩|`
-   for top-k objectives.
+   against its tokenizer, the shared vocabulary V∩ non-empty, and the objective's own check
+   against the pair (`algorithm.ctkd_topk <= |V∩|` for top-k objectives);
+7. at least one prompt fits `rollout.max_prompt_len` once rendered with the student's chat
+   template.
 
 Decisions: vLLM is checked with `importlib.util.find_spec` (importing it takes tens of seconds;
 a broken install still fails at engine start with its own message). The demo prompt file
@@ -345,6 +347,20 @@ def _check_pair(config: TrainConfig, dirs, cfgs):
     return sides, overlap
 
 
+def _check_prompt_lengths(config: TrainConfig, prompts, student, data_path: Path) -> None:
+    """At least one prompt must fit rollout.max_prompt_len once rendered (the trainer drops the
+    longer ones with a warning; with none left there is nothing to train on)."""
+    from ctopd_jax.host import render
+
+    limit = config.rollout.max_prompt_len
+    encoded = student.tokenizer.encode_batch([render(student, p) for p in prompts],
+                                             add_special_tokens=False)
+    shortest = min(len(e.ids) for e in encoded)
+    if shortest > limit:
+        raise _fail(f"rollout.max_prompt_len: {limit} student tokens, but the shortest rendered "
+                    f"prompt of {data_path} has {shortest}; raise rollout.max_prompt_len")
+
+
 def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change: bool = False,
               device_count: int | None = None) -> Preflight:
     """Run every cheap check (module doc); raises PreflightError, returns what it loaded."""
@@ -360,6 +376,7 @@ def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change:
     for role in ("student", "teacher"):
         dirs[role], cfgs[role] = _check_model(getattr(config.model, role), role)
     sides, overlap = _check_pair(config, dirs, cfgs)
+    _check_prompt_lengths(config, prompts, sides["student"], data_path)
     return Preflight(config=config, prompts=prompts, data_path=data_path,
                      student_tokenizer=sides["student"], teacher_tokenizer=sides["teacher"],
                      overlap=overlap, mesh_shape=mesh_shape, checkpoint_dir=ck_dir,

@@ -144,6 +144,7 @@ TRAIN_CASES = [
     ("garbage_shard", garbage_shard, "model.safetensors"),
     ("missing_shard", missing_shard, "model.student"),
     ("shape_mismatch", shape_mismatch, "config.json"),
+    ("no_prompt_fits", lambda t, r: ["--set", "rollout.max_prompt_len=3"], "rollout.max_prompt_len"),
     ("topk_above_shared", lambda t, r: ["--set", "algorithm.ctkd_topk=100000"], "algorithm.ctkd_topk"),
     ("unknown_algorithm", lambda t, r: ["--set", "algorithm.name=nope"], "algorithm.name"),
     ("mesh_unknown_axis", lambda t, r: ["--mesh", "data=1,pipeline=2"], "pipeline"),
