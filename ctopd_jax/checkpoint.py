@@ -53,7 +53,7 @@ def describe_error(err: BaseException, limit: int = 200) -> str:
     """`Type: first line` of an exception, without `<bound method ...>` object reprs that some
     libraries put in their messages (they name no file and help no one)."""
     text = _OBJECT_REPR.sub("", str(err))
-    text = " ".join(text.split()).strip(" :;,")
+    text = re.sub(r"\s+([:;,])", r"\1", " ".join(text.split())).strip(" :;,")
     return f"{type(err).__name__}: {text[:limit]}" if text else type(err).__name__
 
 

@@ -89,3 +89,13 @@ def test_other_structure_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="different names"):
         ck.restore_latest(other)
     ck.close()
+
+
+def test_corrupt_checkpoint_reason_is_one_clean_line():
+    from ctopd_jax.checkpoint import describe_error
+
+    err = ValueError("Failed to restore <bound method pybind11_detail_function_record_v1.spec of "
+                     "<tensorstore.Spec object at 0x7f00>>:\n  missing chunk /ck/4/state/d/1a2b")
+    assert describe_error(err) == "ValueError: Failed to restore: missing chunk /ck/4/state/d/1a2b"
+    assert describe_error(KeyError("leaf_00003")) == "KeyError: 'leaf_00003'"
+    assert describe_error(OSError()) == "OSError"
