@@ -1,35 +1,30 @@
 #!/usr/bin/env bash
-# GPU check for the strict kernels (issue 4). Self-contained on a machine with jax (CUDA) and
-# torch (CUDA) preinstalled, e.g. the lent H200 (python 3.12, jax 0.11.x): nothing is installed.
-#   1. the kernel tests with Pallas compiled (not interpreted) for the GPU;
-#   2. pallas vs xla vs PyTorch timings at the real shapes (V_S 128,256, V_T 151,665,
-#      V∩ 109,567, 2,048 rows), strict full and strict top-16, rkl.
-# Usage: bash scripts/gpu_check.sh [rows]      (writes logs to $OUT if set, else ./gpu_check_out)
-set -u
+# The GPU check: one staged run, each stage a subprocess with its own timeout, one JSON result
+# per stage in $OUT (schema: the docstring of scripts/gpu_check.py), about 8 minutes at most on
+# an H100/H200. Self-contained on a machine with jax (CUDA) preinstalled, e.g. the lent H200
+# (python 3.12, jax 0.11.x): nothing is installed; the repository is imported from its checkout.
+#
+#   bash scripts/gpu_check.sh              # on the GPU machine; results in $OUT (or ./gpu_check_out)
+#   bash scripts/gpu_check.sh --dry-run    # every stage at tiny shapes on the CPU (rehearsal)
+#   bash scripts/gpu_check.sh --only env,strict_kernels
+#
+# Stages: env (copy GB/s, bf16 matmul TFLOP/s), strict_kernels (pallas vs xla at the real
+# vocabularies), attention (einsum vs blockwise vs cuDNN), compile_memory (teacher scoring,
+# student step, sampler vs bytes_limit), train_step (3B student: tokens/s, MFU), sampler
+# (tokens/s), pallas_tests (tests/kernels compiled for the GPU).
+# Exit status: 0 when every stage is ok, 1 when any failed or timed out (later stages still
+# run), 2 on bad arguments.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-./gpu_check_out}"
 mkdir -p "$OUT_DIR"
-ROWS="${1:-2048}"
 PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && [[ " $* " == *" --dry-run "* ]] && PY=.venv/bin/python
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export JAX_PLATFORMS=cuda          # the tests' conftest only sets cpu when unset
-export CTOPD_PALLAS_INTERPRET=0    # kernel-level tests compile Pallas too
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT_DIR/gpu.txt"
-$PY -c "import jax, torch; print('jax', jax.__version__, jax.devices()); print('torch', torch.__version__, torch.cuda.is_available())" | tee -a "$OUT_DIR/gpu.txt"
-
-status=0
-if $PY -c "import pytest" 2>/dev/null; then
-  for backend in mosaic triton; do
-    echo "== kernel tests, Pallas GPU backend: $backend" | tee -a "$OUT_DIR/tests.txt"
-    CTOPD_PALLAS_GPU_BACKEND=$backend timeout 240 $PY -m pytest -q -p no:cacheprovider \
-      tests/kernels/test_strict_pallas.py tests/kernels/test_strict_kd.py tests/test_losses.py \
-      2>&1 | tail -40 | tee -a "$OUT_DIR/tests.txt" || status=1
-  done
-else
-  echo "pytest is not installed here: skipping the test run, timings only" | tee "$OUT_DIR/tests.txt"
+export PYTHONUNBUFFERED=1
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader || true
 fi
-
-echo "== timings (rows=$ROWS)" | tee "$OUT_DIR/bench.txt"
-timeout 300 $PY scripts/gpu_bench.py --rows "$ROWS" 2>&1 | tee -a "$OUT_DIR/bench.txt" || status=1
-exit $status
+# 500 s: the driver's own 480 s budget plus start-up; the driver records each stage's result.
+timeout 500 "$PY" scripts/gpu_check.py --out "$OUT_DIR" "$@"
