@@ -22,6 +22,12 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 FAMILIES = ("llama", "qwen2")
+ATTENTION_IMPLEMENTATIONS = ("auto", "einsum", "blockwise", "cudnn")
+# "full" saves only each layer's input; "blocks" also rematerialises the attention and MLP
+# halves inside the layer's recompute (smallest backward working set, one more forward of
+# each half); the dots policies keep matmul outputs (less recompute, more memory), see
+# jax.checkpoint_policies.
+REMAT_POLICIES = ("none", "full", "blocks", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -51,7 +57,15 @@ class ModelConfig:
     family: str = "llama"
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
+    # Execution options (not part of the HF config): see attention.py and decoder.py.
+    # remat_policy "" follows the older switch: remat=True is "full", False is "none";
+    # a non-empty remat_policy wins over remat.  `layer_remat_policy` gives the result.
     remat: bool = False
+    remat_policy: str = ""
+    attention: str = "auto"        # auto | einsum (reference) | blockwise | cudnn
+    attention_block: int = 512     # query and key block of the blockwise path
+    scan_layers: bool = False      # run the layers under lax.scan (memory path; no-cache only)
+    mlp_chunk: int = 0             # tokens per row in one rematerialised MLP chunk; 0 = whole
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, Mapping):
@@ -75,6 +89,20 @@ class ModelConfig:
             raise ModelConfigError(f"model.rope_theta must be > 0, got {self.rope_theta!r}")
         if not self.rms_norm_eps > 0:
             raise ModelConfigError(f"model.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ModelConfigError(f"model.attention must be one of {ATTENTION_IMPLEMENTATIONS}, "
+                                   f"got {self.attention!r}")
+        if self.remat_policy and self.remat_policy not in REMAT_POLICIES:
+            raise ModelConfigError(
+                f"model.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
+        if (not isinstance(self.attention_block, int) or isinstance(self.attention_block, bool)
+                or self.attention_block <= 0):
+            raise ModelConfigError(
+                f"model.attention_block must be a positive integer, got {self.attention_block!r}")
+        if (not isinstance(self.mlp_chunk, int) or isinstance(self.mlp_chunk, bool)
+                or self.mlp_chunk < 0):
+            raise ModelConfigError(
+                f"model.mlp_chunk must be a non-negative integer, got {self.mlp_chunk!r}")
         if self.family not in FAMILIES:
             raise ModelConfigError(f"model.family must be one of {FAMILIES}, got {self.family!r}")
         for name in ("dtype", "param_dtype"):
@@ -101,6 +129,11 @@ class ModelConfig:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
 
     @property
+    def layer_remat_policy(self) -> str:
+        """One of REMAT_POLICIES: remat_policy if set, else from the remat switch."""
+        return self.remat_policy or ("full" if self.remat else "none")
+
+    @property
     def compute_dtype(self):
         return DTYPES[self.dtype]
 
@@ -114,7 +147,9 @@ class ModelConfig:
     # ------------------------------------------------------------------ HF config.json
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any], **overrides) -> "ModelConfig":
-        """Reads a transformers ``config.json`` dict; ``overrides`` set dtype/param_dtype/remat."""
+        """Reads a transformers ``config.json`` dict; ``overrides`` set dtype/param_dtype and the
+        execution options (remat, remat_policy, attention, attention_block, scan_layers,
+        mlp_chunk)."""
         model_type = hf.get("model_type")
         if model_type not in FAMILIES:
             raise ModelConfigError(

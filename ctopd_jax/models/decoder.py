@@ -17,8 +17,16 @@ Decisions:
   shardings (batch over data+fsdp, heads / mlp / vocab over tensor).  Without a mesh context
   nothing is constrained and the compiler propagates from the parameter shardings, which for
   FSDP may choose to gather the batch instead of the weights.
-- Masked attention scores use the most negative finite float, not -inf, so rows with nothing
-  to attend to (left pads) give finite garbage instead of NaN; those rows are never used.
+- Attention never sees a [T, S] mask: an ``AttentionMask`` (query slots + valid key slots)
+  goes to the implementation chosen by ``cfg.attention`` (attention.py).  Rows with nothing
+  to attend to (left pads) give finite values, never NaN; those rows are never used.
+- Remat: ``cfg.layer_remat_policy`` wraps each layer in ``jax.checkpoint``.  XLA CPU ignores
+  that on unrolled layers (measured: same temporaries with and without) but honours it inside
+  ``lax.scan``, so the memory path is ``scan_layers=True``.  The stored parameter tree stays
+  one module per layer (weights.py, checkpoints, optimizer state and sharding rules all key
+  on ``layers.{i}``); the scan stacks the layer parameters at call time instead, which costs
+  one extra copy of the layer weights (and of their gradient) per step.  The KV-cache path
+  always runs unrolled: decoding is not memory bound on activations.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from ctopd_jax.mesh import LOGICAL_RULES, logical_spec
+from ctopd_jax.models.attention import AttentionMask, attend, resolve_implementation
 from ctopd_jax.models.config import ModelConfig
 from ctopd_jax.models.kv_cache import KVCache, init_cache  # noqa: F401  (re-exported)
 
@@ -105,19 +114,6 @@ class RMSNorm(nnx.Module):
         return (normed.astype(x.dtype) * self.scale[...].astype(x.dtype))
 
 
-def attend(q, k, v, mask):
-    """Grouped-query attention. q [B,T,Nq,D], k/v [B,S,Nkv,D], mask [B,T,S] bool."""
-    b, t, nq, d = q.shape
-    nkv = k.shape[2]
-    q = q.reshape(b, t, nkv, nq // nkv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(d))
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, nq, d)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         h, nq, nkv, d, pd = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -132,8 +128,11 @@ class Attention(nnx.Module):
             self.v_bias = _param(rngs, (nkv, d), ("kv_heads", "head_dim"), pd, init="zeros")
         self.qkv_bias = cfg.qkv_bias
         self.dtype = cfg.compute_dtype
+        self.implementation = cfg.attention
+        self.block = cfg.attention_block
 
-    def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, layer: int = 0):
+    def __call__(self, x, cos, sin, mask: AttentionMask, cache: KVCache | None = None,
+                 layer: int = 0):
         dt = self.dtype
         q = jnp.einsum("bth,hnd->btnd", x, self.q_proj[...].astype(dt))
         k = jnp.einsum("bth,hnd->btnd", x, self.k_proj[...].astype(dt))
@@ -153,7 +152,8 @@ class Attention(nnx.Module):
             k_all, v_all = constrain(k_all, cache_axes), constrain(v_all, cache_axes)
             cache = cache._replace(k=k_all, v=v_all)
             k, v = k_all[layer].astype(dt), v_all[layer].astype(dt)
-        out = attend(q, k, v, mask)
+        implementation = resolve_implementation(self.implementation, dt, cache is not None)
+        out = attend(q, k, v, mask, implementation, self.block, self.block)
         return jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(dt)), cache
 
 
@@ -164,13 +164,28 @@ class MLP(nnx.Module):
         self.up_proj = _param(rngs, (h, i), ("embed", "mlp"), pd)
         self.down_proj = _param(rngs, (i, h), ("mlp", "embed"), pd)
         self.dtype = cfg.compute_dtype
+        self.chunk = cfg.mlp_chunk
 
     def __call__(self, x):
         dt = self.dtype
-        gate = x @ self.gate_proj[...].astype(dt)
-        up = x @ self.up_proj[...].astype(dt)
-        hidden = constrain(jax.nn.silu(gate) * up, ("batch", None, "mlp"))
-        return hidden @ self.down_proj[...].astype(dt)
+        gate_w, up_w = self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt)
+        down_w = self.down_proj[...].astype(dt)
+
+        def mlp(x):
+            hidden = constrain(jax.nn.silu(x @ gate_w) * (x @ up_w), ("batch", None, "mlp"))
+            return hidden @ down_w
+
+        b, t, h = x.shape
+        if not self.chunk or t <= self.chunk:
+            return mlp(x)
+        # The MLP is per token, so chunks of the sequence are independent; checkpointing each
+        # one bounds the backward's [B, chunk, intermediate] working set, the largest term of
+        # a layer's backward once attention is blockwise.  The length axis is never sharded.
+        n = -(-t // self.chunk)
+        xs = jnp.pad(x, ((0, 0), (0, n * self.chunk - t), (0, 0)))
+        xs = xs.reshape(b, n, self.chunk, h).swapaxes(0, 1)
+        ys = jax.lax.map(jax.checkpoint(mlp, prevent_cse=False), xs)
+        return ys.swapaxes(0, 1).reshape(b, n * self.chunk, h)[:, :t]
 
 
 class DecoderLayer(nnx.Module):
@@ -180,19 +195,40 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.params_dtype,
                                       rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
+        self.remat_blocks = cfg.layer_remat_policy == "blocks"
 
     def __call__(self, x, cos, sin, mask, cache=None, layer=0):
+        if self.remat_blocks and cache is None:
+            return self._remat_blocks(x, cos, sin, mask), None
         attn_out, cache = self.attn(self.input_norm(x), cos, sin, mask, cache, layer)
         x = constrain(x + attn_out, ("batch", None, None))
         x = constrain(x + self.mlp(self.post_attn_norm(x)), ("batch", None, None))
         return x, cache
+
+    def _remat_blocks(self, x, cos, sin, mask):
+        """The same layer with the attention and MLP halves each rematerialised, so the layer's
+        backward holds one half's intermediates at a time, not both halves'."""
+        def attn_half(norm, attn, x):
+            return attn(norm(x), cos, sin, mask)[0]
+
+        def mlp_half(norm, mlp, x):
+            return mlp(norm(x))
+
+        x = constrain(x + nnx.remat(attn_half)(self.input_norm, self.attn, x),
+                      ("batch", None, None))
+        return constrain(x + nnx.remat(mlp_half)(self.post_attn_norm, self.mlp, x),
+                         ("batch", None, None))
 
 
 def _layer_no_cache(layer: DecoderLayer, x, cos, sin, mask):
     return layer(x, cos, sin, mask)[0]
 
 
-_layer_remat = nnx.remat(_layer_no_cache)
+def checkpoint_policy(name: str):
+    """jax.checkpoint policy for a REMAT_POLICIES name other than "none"."""
+    if name in ("full", "blocks"):
+        return None  # save nothing but the function's inputs
+    return getattr(jax.checkpoint_policies, name)
 
 
 class Decoder(nnx.Module):
@@ -236,19 +272,20 @@ class Decoder(nnx.Module):
         cos, sin = rope_cos_sin(cfg, positions)
 
         if cache is None:
-            causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
-            mask = causal[None] & attention_mask[:, None, :]
-            for layer in self.layers:
-                if cfg.remat:
-                    x = _layer_remat(layer, x, cos, sin, mask)
-                else:
-                    x = layer(x, cos, sin, mask)[0]
+            mask = AttentionMask(jnp.arange(t, dtype=jnp.int32), attention_mask)
+            policy = cfg.layer_remat_policy
+            if cfg.scan_layers:
+                x = self._scan_layers(x, cos, sin, mask, policy)
+            else:
+                step = (_layer_no_cache if policy == "none" else
+                        nnx.remat(_layer_no_cache, policy=checkpoint_policy(policy)))
+                for layer in self.layers:
+                    x = step(layer, x, cos, sin, mask)
             return self.final_norm(x)
 
         slots = cache.index + jnp.arange(t, dtype=jnp.int32)  # [T] slot of each new token
         valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask, (0, cache.index))
-        s = jnp.arange(cache.max_len, dtype=jnp.int32)
-        mask = valid[:, None, :] & (s[None, None, :] <= slots[None, :, None])
+        mask = AttentionMask(slots, valid)
         cache = cache._replace(valid=valid)
         for i, layer in enumerate(self.layers):
             x, cache = layer(x, cos, sin, mask, cache, i)
@@ -256,6 +293,21 @@ class Decoder(nnx.Module):
             lengths=cache.lengths + attention_mask.sum(axis=1, dtype=jnp.int32),
             index=cache.index + t)
         return self.final_norm(x), cache
+
+    def _scan_layers(self, x, cos, sin, mask, policy: str):
+        """All layers under one lax.scan over parameters stacked here (see module docstring)."""
+        graphdef = nnx.graphdef(self.layers[0])
+        states = [nnx.state(layer) for layer in self.layers]
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+
+        def body(h, layer_state):
+            return _layer_no_cache(nnx.merge(graphdef, layer_state), h, cos, sin, mask), None
+
+        if policy != "none":
+            # Inside scan the recomputation cannot be CSE'd away, so no barrier is needed.
+            body = jax.checkpoint(body, policy=checkpoint_policy(policy), prevent_cse=False)
+        x, _ = jax.lax.scan(body, x, stacked)
+        return x
 
     def __call__(self, input_ids, positions, attention_mask=None, cache=None):
         out = self.hidden_states(input_ids, positions, attention_mask, cache)
