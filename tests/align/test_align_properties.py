@@ -6,8 +6,8 @@ tokens; a second family of samples has different text on the two sides (byte mis
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from _align_oracle import (local_index, make_batch, simct_oracle, strict_oracle,
-                           two_pointer_groups)
+from _align_oracle import (ATOM_REASONS, atoms_oracle, local_index, make_batch, simct_oracle,
+                           strict_oracle, two_pointer_groups)
 from ctopd_jax.align import mpopd_atoms, strict_align
 from ctopd_jax.align.simct import SimCTSegments
 from ctopd_jax.align.sync import sync_groups
@@ -112,53 +112,92 @@ def _lossy(piece: bytes) -> bytes:
 
 
 @SETTINGS
-@given(st.lists(sample(), min_size=1, max_size=4))
+@given(st.lists(sample(allow_empty=True), min_size=1, max_size=4))
 def test_simct_segments_equal_literal_walk(samples):
+    """Random segmentations (cuts inside characters, empty tokens, byte mismatches) against the
+    literal SPEC §7 walk over per-token decodes (bytes decoded with replacement)."""
     from ctopd_jax.align import simct
 
     teacher, student = make_batch(samples)
-    lengths = {}
-
-    def fake_view(side, batch):  # decoded per-token strings of the synthetic pieces
-        pieces = [p for smp in samples for p in smp[0 if batch is teacher else 1]]
-        dec = [_lossy(p) for p in pieces]
-        offs = batch.resp_offsets
-        texts = [b"".join(dec[offs[b]:offs[b + 1]]) for b in range(batch.batch_size)]
-        lengths[id(batch)] = np.array([len(d) for d in dec], np.int64)
-        return lengths[id(batch)], texts
-
-    original = simct._decoded_view
-    simct._decoded_view = fake_view
-    try:
-        got: SimCTSegments = simct.simct_segments(None, None, teacher, student)
-    finally:
-        simct._decoded_view = original
+    got: SimCTSegments = simct.simct_segments(teacher, student)
     for b, (t, s, _, _) in enumerate(samples):
         want = simct_oracle([_lossy(p) for p in t], [_lossy(p) for p in s])
         mine = [tuple(local_index(teacher if k < 2 else student, b, v) for k, v in
                       enumerate(g[1:])) for g in got.segments[got.segments[:, 0] == b]]
         assert mine == want
+        sel = got.segments[:, 0] == b
+        spans = [(te - ts) > 1 or (se - ss) > 1 for ts, te, ss, se in want]
+        assert got.is_span[sel].tolist() == spans
+        assert got.ends_with_eos[sel].tolist() == [te == len(t) + 1 for _, te, _, _ in want]
 
 
 @SETTINGS
-@given(st.lists(sample(allow_empty=True), min_size=1, max_size=4))
-def test_atoms_are_the_minimal_synchronised_segments(samples):
-    teacher, student = make_batch(samples)
-    got = mpopd_atoms(teacher, student, strict_align(teacher, student))
-    for b, (t, s, _, _) in enumerate(samples):
+@given(st.lists(sample(allow_empty=True), min_size=1, max_size=4), st.integers(0, 2**31 - 1))
+def test_atoms_equal_the_decode_prefix_oracle(samples, seed):
+    """SPEC §8 atoms and fail-closed reasons against the literal prefix-decode oracle. Ids are
+    random (some equal to the EOS id 0, so trailing EOS copies occur); unpairable tokens stand
+    for the added vocabulary; decode = the pieces' bytes decoded with replacement."""
+    rng = np.random.default_rng(seed)
+    ids = [np.where(rng.random(n) < 0.15, 0, rng.integers(1, 50, n)) for n in
+           (sum(len(x[0]) for x in samples), sum(len(x[1]) for x in samples))]
+    teacher, student = make_batch(samples, ids=ids)
+    got = mpopd_atoms(teacher, student)
+    for b, (t, s, tp, sp) in enumerate(samples):
+        lo_t, lo_s = teacher.resp_offsets[b], student.resp_offsets[b]
+        t_ids, s_ids = list(range(len(t))), list(range(len(s)))  # local indices as ids
+        t_eos = [teacher.resp_ids[lo_t + i] == 0 for i in t_ids]
+        s_eos = [student.resp_ids[lo_s + i] == 0 for i in s_ids]
+        while t_ids and t_eos[t_ids[-1]]:  # trailing EOS copies, then a marker no id equals
+            t_ids.pop()
+        while s_ids and s_eos[s_ids[-1]]:
+            s_ids.pop()
+        reason, want = atoms_oracle(
+            t_ids, s_ids, lambda k: b"".join(t[i] for i in k).decode("utf-8", "replace"),
+            lambda k: b"".join(s[i] for i in k).decode("utf-8", "replace"),
+            lambda i: not tp[i], lambda i: not sp[i], -1, -1)
+        assert got.sample_valid[b] == (reason is None)
+        assert got.fail_reason[b] == (-1 if reason is None else ATOM_REASONS.index(reason))
         atoms = got.atoms[got.atoms[:, 0] == b]
-        valid = b"".join(t) == b"".join(s) and "\ufffd" not in teacher.responses[b]
-        assert got.sample_valid[b] == valid
-        if not valid:
-            assert len(atoms) == 0
-            continue
-        want = two_pointer_groups(t, s)
         mine = [(list(range(local_index(teacher, b, a[1]), local_index(teacher, b, a[2]))),
                  list(range(local_index(student, b, a[3]), local_index(student, b, a[4]))))
                 for a in atoms]
         assert mine == want
-        for ti, si in mine:  # each atom has equal bytes on both sides
+        for ti, si in mine:  # each atom: equal bytes on both sides, whole characters
             assert b"".join(t[i] for i in ti) == b"".join(s[j] for j in si)
+            b"".join(t[i] for i in ti).decode("utf-8")
+    counts = got.fail_counts()
+    assert sum(counts.values()) == got.num_invalid
+
+
+def test_atoms_fail_reasons_in_order():
+    """One sample per reason; a sample with several problems reports the first in SPEC order."""
+    cases = [
+        ([], [b"a"], [], [True]),                                    # empty_response
+        ([b"a", b"<x>"], [b"a", b"<x>"], [True, False], [True, True]),  # added token
+        ([b"\xef\xbf\xbd"], [b"\xef\xbf\xbd"], [True], [True]),  # U+FFFD in the text
+        ([b"", b""], [b"a"], [True, True], [True]),                   # empty decode
+        ([b"ab"], [b"ac"], [True], [True]),                           # normalization mismatch
+        ([b"\xe4", b"\xb8"], [b"x"], [False, True], [True]),          # added wins over U+FFFD
+        ([b"ok"], [b"o", b"k"], [True], [True, True]),                # valid
+    ]
+    teacher, student = make_batch(cases)
+    got = mpopd_atoms(teacher, student)
+    names = [None if r < 0 else ATOM_REASONS[r] for r in got.fail_reason]
+    assert names == ["empty_response", "unsupported_added_token", "replacement_character",
+                     "empty_decode", "normalization_mismatch", "unsupported_added_token", None]
+    assert got.fail_counts() == {"empty_response": 1, "unsupported_added_token": 2,
+                                 "replacement_character": 1, "empty_decode": 1,
+                                 "normalization_mismatch": 1, "unaligned_suffix": 0}
+
+
+def test_atoms_keep_split_characters_whole():
+    """Both sides split an emoji the same way: the byte ruler pairs the pieces, atoms do not."""
+    emoji = "😀".encode()
+    teacher, student = make_batch([([b"a", emoji[:2], emoji[2:]], [b"a", emoji[:2], emoji[2:]],
+                                    [True] * 3, [True] * 3)])
+    got = mpopd_atoms(teacher, student)
+    assert [(a[2] - a[1], a[4] - a[3]) for a in got.atoms] == [(1, 1), (2, 2)]
+    assert strict_align(teacher, student).num_pairs == 4  # a, both halves, EOS
 
 
 @st.composite

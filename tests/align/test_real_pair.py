@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import reasoning_gym
 
-from _align_oracle import simct_oracle, strict_oracle
+from _align_oracle import ATOM_REASONS, atoms_oracle, simct_oracle, strict_oracle
 from ctopd_jax.align import mpopd_atoms, simct_segments, strict_align
 from ctopd_jax.tokenization import retokenize_pair
 
@@ -96,3 +96,67 @@ def test_simct_with_partial_utf8_tokens(qwen, llama):
         mine = [(int(r[1] - teacher.row_base[b]), int(r[2] - teacher.row_base[b]),
                  int(r[3] - student.row_base[b]), int(r[4] - student.row_base[b])) for r in rows]
         assert mine == want
+
+
+EDGE_TEXTS = ["数学很有趣 😀😀 — naïve café ½ × 3 = 1.5",   # CJK, emoji, accents
+              "🙂 答案是 42。",
+              "so the answer is 7 <|im_end|> then more",   # an added token of the teacher
+              "truncated mid-character: 答" + "\ufffd",    # a split UTF-8 tail, decoded lossy
+              "",                                          # nothing before the EOS
+              "plain ascii 1+1=2"]
+
+
+def _decoder(side):
+    return lambda ids: side.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def test_atoms_against_prefix_decodes_on_edge_cases(qwen, llama):
+    """CJK, emoji, an added token inside a response, a truncated response ending in a split
+    character, an empty response: atoms and fail reasons against the SPEC §8 oracle, which
+    decodes every prefix with the tokenizers library (independent of the byte views)."""
+    teacher, student = retokenize_pair(qwen, llama, [qwen.render_prompt("q")] * len(EDGE_TEXTS),
+                                       [llama.render_prompt("q")] * len(EDGE_TEXTS), EDGE_TEXTS)
+    got = mpopd_atoms(teacher, student)
+    reasons = []
+    for b in range(len(EDGE_TEXTS)):
+        *_, t_ids = _pieces(qwen, teacher, b)
+        *_, s_ids = _pieces(llama, student, b)
+        reason, want = atoms_oracle(t_ids, s_ids, _decoder(qwen), _decoder(llama),
+                                    lambda i: bool(qwen.is_added[i]), lambda i: bool(llama.is_added[i]),
+                                    qwen.eos_id, llama.eos_id)
+        reasons.append(reason)
+        assert got.fail_reason[b] == (-1 if reason is None else ATOM_REASONS.index(reason))
+        atoms = got.atoms[got.atoms[:, 0] == b]
+        mine = [(list(range(int(a[1] - teacher.row_base[b]), int(a[2] - teacher.row_base[b]))),
+                 list(range(int(a[3] - student.row_base[b]), int(a[4] - student.row_base[b]))))
+                for a in atoms]
+        assert mine == want
+    assert reasons == [None, None, "unsupported_added_token", "replacement_character",
+                       "empty_response", None]
+    # the emoji/CJK sample has atoms of several tokens (whole characters on both sides)
+    sizes = {(len(t), len(s)) for t, s in atoms_oracle(*[_pieces(qwen, teacher, 0)[2],
+                                                         _pieces(llama, student, 0)[2]],
+                                                       _decoder(qwen), _decoder(llama),
+                                                       lambda i: False, lambda i: False, -1, -1)[1]}
+    assert any(t > 1 or s > 1 for t, s in sizes)
+
+
+def test_simct_on_edge_cases(qwen, llama):
+    """The same edge cases through SimCT: the literal SPEC §7 walk over tokenizers' decode([id])."""
+    teacher, student = retokenize_pair(qwen, llama, [qwen.render_prompt("q")] * len(EDGE_TEXTS),
+                                       [llama.render_prompt("q")] * len(EDGE_TEXTS), EDGE_TEXTS)
+    got = simct_segments(teacher, student)
+    for b in range(len(EDGE_TEXTS)):
+        *_, t_ids = _pieces(qwen, teacher, b)
+        *_, s_ids = _pieces(llama, student, b)
+        want = simct_oracle([_decoder(qwen)([i]).encode() for i in t_ids],
+                            [_decoder(llama)([i]).encode() for i in s_ids])
+        rows = got.segments[got.segments[:, 0] == b]
+        mine = [(int(r[1] - teacher.row_base[b]), int(r[2] - teacher.row_base[b]),
+                 int(r[3] - student.row_base[b]), int(r[4] - student.row_base[b])) for r in rows]
+        assert mine == want
+    # the truncated tail splits 答 differently on the two sides: the decoded histories differ
+    # from there on, so no EOS anchor; the plain and empty samples end on their EOS anchor
+    assert not got.ends_with_eos[got.segments[:, 0] == 3].any()
+    assert got.ends_with_eos[got.segments[:, 0] == 4].tolist() == [True]
+    assert got.ends_with_eos[got.segments[:, 0] == 5][-1]
