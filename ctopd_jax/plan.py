@@ -352,13 +352,19 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
             f"{pt / 1e9:.2f} B x {DTYPE_BYTES[t_param_dtype]} B ({t_param_dtype}) / {shard}",
             "model.teacher_param_dtype: bfloat16, or mesh.fsdp"),
     ]
-    act = activation_bytes(student, per_dev_batch, seq, remat=m.remat, attention=attn,
+    # A config-level remat_policy, if the model section has one: "full" is remat; the "dots"
+    # policies keep the matmul outputs, most of a layer's set, so they are planned as no remat.
+    policy = getattr(m, "remat_policy", "") or ("full" if m.remat else "none")
+    remat = policy == "full"
+    if policy not in ("full", "none"):
+        notes.append(f"remat policy {policy}: planned as no remat (it keeps the matmul outputs)")
+    act = activation_bytes(student, per_dev_batch, seq, remat=remat, attention=attn,
                            tensor=mesh["tensor"])
     v_shared = min(vocab_shared or student.vocab_size, student.vocab_size, teacher.vocab_size)
     chunk_rows = min(a.chunked_loss_size, per_dev_batch * seq)
     loss = loss_chunk_bytes(chunk_rows, student.vocab_size, teacher.vocab_size, v_shared)
     teach = inference_bytes(teacher, per_dev_batch, seq, attention=t_attn, tensor=mesh["tensor"])
-    step_label = f"{per_dev_batch} seq x {seq} tok, remat {'on' if m.remat else 'off'}"
+    step_label = f"{per_dev_batch} seq x {seq} tok, remat {'on' if remat else 'off'}"
     if act + loss >= teach:
         transient = "student step"
         rows += [Row("student activations (micro-batch)", act, step_label,
