@@ -83,7 +83,8 @@ class RolloutSection:
     top_k: int = -1                      # -1 disables top-k filtering
     generate_max_len: int = 64           # max new tokens
     max_prompt_len: int = 256
-    vllm_gpu_memory_utilization: float = 0.5
+    vllm_gpu_memory_utilization: float = 0.5  # pair with XLA_PYTHON_CLIENT_MEM_FRACTION <= 0.95 - it
+    vllm_sleep_between_rollouts: bool = False  # GPU: free vLLM memory while the student trains
     jax_decode_slots: int = 256          # JaxSampler: samples decoded together (refilled)
     jax_kv_cache_budget_gb: float = 8.0  # JaxSampler: KV cache limit; over it = one-line error
 
@@ -147,6 +148,7 @@ class OptimizerSection:
     min_lr: float = 1e-8
     train_batch_size: int = 8            # responses per optimizer step
     micro_batch_size: int = 8            # responses per forward/backward
+    mu_dtype: Literal["float32", "bfloat16"] = "float32"  # AdamW first moment (bf16 halves it)
 
 
 @dataclass(frozen=True)

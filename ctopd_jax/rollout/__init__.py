@@ -36,7 +36,8 @@ def engine_from_config(rollout, model, eos_ids, pad_id=None, mesh=None):
         return make_rollout_engine(
             "vllm", model, eos_ids, pad_id,
             max_model_len=rollout.max_prompt_len + rollout.generate_max_len,
-            gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
+            gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
+            sleep_between_rollouts=rollout.vllm_sleep_between_rollouts)
     return make_rollout_engine(rollout.engine, model, eos_ids, pad_id, mesh=mesh,
                                max_prompt_len=rollout.max_prompt_len,
                                max_batch_size=rollout.jax_decode_slots,
