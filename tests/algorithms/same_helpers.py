@@ -1,0 +1,56 @@
+"""Shared by the same-tokenizer objective tests: StepInputs whose student and teacher logits
+are given directly (hidden = logits, lm_head = identity), so every value and gradient can be
+compared with the PyTorch reference of tests/reference/torch_opd.py."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
+
+from ctopd_jax.algorithms.base import StepInputs  # noqa: E402
+
+
+def step_inputs(s_logits, t_logits, targets, *, old=None, old_weight=None, base_logits=None,
+                weight=None, response_logprobs=None):
+    """StepInputs for R rows: hidden = student logits [R, V], lm_head = I_V (same for teacher)."""
+    s = jnp.asarray(s_logits, jnp.float32)
+    rows, vocab = s.shape
+    eye = jnp.eye(vocab, dtype=jnp.float32)
+    targets = jnp.asarray(targets, jnp.int32)
+    batch = {"response_rows": jnp.arange(rows, dtype=jnp.int32),
+             "response_targets": targets,
+             "response_weight": jnp.ones(rows, jnp.float32) if weight is None else jnp.asarray(weight, jnp.float32),
+             "rollout_logprobs": jnp.zeros(rows) if old is None else jnp.asarray(old, jnp.float32),
+             "rollout_logprob_weight": (jnp.zeros(rows) if old is None else jnp.ones(rows))
+             if old_weight is None else jnp.asarray(old_weight, jnp.float32)}
+    if base_logits is not None:
+        batch["base_hidden"] = jnp.asarray(base_logits, jnp.float32)
+        batch["base_lm_head"] = eye
+    if response_logprobs is None:
+        response_logprobs = jax.nn.log_softmax(s, -1)[jnp.arange(rows), targets]
+    return StepInputs(s, eye, jnp.asarray(t_logits, jnp.float32), eye, batch, {}, response_logprobs)
+
+
+def objective_sum(objective, s_logits, t_logits, targets, name, **kw):
+    """(sum, d sum / d student logits) through the objective's kd_sums; the student log-probs
+    at the response rows are recomputed from the logits inside the differentiated function."""
+    targets = jnp.asarray(targets, jnp.int32)
+
+    def f(z):
+        lp = jax.nn.log_softmax(z, -1)[jnp.arange(z.shape[0]), targets]
+        x = step_inputs(z, t_logits, targets, response_logprobs=lp, **kw)
+        sums, _ = objective.kd_sums(x)
+        return sums[name]
+
+    value, grad = jax.jit(jax.value_and_grad(f))(jnp.asarray(s_logits, jnp.float32))
+    return float(value), np.asarray(grad)
+
+
+def random_logits(seed, rows, vocab, scale=2.0):
+    rng = np.random.default_rng(seed)
+    return (scale * rng.standard_normal((rows, vocab))).astype(np.float32)
