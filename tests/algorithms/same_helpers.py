@@ -3,6 +3,7 @@ are given directly (hidden = logits, lm_head = identity), so every value and gra
 compared with the PyTorch reference of tests/reference/torch_opd.py."""
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -36,18 +37,30 @@ def step_inputs(s_logits, t_logits, targets, *, old=None, old_weight=None, base_
     return StepInputs(s, eye, jnp.asarray(t_logits, jnp.float32), eye, batch, {}, response_logprobs)
 
 
-def objective_sum(objective, s_logits, t_logits, targets, name, **kw):
-    """(sum, d sum / d student logits) through the objective's kd_sums; the student log-probs
-    at the response rows are recomputed from the logits inside the differentiated function."""
-    targets = jnp.asarray(targets, jnp.int32)
-
-    def f(z):
+@functools.lru_cache(maxsize=None)
+def _compiled(objective, name, with_base):
+    def f(z, t, targets, old, old_weight, weight, base):
         lp = jax.nn.log_softmax(z, -1)[jnp.arange(z.shape[0]), targets]
-        x = step_inputs(z, t_logits, targets, response_logprobs=lp, **kw)
+        x = step_inputs(z, t, targets, old=old, old_weight=old_weight, weight=weight,
+                        base_logits=base if with_base else None, response_logprobs=lp)
         sums, _ = objective.kd_sums(x)
         return sums[name]
 
-    value, grad = jax.jit(jax.value_and_grad(f))(jnp.asarray(s_logits, jnp.float32))
+    return jax.jit(jax.value_and_grad(f))
+
+
+def objective_sum(objective, s_logits, t_logits, targets, name, old=None, old_weight=None,
+                  weight=None, base_logits=None):
+    """(sum, d sum / d student logits) through the objective's kd_sums; the student log-probs
+    at the response rows are recomputed from the logits inside the differentiated function.
+    Compiled once per (objective, shapes)."""
+    s = jnp.asarray(s_logits, jnp.float32)
+    rows = s.shape[0]
+    arr = lambda v, default: jnp.asarray(default if v is None else v, jnp.float32)
+    value, grad = _compiled(objective, name, base_logits is not None)(
+        s, jnp.asarray(t_logits, jnp.float32), jnp.asarray(targets, jnp.int32),
+        arr(old, np.zeros(rows)), arr(old_weight, np.zeros(rows) if old is None else np.ones(rows)),
+        arr(weight, np.ones(rows)), arr(base_logits, np.zeros(1)))
     return float(value), np.asarray(grad)
 
 
