@@ -36,6 +36,7 @@ class OptimizerSettings:
     min_lr: float = 1e-8
     total_steps: int = 100
     schedule: str = "cosine_with_min_lr"   # or "constant" (lr throughout, no warmup)
+    mu_dtype: str = "float32"              # Adam's first moment; bfloat16 halves it
 
     def __post_init__(self):
         if self.schedule not in ("cosine_with_min_lr", "constant"):
@@ -109,7 +110,7 @@ def make_optimizer(settings: OptimizerSettings) -> tuple[optax.GradientTransform
     parts = []
     if settings.max_grad_norm is not None:
         parts.append(optax.clip_by_global_norm(settings.max_grad_norm))
-    parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=settings.eps,
+    parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=settings.eps, mu_dtype=settings.mu_dtype,
                              weight_decay=settings.weight_decay, mask=decay_mask))
     return optax.chain(*parts), schedule
 
@@ -120,5 +121,5 @@ def settings_from_config(section, total_steps: int) -> OptimizerSettings:
         learning_rate=section.lr, betas=tuple(section.betas), eps=section.eps,
         weight_decay=section.weight_decay, max_grad_norm=section.max_grad_norm,
         warmup_ratio=section.warmup_ratio, min_lr=section.min_lr, total_steps=int(total_steps),
-        schedule=section.schedule,
+        schedule=section.schedule, mu_dtype=section.mu_dtype,
     )

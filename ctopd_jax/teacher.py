@@ -23,13 +23,25 @@ from flax import nnx
 from ctopd_jax.models.kv_cache import prefill_positions
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def teacher_hidden_rows(graphdef, state, ids, mask, rows):
-    """Teacher final hidden states [R, H] at flat rows [R] of [B*T] (a constant)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh"))
+def teacher_hidden_rows(graphdef, state, ids, mask, rows, mesh=None):
+    """Teacher final hidden states [R, H] at flat rows [R] of [B*T] (a constant).
+
+    With `mesh` the arrays are stacked per batch shard (algorithms.pack.stack_shards): each
+    shard gathers its own rows (shard-local indices) from its own sequences, so no hidden row
+    crosses devices."""
+    from ctopd_jax.algorithms.device import BATCH_AXES
+
     model = nnx.merge(graphdef, jax.lax.stop_gradient(state))
     hidden = model.hidden_states(ids, prefill_positions(mask), mask)
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    return jax.lax.stop_gradient(jnp.take(flat, rows.astype(jnp.int32), axis=0))
+
+    def gather(hidden, rows):
+        return jnp.take(hidden.reshape(-1, hidden.shape[-1]), rows.astype(jnp.int32), axis=0)
+
+    if mesh is not None and mesh.shape["data"] * mesh.shape["fsdp"] > 1:
+        spec = jax.sharding.PartitionSpec(BATCH_AXES)
+        gather = jax.shard_map(gather, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
+    return jax.lax.stop_gradient(gather(hidden, rows))
 
 
 def lm_head_of(graphdef, state):

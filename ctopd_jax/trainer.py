@@ -33,7 +33,8 @@ from flax import nnx
 
 from ctopd_jax import build
 from ctopd_jax.algorithms import get_objective
-from ctopd_jax.algorithms.device import add_trees, micro_grad, scalar
+from ctopd_jax.algorithms.device import micro_grad, scalar, zero_grads
+from ctopd_jax.algorithms.pack import stack_shards
 from ctopd_jax.build import TrainerSetupError  # noqa: F401  (re-exported for callers)
 from ctopd_jax.checkpoint import Checkpointer, export_student_hf
 from ctopd_jax.config import TrainConfig
@@ -115,17 +116,27 @@ class Trainer:
         nnx.update(self.student, self.params)
 
     # -- one iteration --------------------------------------------------------------------
-    def micro_batch(self, host, start: int, stop: int, total_tokens: float, accumulation: int, timer):
-        """(loss, sums, metrics, grads) of samples [start, stop) of a collected batch."""
-        batch = build.to_global(self.objective.prepare(host, start, stop), self.mesh)
+    def micro_batch(self, host, start: int, stop: int, total_tokens: float, accumulation: int, grads, timer):
+        """(loss, sums, metrics, grads + its gradient) of samples [start, stop) of a collected batch
+        (`grads` is donated to the step).
+
+        When the micro-batch divides over the batch shards (data × fsdp), each shard's samples
+        are prepared on their own and the loss and teacher rows run per shard (no row moves
+        between devices); otherwise the micro-batch is one unit, computed alike everywhere."""
+        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        shards = shards if (stop - start) % shards == 0 else 1
+        step = (stop - start) // shards
+        parts = [self.objective.prepare(host, a, a + step) for a in range(start, stop, step)]
+        batch = build.to_global(stack_shards(parts), self.mesh)
+        mesh = self.mesh if shards > 1 else None
         with timer("teacher"):
             t_hidden = teacher_hidden_rows(self.t_graphdef, self.t_state, batch["teacher_ids"],
-                                           batch["teacher_mask"], batch["teacher_rows"])
+                                           batch["teacher_mask"], batch["teacher_rows"], mesh=mesh)
             t_hidden.block_until_ready()
         with timer("student"):
             return micro_grad(self.params, self.rest, batch, t_hidden, self.t_lm_head, self.overlap_arrays,
-                              np.float32(total_tokens), graphdef=self.graphdef, accumulation=accumulation,
-                              objective=self.objective)
+                              np.float32(total_tokens), grads, graphdef=self.graphdef,
+                              accumulation=accumulation, objective=self.objective, mesh=mesh)
 
     def iteration(self, timer: StepTimer) -> tuple[dict[str, Any], list[dict]]:
         o = self.config.optimizer
@@ -140,10 +151,11 @@ class Trainer:
         for u in range(self.updates_per_iteration):
             first = u * o.train_batch_size
             total = host.tokens(first, first + o.train_batch_size)
-            grads, loss = None, 0.0
+            grads, loss = zero_grads(self.params), 0.0
             for start in range(first, first + o.train_batch_size, o.micro_batch_size):
-                l, s, m, g = self.micro_batch(host, start, start + o.micro_batch_size, total, accumulation, timer)
-                grads, loss = (g if grads is None else add_trees(grads, g)), loss + l
+                l, s, m, grads = self.micro_batch(host, start, start + o.micro_batch_size, total, accumulation,
+                                                  grads, timer)
+                loss = loss + l
                 for k, v in s.items():
                     sums[k] = sums.get(k, 0.0) + scalar(v)
                 for k, (num, den) in m.items():
@@ -227,35 +239,36 @@ class Trainer:
                          f"{json.dumps(self.overlap.summary())}")
         last_saved = start if start else None
         record: dict[str, Any] = {}
-        try:
-            for step in range(start + 1, c.steps + 1):
-                timer = StepTimer()
-                began = time.perf_counter()
-                diagnostics = {}
-                if self.diagnostics is not None and self.diagnostics.due(step - 1):
-                    with timer("diagnostics"):  # on the weights before this step's update
-                        diagnostics = self.diagnostics.run()
-                metrics, samples = self.iteration(timer)
-                metrics.update(diagnostics)
-                if not metrics["update_applied"]:
-                    raise TrainingDiverged(
-                        f"step {step}: loss {metrics['loss']} / grad norm {metrics['grad_norm']} is not finite; "
-                        f"the update was not applied and training stopped. Last good checkpoint: "
-                        f"{'step ' + str(last_saved) if last_saved else 'none'} in {ck_dir}. "
-                        "Lower optimizer.lr or inspect the data of this step.")
-                if checkpointer.should_save(step, c.steps):
-                    with timer("checkpoint"):
-                        checkpointer.save(step, self._state(), self._checkpoint_meta())
-                    last_saved = step
-                elapsed = time.perf_counter() - began
-                metrics.update(timer.as_metrics())
-                metrics["tokens_per_s"] = metrics["student_response_tokens"] / max(elapsed, 1e-9)
-                metrics.update(self._maybe_evaluate(step))
-                if step % lg.log_every == 0 or step == c.steps:
-                    record = logger.log(step, metrics, samples)
-        finally:
-            checkpointer.close()
-            logger.close()
+        with jax.set_mesh(self.mesh):  # the model's activation constraints bind to the mesh
+            try:
+                for step in range(start + 1, c.steps + 1):
+                    timer = StepTimer()
+                    began = time.perf_counter()
+                    diagnostics = {}
+                    if self.diagnostics is not None and self.diagnostics.due(step - 1):
+                        with timer("diagnostics"):  # on the weights before this step's update
+                            diagnostics = self.diagnostics.run()
+                    metrics, samples = self.iteration(timer)
+                    metrics.update(diagnostics)
+                    if not metrics["update_applied"]:
+                        raise TrainingDiverged(
+                            f"step {step}: loss {metrics['loss']} / grad norm {metrics['grad_norm']} is not finite; "
+                            f"the update was not applied and training stopped. Last good checkpoint: "
+                            f"{'step ' + str(last_saved) if last_saved else 'none'} in {ck_dir}. "
+                            "Lower optimizer.lr or inspect the data of this step.")
+                    if checkpointer.should_save(step, c.steps):
+                        with timer("checkpoint"):
+                            checkpointer.save(step, self._state(), self._checkpoint_meta())
+                        last_saved = step
+                    elapsed = time.perf_counter() - began
+                    metrics.update(timer.as_metrics())
+                    metrics["tokens_per_s"] = metrics["student_response_tokens"] / max(elapsed, 1e-9)
+                    metrics.update(self._maybe_evaluate(step))
+                    if step % lg.log_every == 0 or step == c.steps:
+                        record = logger.log(step, metrics, samples)
+            finally:
+                checkpointer.close()
+                logger.close()
         hf_dir = self.export_hf(self.run_dir / "hf_student") if c.checkpoint.export_hf else None
         return TrainResult(c.steps, self.run_dir, ck_dir, hf_dir, record)
 

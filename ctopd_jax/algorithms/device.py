@@ -21,18 +21,47 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from ctopd_jax import losses
 from ctopd_jax.models.kv_cache import prefill_positions
 
 
-def objective_sums(params, rest, batch, teacher_hidden, teacher_lm_head, overlap, *, graphdef, objective):
-    """(sums, metrics) of the objective on one micro-batch (differentiable in params)."""
+BATCH_AXES = ("data", "fsdp")
+
+
+def per_shard(fn, mesh, n_sharded: int, n_replicated: int):
+    """`fn` on each batch shard (shard_map over data × fsdp) with its results summed over the
+    shards: the first `n_sharded` arguments are split along their leading axis (each shard
+    holds its own samples and shard-local row indices, pack.stack_shards), the next
+    `n_replicated` are whole on every shard. Without a mesh (or one batch shard) it is fn."""
+    if mesh is None or mesh.shape["data"] * mesh.shape["fsdp"] == 1:
+        return fn
+
+    def summed(*args):
+        return jax.tree.map(lambda x: jax.lax.psum(x, BATCH_AXES), fn(*args))
+
+    specs = (P(BATCH_AXES),) * n_sharded + (P(),) * n_replicated
+    return jax.shard_map(summed, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+
+
+def objective_sums(params, rest, batch, teacher_hidden, teacher_lm_head, overlap, *, graphdef, objective,
+                   mesh=None):
+    """(sums, metrics) of the objective on one micro-batch (differentiable in params).
+
+    The student forward runs on the whole (batch-sharded) micro-batch; with a mesh the
+    objective then runs per batch shard on that shard's rows, so no row of hidden states,
+    logits or teacher columns moves between devices: only the lm_heads are gathered."""
     model = nnx.merge(graphdef, params, rest)
     mask = batch["student_mask"]
     hidden = model.hidden_states(batch["student_ids"], prefill_positions(mask), mask)
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    return objective.loss_sums(flat, model.lm_head_weight(), teacher_hidden, teacher_lm_head, batch, overlap)
+
+    def local(hidden, teacher_hidden, batch, lm_head, teacher_lm_head, overlap):
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return objective.loss_sums(flat, lm_head, teacher_hidden, teacher_lm_head, batch, overlap)
+
+    return per_shard(local, mesh, 3, 3)(hidden, teacher_hidden, batch, model.lm_head_weight(),
+                                        teacher_lm_head, overlap)
 
 
 def weighted_sum(sums: dict, weights: dict):
@@ -41,23 +70,33 @@ def weighted_sum(sums: dict, weights: dict):
     return sum((w * sums[k] for k, w in weights.items() if w != 0.0), jnp.zeros((), jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "accumulation", "objective"))
-def micro_grad(params, rest, batch, teacher_hidden, teacher_lm_head, overlap, total_tokens, *,
-               graphdef, accumulation: int, objective):
+def _micro_grad(params, rest, batch, teacher_hidden, teacher_lm_head, overlap, total_tokens, grads_sum, *,
+                graphdef, accumulation: int, objective, mesh=None):
+    """(loss, sums, metrics, grads_sum + d loss / d params) of one micro-batch.
+
+    `grads_sum` is the running gradient of the optimizer batch: it is added inside the step
+    and DONATED, so accumulation keeps one gradient buffer (no host-side tree additions, no
+    second copy). Start it with `zero_grads(params)`. `mesh`: given when the micro-batch arrays
+    are stacked per batch shard (pack.stack_shards)."""
     def loss_fn(p):
         sums, metrics = objective_sums(p, rest, batch, teacher_hidden, teacher_lm_head, overlap,
-                                       graphdef=graphdef, objective=objective)
+                                       graphdef=graphdef, objective=objective, mesh=mesh)
         loss_sum = weighted_sum(sums, objective.loss_weights())
         loss = losses.normalized_loss(loss_sum, total_tokens, accumulation, accumulation)
         return loss, (jax.lax.stop_gradient(sums), jax.lax.stop_gradient(metrics))
 
     (loss, (sums, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    return loss, sums, metrics, grads
+    return loss, sums, metrics, jax.tree.map(jnp.add, grads_sum, grads)
+
+
+micro_grad = jax.jit(_micro_grad, static_argnames=("graphdef", "accumulation", "objective", "mesh"),
+                     donate_argnames=("grads_sum",))
 
 
 @jax.jit
-def add_trees(a, b):
-    return jax.tree.map(jnp.add, a, b)
+def zero_grads(params):
+    """A zero gradient tree shaped (and sharded) like params: the start of an accumulation."""
+    return jax.tree.map(jnp.zeros_like, params)
 
 
 def global_norm(tree):

@@ -16,7 +16,7 @@ from flax import nnx
 from types import SimpleNamespace
 
 from ctopd_jax.algorithms import get_objective
-from ctopd_jax.algorithms.device import add_trees, micro_grad
+from ctopd_jax.algorithms.device import micro_grad, zero_grads
 from ctopd_jax.config import from_dict
 from ctopd_jax.host import HostBatch
 from ctopd_jax.models import Decoder, tiny_llama, tiny_qwen2
@@ -132,21 +132,27 @@ def test_accumulated_loss_and_grad_match_hand_computation(name, kd_ratio, topk):
     tgraph, tstate = nnx.split(teacher)
     host = host_batch(batch_samples)
 
-    def run(micro):
-        loss, grads = 0.0, None
+    def run(micro, in_jit=True):
+        """Accumulated (loss, grads) over micro-batches: in the donated step, or on the host."""
+        loss, grads = 0.0, zero_grads(params)
         for start in range(0, len(batch_samples), micro):
             batch = {k: jnp.asarray(v) for k, v in objective.prepare(host, start, start + micro).items()}
             hidden = teacher_hidden_rows(tgraph, tstate, batch["teacher_ids"], batch["teacher_mask"],
                                          batch["teacher_rows"])
             l, sums, metrics, g = micro_grad(params, rest, batch, hidden, lm_head_of(tgraph, tstate), overlap,
-                                             jnp.float32(total), graphdef=graphdef,
-                                             accumulation=len(batch_samples) // micro, objective=objective)
+                                             jnp.float32(total), grads if in_jit else zero_grads(params),
+                                             graphdef=graphdef, accumulation=len(batch_samples) // micro,
+                                             objective=objective)
             loss += float(l)
-            grads = g if grads is None else add_trees(grads, g)
+            grads = g if in_jit else jax.tree.map(lambda a, b: np.asarray(a) + np.asarray(b), grads, g)
         return loss, grads
 
     expected_loss, expected_grads = nnx.jit(nnx.value_and_grad(oracle))(student)
     two_loss, two_grads = run(2)
+    host_loss, host_grads = run(2, in_jit=False)  # in-jit accumulation equals the host loop
+    assert host_loss == two_loss  # (XLA may fuse the in-step add: equal up to float rounding)
+    for a, b in zip(jax.tree.leaves(two_grads), jax.tree.leaves(host_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(two_loss, float(expected_loss), rtol=2e-5)
     for a, b in zip(jax.tree.leaves(two_grads), jax.tree.leaves(nnx.state(expected_grads, nnx.Param))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-7)
