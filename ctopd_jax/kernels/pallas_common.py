@@ -24,8 +24,10 @@ arrays: the per-tile math is the same code, only the tile transport and the layo
 Backend: interpret=True runs anywhere. Compiled GPU kernels use Mosaic GPU (Hopper). They lower
 on CPU for the real width (tests/kernels/test_pallas_cuda_lowering.py exports them with
 platforms=["cuda"]); they have not yet run on a GPU (kernels.api keeps "xla" the GPU default).
-CTOPD_PALLAS_GPU_BACKEND=triton is refused for these kernels: their tile streaming is written
-for Mosaic GPU.
+CTOPD_PALLAS_GPU_BACKEND=triton selects the Triton lowering instead: the same kernel body with
+the interpret-mode tile loop (each [64, tile] tile loaded from global memory into registers);
+it lowers too (to Triton IR; Triton's own register and shared-memory allocation happens when
+XLA compiles it on a GPU, so lowering on CPU cannot check it).
 """
 from __future__ import annotations
 
@@ -80,12 +82,24 @@ def pad_blocks(zs_bar, zt_bar, w, block_rows: int, block_cols: int):
     return zs, zt, wp, tile
 
 
-def gpu_compiler_params():
-    """Compiler parameters for a compiled (non-interpret) GPU pallas_call: Mosaic GPU."""
+def gpu_backend() -> str:
+    """The Pallas GPU backend for compiled kernels: CTOPD_PALLAS_GPU_BACKEND, default mosaic."""
     backend = os.environ.get("CTOPD_PALLAS_GPU_BACKEND", "mosaic").lower()
-    if backend != "mosaic":
-        raise ValueError(f"CTOPD_PALLAS_GPU_BACKEND={backend!r}: the strict kernels stream tiles "
-                         "with Mosaic GPU pipelines; only 'mosaic' is supported")
+    if backend not in ("mosaic", "triton"):
+        raise ValueError(f"CTOPD_PALLAS_GPU_BACKEND={backend!r}; use 'mosaic' or 'triton'")
+    return backend
+
+
+def kernel_mode(interpret: bool) -> str:
+    """"interpret", or the GPU backend ("mosaic" / "triton") of a compiled kernel."""
+    return "interpret" if interpret else gpu_backend()
+
+
+def gpu_compiler_params():
+    """Compiler parameters for a compiled (non-interpret) GPU pallas_call."""
+    if gpu_backend() == "triton":
+        from jax.experimental.pallas import triton as pltriton
+        return pltriton.CompilerParams(num_warps=4, num_stages=1)
     from jax.experimental.pallas import mosaic_gpu as plgpu
     return plgpu.CompilerParams()
 
@@ -94,13 +108,19 @@ def gpu_compiler_params():
 class Tiles:
     """How one program walks its [block_rows, cols_p] slab in [block_rows, tile] tiles.
 
-    `gpu=True`: compiled Mosaic GPU (refs in global memory, tiles pipelined through shared
-    memory, explicit register layouts). `gpu=False`: interpret mode (fori_loop over ref views).
+    mode "mosaic": compiled Mosaic GPU (refs in global memory, tiles pipelined through shared
+    memory by TMA, explicit register layouts). "interpret" and "triton": a fori_loop over views
+    of the whole arrays (Triton loads each tile from global memory into registers).
     """
     block_rows: int
     tile: int
     n_tiles: int
-    gpu: bool
+    mode: str
+
+    @property
+    def gpu(self) -> bool:
+        """Mosaic GPU: explicit layouts and pipelines."""
+        return self.mode == "mosaic"
 
     @property
     def shape(self):
@@ -334,25 +354,24 @@ def _argmax_update(tiles: Tiles, j, best, s_raw, t, sel):
             jnp.where(better, col, best_c))
 
 
-def strict_pallas_call(kernel, zs, zt, wp, *, block_rows: int, interpret: bool, name: str):
+def strict_pallas_call(kernel, zs, zt, wp, *, tiles: Tiles, name: str):
     """(per-row loss [rows_p], gradient [rows_p, cols_p]) of a divergence_passes kernel."""
     rows_p, cols_p = zs.shape
-    if interpret:
-        whole = pl.BlockSpec(memory_space=pl.ANY)
-        params = None
-    else:
+    if tiles.gpu:
         from jax.experimental.pallas import mosaic_gpu as plgpu
         whole = pl.BlockSpec(memory_space=plgpu.GMEM)
-        params = gpu_compiler_params()
-    row_vec = pl.BlockSpec((block_rows,), lambda i: (i,))
+    else:
+        whole = pl.BlockSpec(memory_space=pl.ANY)
+    interpret = tiles.mode == "interpret"
+    row_vec = pl.BlockSpec((tiles.block_rows,), lambda i: (i,))
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((rows_p,), jnp.float32),
                    jax.ShapeDtypeStruct((rows_p, cols_p), jnp.float32)),
-        grid=(rows_p // block_rows,),
+        grid=(rows_p // tiles.block_rows,),
         in_specs=[whole, whole, row_vec],
         out_specs=(row_vec, whole),
         interpret=interpret,
-        compiler_params=params,
+        compiler_params=None if interpret else gpu_compiler_params(),
         name=name,
     )(zs, zt, wp)

@@ -24,31 +24,40 @@ def _kernel(zs_ref, zt_ref, w_ref, loss_ref, grad_ref, *, tiles, name, temperatu
 
 def strict_full_rows(zs_bar, zt_bar, w, *, divergence, temperature=1.0, jsd_beta=0.5,
                      skl_lambda=0.1, interpret=True, block_rows=BLOCK_ROWS,
-                     block_cols=BLOCK_COLS):
+                     block_cols=BLOCK_COLS, mode=None):
     """(per-row weighted loss [c], gradient [c, V∩]) for projected rows, via one pallas_call."""
     if divergence not in pc.PALLAS_DIVERGENCES:
         raise ValueError(f"divergence {divergence!r} has no Pallas kernel")
     rows, cols = zs_bar.shape
     zs, zt, wp, tile = pc.pad_blocks(zs_bar, zt_bar, w, block_rows, block_cols)
-    tiles = pc.Tiles(block_rows, tile, zs.shape[1] // tile, gpu=not interpret)
+    tiles = pc.Tiles(block_rows, tile, zs.shape[1] // tile, mode or pc.kernel_mode(interpret))
     kernel = functools.partial(_kernel, tiles=tiles, name=divergence,
                                temperature=float(temperature),
                                kw=dict(jsd_beta=jsd_beta, skl_lambda=skl_lambda))
-    loss, grad = pc.strict_pallas_call(kernel, zs, zt, wp, block_rows=block_rows,
-                                       interpret=interpret, name=f"strict_full_{divergence}")
+    loss, grad = pc.strict_pallas_call(kernel, zs, zt, wp, tiles=tiles,
+                                       name=f"strict_full_{divergence}")
     return loss[:rows], grad[:rows, :cols]
 
 
-@functools.lru_cache(maxsize=None)
 def make_chunk_fn(divergence: str, temperature: float, div_items: tuple, interpret: bool,
                   block_cols: int = BLOCK_COLS):
-    """chunk_fn(zs_bar [c, V∩], zt_bar [c, V∩], w [c]) -> (w_r·D_r [c], gradient [c, V∩])."""
+    """chunk_fn(zs_bar [c, V∩], zt_bar [c, V∩], w [c]) -> (w_r·D_r [c], gradient [c, V∩]).
+
+    One function object per kernel mode (interpret / mosaic / triton, read from the
+    environment now), so jit caches never hand a kernel of one backend to another.
+    """
+    return _make_chunk_fn(divergence, temperature, div_items, pc.kernel_mode(interpret),
+                          block_cols)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_chunk_fn(divergence, temperature, div_items, mode, block_cols):
     kw = dict(div_items)
 
     def chunk_fn(zs_bar, zt_bar, w):
         return strict_full_rows(zs_bar, zt_bar, w, divergence=divergence,
                                 temperature=temperature, jsd_beta=kw["jsd_beta"],
-                                skl_lambda=kw["skl_lambda"], interpret=interpret,
+                                skl_lambda=kw["skl_lambda"], mode=mode,
                                 block_cols=block_cols)
 
     return chunk_fn

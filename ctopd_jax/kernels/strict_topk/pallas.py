@@ -38,9 +38,10 @@ def _radix_search(tiles, zs_ref, lo, total_bits: int, member, accept):
     2**RADIX_BITS-ary search, one streaming pass per digit. accept(count(lo)) must hold and
     accept must be monotone in t (the accepted candidates form a prefix).
     """
+    if total_bits % RADIX_BITS:
+        raise ValueError(f"RADIX_BITS={RADIX_BITS} must divide the {total_bits} searched bits")
     n_cand = 2 ** RADIX_BITS - 1
-    for shift in range(total_bits - RADIX_BITS, -RADIX_BITS, -RADIX_BITS):
-        shift = max(shift, 0)
+    for shift in range(total_bits - RADIX_BITS, -1, -RADIX_BITS):
         cands = [lo + jnp.int32(_wrap_int32(c << shift)) for c in range(1, n_cand + 1)]
 
         def count(j, s_ref, counts, cands=cands):
@@ -53,9 +54,7 @@ def _radix_search(tiles, zs_ref, lo, total_bits: int, member, accept):
         counts = tiles.stream(count, (zs_ref,), init=tuple(tiles.row_vec(0.0)
                                                            for _ in range(n_cand)))
         ahead = sum(jnp.where(accept(cnt), 1, 0) for cnt in counts)
-        lo = lo + ahead * jnp.int32(1 << shift)
-        if shift == 0:
-            break
+        lo = lo + ahead * jnp.int32(_wrap_int32(1 << shift))  # int32 wraps, the sum is exact
     return lo
 
 
@@ -84,7 +83,7 @@ def _kernel(zs_ref, zt_ref, w_ref, loss_ref, grad_ref, *, tiles, name, temperatu
 
 def strict_topk_rows(zs_bar, zt_bar, w, *, divergence, topk, temperature=1.0, jsd_beta=0.5,
                      skl_lambda=0.1, interpret=True, block_rows=BLOCK_ROWS,
-                     block_cols=BLOCK_COLS):
+                     block_cols=BLOCK_COLS, mode=None):
     """(per-row weighted loss [c], dense gradient [c, V∩], zero off the k selected columns)."""
     if divergence not in pc.PALLAS_DIVERGENCES:
         raise ValueError(f"divergence {divergence!r} has no Pallas kernel")
@@ -92,26 +91,33 @@ def strict_topk_rows(zs_bar, zt_bar, w, *, divergence, topk, temperature=1.0, js
     if not 1 <= topk <= cols:
         raise ValueError(f"topk={topk} must be in [1, {cols}]")
     zs, zt, wp, tile = pc.pad_blocks(zs_bar, zt_bar, w, block_rows, block_cols)
-    tiles = pc.Tiles(block_rows, tile, zs.shape[1] // tile, gpu=not interpret)
+    tiles = pc.Tiles(block_rows, tile, zs.shape[1] // tile, mode or pc.kernel_mode(interpret))
     kernel = functools.partial(_kernel, tiles=tiles, name=divergence,
                                temperature=float(temperature), k=int(topk),
                                kw=dict(jsd_beta=jsd_beta, skl_lambda=skl_lambda))
-    loss, grad = pc.strict_pallas_call(kernel, zs, zt, wp, block_rows=block_rows,
-                                       interpret=interpret,
+    loss, grad = pc.strict_pallas_call(kernel, zs, zt, wp, tiles=tiles,
                                        name=f"strict_topk{topk}_{divergence}")
     return loss[:rows], grad[:rows, :cols]
 
 
-@functools.lru_cache(maxsize=None)
 def make_chunk_fn(divergence: str, topk: int, temperature: float, div_items: tuple,
                   interpret: bool, block_cols: int = BLOCK_COLS):
-    """chunk_fn(zs_bar [c, V∩], zt_bar [c, V∩], w [c]) -> (w_r·D_r [c], gradient [c, V∩])."""
+    """chunk_fn(zs_bar [c, V∩], zt_bar [c, V∩], w [c]) -> (w_r·D_r [c], gradient [c, V∩]).
+
+    One function object per kernel mode (see strict_full.pallas.make_chunk_fn).
+    """
+    return _make_chunk_fn(divergence, topk, temperature, div_items, pc.kernel_mode(interpret),
+                          block_cols)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_chunk_fn(divergence, topk, temperature, div_items, mode, block_cols):
     kw = dict(div_items)
 
     def chunk_fn(zs_bar, zt_bar, w):
         return strict_topk_rows(zs_bar, zt_bar, w, divergence=divergence, topk=topk,
                                 temperature=temperature, jsd_beta=kw["jsd_beta"],
-                                skl_lambda=kw["skl_lambda"], interpret=interpret,
+                                skl_lambda=kw["skl_lambda"], mode=mode,
                                 block_cols=block_cols)
 
     return chunk_fn
