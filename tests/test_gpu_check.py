@@ -57,7 +57,7 @@ def test_dry_run_writes_one_valid_result_per_stage(tmp_path):
     assert env["copy_gbps"] > 0 and env["matmul_tflops"] > 0
     strict = records["strict_kernels"]["results"]
     for key in ("full/xla", "full/pallas", "top16/xla", "top16/pallas"):
-        assert strict[key]["seconds"] > 0, key
+        assert strict[key].get("seconds", 0) > 0, (key, strict[key])
     # interpret-mode Pallas on CPU computes the same float32 function as the XLA path
     assert strict["full/pallas"]["grad_rel_error"] < 1e-4
     attention = records["attention"]["results"]
