@@ -173,18 +173,20 @@ def read_hf_config(path, **overrides) -> ModelConfig:
 
 def load_hf_checkpoint(path, mesh=None, dtype: str | None = None,
                        param_dtype: str | None = None, expect: ModelConfig | None = None,
-                       remat: bool = False) -> tuple[Decoder, ModelConfig]:
+                       remat: bool = False, **options) -> tuple[Decoder, ModelConfig]:
     """Load an HF Llama/Qwen2 checkpoint directory into a (sharded) `Decoder`.
 
     ``dtype`` / ``param_dtype`` are the compute / storage dtypes (names as in ModelConfig);
     ``param_dtype`` defaults to ``dtype``, which defaults to float32.  With ``mesh``, each
     parameter lands on its logical sharding (`ctopd_jax.mesh.logical_sharding`).  ``expect``:
     a config the checkpoint must agree with (architecture fields only), e.g. the run config.
+    ``options``: further execution fields of ModelConfig (attention, scan_layers,
+    remat_policy, mlp_chunk, ...); they do not change the parameter tree.
     """
     dtype = dtype or "float32"
     param_dtype = param_dtype or dtype
     ckpt = Path(path)
-    cfg = read_hf_config(ckpt, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    cfg = read_hf_config(ckpt, dtype=dtype, param_dtype=param_dtype, remat=remat, **options)
     if expect is not None:
         for field in _ARCH_FIELDS:
             if getattr(expect, field) != getattr(cfg, field):

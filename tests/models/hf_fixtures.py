@@ -57,6 +57,18 @@ def hf_logits(model, ids: np.ndarray, positions: np.ndarray | None = None,
         return model(ids, **kwargs).logits.float().numpy()
 
 
+def with_options(model, **options):
+    """The same parameters under a config with other execution options (attention,
+    scan_layers, remat_policy, ...); the parameter tree does not depend on them."""
+    from flax import nnx
+
+    from ctopd_jax.models.decoder import Decoder
+
+    other = nnx.eval_shape(lambda: Decoder(model.cfg.replace(**options), rngs=nnx.Rngs(0)))
+    nnx.update(other, nnx.state(model))
+    return other
+
+
 def jax_logits(model, ids, positions=None, mask=None) -> np.ndarray:
     """Our model's float32 logits, run eagerly: op-by-op compilation is shared by all tiny
     variants, which on a loaded 2-core machine is cheaper than one jit per variant."""

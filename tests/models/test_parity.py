@@ -9,7 +9,7 @@ import torch
 from flax import nnx
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from hf_fixtures import VARIANTS, hf_logits, hf_model, jax_logits, save_hf
+from hf_fixtures import VARIANTS, hf_logits, hf_model, jax_logits, save_hf, with_options
 from ctopd_jax.models import weights
 from ctopd_jax.models.decoder import rope_inv_freq
 
@@ -28,8 +28,11 @@ def test_loaded_config_matches_preset(loaded):
     assert loaded_cfg == cfg
 
 
-def test_logits_match_hf_with_left_and_right_padding(loaded):
+@pytest.mark.parametrize("attention", ["einsum", "blockwise"])
+def test_logits_match_hf_with_left_and_right_padding(loaded, attention):
     name, cfg, hf, model, _, _ = loaded
+    # Blocks of 8 over 24 tokens: several query and key blocks, causal skipping included.
+    model = with_options(model, attention=attention, attention_block=8)
     rng = np.random.RandomState(1)
     b, t = 3, 24
     ids = rng.randint(0, cfg.vocab_size, (b, t))
@@ -43,7 +46,7 @@ def test_logits_match_hf_with_left_and_right_padding(loaded):
     assert ours.dtype == np.float32
     assert np.abs(ref).max() > 0.5, "reference logits too small for a meaningful comparison"
     err = np.abs(ours - ref)[mask].max()
-    assert err <= 1e-4, f"{name}: max abs logits error {err}"
+    assert err <= 1e-4, f"{name} ({attention}): max abs logits error {err}"
 
 
 def test_hidden_states_times_lm_head_equals_logits(loaded):
@@ -71,13 +74,17 @@ def test_llama3_inv_freq_matches_transformers():
     assert ((ratio < 0.99) & (ratio > 0.13)).any()
 
 
-@pytest.mark.parametrize("name", ["llama_untied_llama3rope", "qwen2_tied_bias"])
-def test_gradients_match_torch_with_remat(name, tmp_path):
+@pytest.mark.parametrize("name,scan", [("llama_untied_llama3rope", False),
+                                       ("qwen2_tied_bias", False), ("qwen2_tied_bias", True)])
+def test_gradients_match_torch_with_remat(name, scan, tmp_path):
     """Training needs gradients too: d(sum(w * logits)) w.r.t. a few weights vs torch autograd,
-    with per-layer remat switched on (remat must not change values)."""
+    with per-layer remat switched on (remat must not change values), unrolled or with the
+    layers under lax.scan."""
     cfg = VARIANTS[name]()
     hf = save_hf(cfg, tmp_path)
     model, _ = weights.load_hf_checkpoint(tmp_path, remat=True)
+    if scan:
+        model = with_options(model, scan_layers=True, attention="blockwise", attention_block=4)
     rng = np.random.RandomState(3)
     ids = rng.randint(0, cfg.vocab_size, (2, 8))
     w = rng.randn(2, 8, cfg.vocab_size).astype(np.float32)
@@ -91,7 +98,8 @@ def test_gradients_match_torch_with_remat(name, tmp_path):
     loss = lambda m: jnp.sum(m(jnp.asarray(ids, jnp.int32), pos) * w)  # noqa: E731
     jaxpr = str(jax.make_jaxpr(lambda s: nnx.grad(loss)(nnx.merge(nnx.graphdef(model), s)))(
         nnx.state(model)))
-    assert jaxpr.count("checkpoint") + jaxpr.count("remat") >= cfg.num_layers
+    remats = jaxpr.count("checkpoint") + jaxpr.count("remat")
+    assert (remats >= 1 and "scan" in jaxpr) if scan else (remats >= cfg.num_layers)
     grads = nnx.grad(loss)(model)
     grad_model = nnx.merge(nnx.graphdef(model), grads)
     ours = dict(weights.hf_named_tensors(grad_model, include_tied_lm_head=False))
