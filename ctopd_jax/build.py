@@ -41,8 +41,9 @@ def _init_decoder(cfg, seed):
     return Decoder(cfg, rngs=nnx.Rngs(jax.random.key(seed)))
 
 
-def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, role: str):
-    """(Decoder on the mesh, TokenizerSide) for `model.student` / `model.teacher`."""
+def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, role: str, tokenizer=None):
+    """(Decoder on the mesh, TokenizerSide) for `model.student` / `model.teacher` (`tokenizer`:
+    an already loaded side, e.g. from preflight)."""
     from ctopd_jax.models import PRESETS
     from ctopd_jax.tokenization.side import load_tokenizer_side
 
@@ -56,7 +57,7 @@ def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, ro
     if not tok_spec:
         raise TrainerSetupError(f"model.{role}_tokenizer: a preset model ({spec}) needs a tokenizer; "
                                 f"set model.{role}_tokenizer (e.g. tiny_bpe)")
-    tokenizer = load_tokenizer_side(tok_spec)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer_side(tok_spec)
     param_dtype = model_section.param_dtype
     if role == "teacher" and model_section.teacher_param_dtype:
         param_dtype = model_section.teacher_param_dtype
@@ -148,14 +149,18 @@ def make_engine(student, s_tok, rollout, mesh):
     return make(student) if jax.process_count() == 1 else ProcessLocalEngine(make, student)
 
 
-def prompt_stream(config, s_tok):
-    """The training prompts (data.path) that fit rollout.max_prompt_len, as a resumable stream."""
+def prompt_stream(config, s_tok, prompts=None):
+    """The training prompts (data.path, or `prompts` already read) that fit
+    rollout.max_prompt_len, as a resumable stream."""
     from ctopd_jax.data import PromptStream, load_prompts, resolve_named_source
     from ctopd_jax.host import render
 
     d, r = config.data, config.rollout
     path = resolve_named_source(d.path) if sources.is_named(d.path) else d.path
-    prompts = load_prompts(path, d.prompt_key, d.system_prompt)
+    if prompts is None:
+        from ctopd_jax.algorithms import get_objective
+        prompts = response_prompts(config) if uses_dataset_responses(get_objective(config.algorithm)) \
+            else load_prompts(path, d.prompt_key, d.system_prompt)
     encoded = s_tok.tokenizer.encode_batch([render(s_tok, p) for p in prompts], add_special_tokens=False)
     fits = [len(e.ids) <= r.max_prompt_len for e in encoded]
     kept = [p for p, ok in zip(prompts, fits) if ok]
@@ -177,3 +182,110 @@ def update_fns(settings, donate: bool):
 
     tx, schedule = make_optimizer(settings)
     return tx, schedule, make_apply_update(tx, schedule, donate=donate)
+
+
+def export_student(student, s_tok, out_dir: Path, is_writer: bool) -> Path | None:
+    """The trained student as an HF checkpoint (written by the first process only)."""
+    from ctopd_jax.checkpoint import export_student_hf
+
+    model = student if jax.process_count() == 1 else local_copy(student)
+    if not is_writer:
+        return None
+    extra = {"eos_token_id": s_tok.eos_id, "pad_token_id": s_tok.pad_id}
+    if s_tok.bos_id is not None:
+        extra["bos_token_id"] = s_tok.bos_id
+    return export_student_hf(model, out_dir, tokenizer_dir=s_tok.path, extra_config=extra)
+
+
+# -- the same-tokenizer OPD family (SPEC §9) ------------------------------------------------------
+
+def _tokenizer_of(spec: str, tokenizer_spec: str, role: str):
+    from ctopd_jax.tokenization.side import load_tokenizer_side
+
+    directory = model_dir(spec)
+    tok = tokenizer_spec or (str(directory) if directory is not None else "")
+    if not tok:
+        raise TrainerSetupError(f"model.{role}_tokenizer: a preset model ({spec}) needs a tokenizer")
+    return load_tokenizer_side(tok)
+
+
+def check_objective_inputs(config, objective) -> None:
+    """Cheap checks of a same-tokenizer objective, before any model loads: one tokenizer and
+    chat template on both sides (and for model.teacher_base), the base present when needed, and
+    every dataset row carrying a response when the objective may train on dataset responses."""
+    from ctopd_jax.host import check_same_tokenizer
+
+    needs, m, name = objective.needs, config.model, config.algorithm.name
+    if needs.teacher_base and not m.teacher_base:
+        raise TrainerSetupError(f"model.teacher_base: algorithm.name={name} needs the teacher's pre-tuning "
+                                "base model; set model.teacher_base (e.g. demo_char:teacher_base)")
+    if not needs.reuse_sampled_ids:
+        return
+    try:
+        student = _tokenizer_of(m.student, m.student_tokenizer, "student")
+        teacher = _tokenizer_of(m.teacher, m.teacher_tokenizer, "teacher")
+        check_same_tokenizer(teacher, student, name)
+        if needs.teacher_base:
+            check_same_tokenizer(_tokenizer_of(m.teacher_base, "", "teacher_base"), student, name,
+                                 what="model.teacher_base")
+    except (ValueError, OSError) as err:
+        raise TrainerSetupError(str(err)) from None
+    if uses_dataset_responses(objective):
+        response_prompts(config)
+
+
+def uses_dataset_responses(objective) -> bool:
+    s = objective.settings
+    return objective.needs.responses == "dataset" or (
+        hasattr(s, "gkd_lambda") and s.gkd_lambda < 1.0 and not s.seq_kd)
+
+
+def response_prompts(config):
+    """The prompt rows with their dataset responses (host.load_response_prompts)."""
+    from ctopd_jax.data import resolve_named_source
+    from ctopd_jax.host import load_response_prompts
+
+    d = config.data
+    path = resolve_named_source(d.path) if sources.is_named(d.path) else d.path
+    return load_response_prompts(path, d.prompt_key, d.system_prompt)
+
+
+def load_teacher_base(config, mesh):
+    """(graphdef, state, lm_head) of model.teacher_base, or None when it is not set."""
+    from ctopd_jax.teacher import lm_head_of
+
+    m = config.model
+    if not m.teacher_base:
+        return None
+    base, _ = load_side(m.teacher_base, "", m, mesh, config.seed + 2, "teacher")
+    graphdef, state = nnx.split(base)
+    return graphdef, state, lm_head_of(graphdef, state)
+
+
+def add_teacher_base(base, batch, overlap, mesh):
+    """(batch, overlap) with the base's hidden rows at the teacher rows (batch["base_hidden"])
+    and its lm_head (overlap["base_lm_head"], replicated); unchanged without a base."""
+    if base is None:
+        return batch, overlap
+    from ctopd_jax.teacher import teacher_hidden_rows
+
+    graphdef, state, lm_head = base
+    hidden = teacher_hidden_rows(graphdef, state, batch["teacher_ids"], batch["teacher_mask"],
+                                 batch["teacher_rows"], mesh=mesh)
+    return dict(batch, base_hidden=hidden), dict(overlap, base_lm_head=lm_head)
+
+
+def make_collector(config, objective, s_tok, t_tok, engine, teacher, mesh):
+    """host.Collector (cross-tokenizer) or host.SameTokenizerCollector (`needs.reuse_sampled_ids`),
+    with a second engine over the teacher when the objective may need teacher responses."""
+    from ctopd_jax.host import Collector, SameTokenizerCollector
+
+    if not objective.needs.reuse_sampled_ids:
+        return Collector(s_tok, t_tok, engine, config.rollout)
+    s = objective.settings
+    teacher_engine = None
+    if objective.needs.responses == "teacher" or getattr(s, "seq_kd", False):
+        teacher_engine = make_engine(teacher, t_tok, config.rollout, mesh)
+    o = config.optimizer
+    return SameTokenizerCollector(s_tok, engine, config.rollout, objective, teacher_engine=teacher_engine,
+                                  train_batch_size=o.train_batch_size, micro_batch_size=o.micro_batch_size)

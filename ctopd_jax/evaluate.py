@@ -342,5 +342,22 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     return run(lambda a: (main(a), 0)[1], argv, PROG)
 
 
+
+def evaluate_during_training(config, step: int, student, s_tok, engine, run_dir) -> dict[str, float]:
+    """`evaluation:` of a run at `step` (every N steps and at the end): mean@K and pass@K with the
+    run's sampling settings, graded samples under <run_dir>/eval/step_N (run_dir None: not
+    written, e.g. on processes other than the first)."""
+    e = config.evaluation
+    if not e.dataset or not (step == config.steps or (e.every and step % e.every == 0)):
+        return {}
+    from ctopd_jax.datasets import load_dataset
+
+    dataset = load_dataset(e.dataset, limit=e.max_problems or None)
+    r = config.rollout
+    report = evaluate_model(student, s_tok, dataset, engine=engine, k=e.samples, greedy=e.greedy,
+                            temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.generate_max_len,
+                            seed=step, out_dir=None if run_dir is None else Path(run_dir) / "eval" / f"step_{step}")
+    return {"eval_mean_at_k": report.mean_at_k, "eval_pass_at_k": report.pass_at_k}
+
 if __name__ == "__main__":
     sys.exit(cli_main())

@@ -28,6 +28,13 @@ class HostBatch:
     def size(self) -> int:
         return self.student.batch_size
 
+    def mismatch_samples(self, limit: int = 2) -> list[dict]:
+        """Records of samples whose byte views differ between the sides (for samples.jsonl)."""
+        return [{"kind": "byte_mismatch", "response": self.responses[b],
+                 "student_bytes": self.student.resp_bytes[b].decode("utf-8", "replace"),
+                 "teacher_bytes": self.teacher.resp_bytes[b].decode("utf-8", "replace")}
+                for b in np.flatnonzero(self.alignment.byte_mismatch)[:limit]]
+
     def tokens(self, start: int, stop: int) -> float:
         """Student response tokens (EOS included) of samples [start, stop): SPEC §1's N."""
         return float(self.student.response_lens[start:stop].sum())
@@ -89,3 +96,220 @@ class Collector:
             eos = tuple(getattr(self.engine, "eos_ids", ())) + (self.s_tok.eos_id,)
             logprobs = rollout_logprobs(result, s_rt, eos)
         return HostBatch(s_rt, t_rt, alignment, logprobs, responses, list(result.finish_reasons))
+
+
+# ---------------------------------------------------------------------------------------------
+# Same-tokenizer path (SPEC §9): the sampled ids are reused, no re-tokenization.
+#
+# Decisions where SPEC is silent:
+# - A sample is cut at its FIRST EOS (any of the engine's EOS ids or the tokenizer's): that EOS
+#   is trained, nothing after it is seen. A truncated sample gets the tokenizer's EOS appended,
+#   as SPEC §1 does for every sample; that appended EOS has no engine log-prob (weight 0), so
+#   the OPD family uses the recomputed π_old there (ratio 1).
+# - Dataset responses (GKD off-policy) are tokenized once with the shared tokenizer + EOS; they
+#   and teacher-generated responses (seq_kd) carry no student rollout log-probs.
+# - With a mixed λ draw (gkd_lambda_granularity: micro_batch) each source generates one sample
+#   per (prompt, sample) slot (n = 1, seed + source index), so slots keep their prompt.
+
+SOURCE_FIELDS = ("response", "completion")
+
+
+def same_tokenizer_mismatch(teacher, student) -> str | None:
+    """The first difference between two tokenizer sides that must be one tokenizer (vocabulary,
+    special ids, chat template), as one line; None when they are identical."""
+    if teacher.vocab_size != student.vocab_size:
+        return (f"the teacher vocabulary has {teacher.vocab_size} tokens, the student's "
+                f"{student.vocab_size}")
+    t_vocab = teacher.tokenizer.get_vocab(with_added_tokens=True)
+    s_vocab = student.tokenizer.get_vocab(with_added_tokens=True)
+    if t_vocab != s_vocab:
+        t_tok = {i: t for t, i in t_vocab.items()}
+        s_tok = {i: t for t, i in s_vocab.items()}
+        first = min(i for i in set(t_tok) | set(s_tok) if t_tok.get(i) != s_tok.get(i))
+        return f"token id {first} is {t_tok.get(first)!r} for the teacher but {s_tok.get(first)!r} for the student"
+    for name in ("eos_id", "pad_id", "bos_id"):
+        if getattr(teacher, name) != getattr(student, name):
+            return f"{name} is {getattr(teacher, name)} for the teacher but {getattr(student, name)} for the student"
+    if (teacher.chat_template or "") != (student.chat_template or ""):
+        t, s = teacher.chat_template or "", student.chat_template or ""
+        at = next((i for i, (a, b) in enumerate(zip(t, s)) if a != b), min(len(t), len(s)))
+        return f"the chat templates differ at character {at} ({t[at:at + 20]!r} vs {s[at:at + 20]!r})"
+    return None
+
+
+def check_same_tokenizer(teacher, student, objective_name: str, what: str = "model.teacher") -> None:
+    """Raise one ValueError line when a same-tokenizer objective gets two different tokenizers."""
+    diff = same_tokenizer_mismatch(teacher, student)
+    if diff is not None:
+        raise ValueError(f"{what} / model.student: algorithm.name={objective_name} reuses the sampled ids "
+                         f"and needs one tokenizer and chat template on both sides, but {diff}; use a "
+                         "same-tokenizer pair (e.g. configs/tiny_cpu_same.yaml) or a cross-tokenizer "
+                         "objective (topk_strict)")
+
+
+def response_text(prompt) -> str:
+    """The dataset response of a prompt row (`response` or `completion` column, or the assistant
+    turn that ended its chat messages); one line naming file:line when it has none."""
+    from ctopd_jax.records import RecordError
+
+    for key in SOURCE_FIELDS:
+        value = prompt.extra.get(key)
+        if isinstance(value, str) and value:
+            return value
+    raise RecordError(f"{prompt.source}: no dataset response: the row needs a non-empty "
+                      f"'response' or 'completion' string or chat messages ending in an assistant "
+                      "turn (GKD with gkd_lambda < 1 and seq_kd false uses dataset responses)")
+
+
+def load_response_prompts(path, prompt_key: str = "prompt", system_prompt: str = ""):
+    """Prompt rows that carry a dataset response; chat messages ending in an assistant turn are
+    split into the prompt (the turns before) and the response (that turn's content)."""
+    from pathlib import Path as _Path
+
+    from ctopd_jax import data
+    from ctopd_jax.records import RecordError, chat_messages, read_jsonl, read_parquet
+
+    path = _Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data.path {path}: file not found; give a .jsonl or .parquet file")
+    rows = read_parquet(path) if path.suffix.lower() == ".parquet" else read_jsonl(path)
+    prompts = []
+    for where, row in rows:
+        key = prompt_key if prompt_key in row else ("messages" if "messages" in row else None)
+        if key is not None and not isinstance(row[key], str):
+            messages = chat_messages(row[key], key, where)
+            if messages[-1]["role"] == "assistant":
+                if len(messages) < 2:
+                    raise RecordError(f"{where}: {key!r} holds only an assistant turn; a prompt turn "
+                                      "must come before it")
+                row = {**{k: v for k, v in row.items() if k != key}, key: list(messages[:-1]),
+                       "response": messages[-1]["content"]}
+        prompt = data._row_to_prompt(row, prompt_key, where, system_prompt)
+        response_text(prompt)   # every row checked now, before any model loads
+        prompts.append(prompt)
+    if not prompts:
+        raise RecordError(f"data.path {path}: the file holds no prompts")
+    return prompts
+
+
+def same_tokenizer_batch(side, prompt_ids, sampled, logprobs, eos_ids, pad_to_multiple: int = 64):
+    """A RetokenizedBatch (tokenization.retokenize layout) of the reused sampled ids, and the
+    rollout log-probs per response row (values, weights); see the decisions above."""
+    from ctopd_jax.tokenization.retokenize import IGNORE_INDEX, RetokenizedBatch
+
+    eos = set(int(e) for e in eos_ids) | {side.eos_id}
+    seqs, plens, bodies, values, weights = [], [], [], [], []
+    for p, ids, lps in zip(prompt_ids, sampled, logprobs):
+        ids = [int(t) for t in ids]
+        lps = list(lps) if lps is not None else [0.0] * len(ids)
+        cut = next((i for i, t in enumerate(ids) if t in eos), None)
+        body = ids if cut is None else ids[:cut]
+        final = side.eos_id if cut is None else ids[cut]
+        v = np.zeros(len(body) + 1, np.float32)
+        w = np.zeros(len(body) + 1, np.float32)
+        if logprobs is not None and len(lps) >= len(body):
+            v[:len(body)], w[:len(body)] = lps[:len(body)], 1.0
+            if cut is not None:
+                v[-1], w[-1] = lps[cut], 1.0
+        seqs.append(list(p) + body + [final])
+        plens.append(len(p))
+        bodies.append(np.asarray(body, np.int32))
+        values.append(v)
+        weights.append(w)
+    lengths = np.array([len(s) for s in seqs])
+    seq_len = -(-int(lengths.max()) // pad_to_multiple) * pad_to_multiple
+    batch = len(seqs)
+    input_ids = np.full((batch, seq_len), side.pad_id, np.int32)
+    for b, s in enumerate(seqs):
+        input_ids[b, :len(s)] = s
+    prompt_lens = np.asarray(plens, np.int32)
+    response_lens = np.array([len(x) + 1 for x in bodies], np.int32)
+    pos = np.arange(seq_len)[None, :]
+    first = prompt_lens[:, None] - 1
+    loss_mask = (pos >= first) & (pos < first + response_lens[:, None])
+    labels = np.full((batch, seq_len), IGNORE_INDEX, np.int32)
+    labels[:, :-1] = np.where(loss_mask[:, :-1], input_ids[:, 1:], IGNORE_INDEX)
+    flat = np.concatenate(bodies) if bodies else np.zeros(0, np.int32)
+    table = side.token_bytes
+    resp_bytes = [b"".join(table[i] for i in x.tolist()) for x in bodies]
+    rt = RetokenizedBatch(
+        input_ids=input_ids, loss_mask=loss_mask, labels=labels, attention_mask=pos < lengths[:, None],
+        prompt_lens=prompt_lens, response_lens=response_lens,
+        resp_offsets=np.concatenate([[0], np.cumsum([len(x) for x in bodies])]).astype(np.int64),
+        resp_ids=flat, resp_byte_len=side.token_byte_len[flat], resp_pairable=~side.is_added[flat],
+        resp_stripped=np.zeros(len(flat), bool), resp_bytes=resp_bytes,
+        responses=[side.decode(x) for x in bodies], eos_id=side.eos_id)
+    return rt, (np.concatenate(values), np.concatenate(weights))
+
+
+class SameTokenizerCollector:
+    """Responses for a same-tokenizer objective (`needs.reuse_sampled_ids`): student rollouts,
+    teacher rollouts (`seq_kd`, a second engine over the teacher) or dataset responses, per the
+    objective's `response_sources` (GKD's λ draw) when it has one; the sampled ids are reused."""
+
+    def __init__(self, side, engine, rollout_section, objective, *, teacher_engine=None,
+                 train_batch_size: int = 0, micro_batch_size: int = 0):
+        self.side, self.engine, self.rollout, self.objective = side, engine, rollout_section, objective
+        self.teacher_engine = teacher_engine
+        self.train_batch_size, self.micro_batch_size = train_batch_size, micro_batch_size
+
+    def sample_sources(self, samples: int) -> list[str]:
+        draw = getattr(self.objective, "response_sources", None)
+        if draw is None:
+            return [self.objective.needs.responses] * samples
+        out = []
+        per = self.train_batch_size or samples
+        micro = self.micro_batch_size or per
+        for _ in range(0, samples, per):  # one call per optimizer step
+            for source in draw(per // micro):
+                out.extend([source] * micro)
+        return out[:samples]
+
+    def _generate(self, engine, prompt_ids, params):
+        result = engine.generate(prompt_ids, params)
+        return result.prompt_index, result.token_ids, result.logprobs, list(result.finish_reasons)
+
+    def collect(self, prompts, seed: int, timer) -> HostBatch:
+        from ctopd_jax.align import strict_align
+
+        n = self.rollout.n_samples_per_prompt
+        total = len(prompts) * n
+        sources = self.sample_sources(total)
+        encoded = [self.side.encode(render(self.side, p)) for p in prompts]
+        slots = [None] * total  # (prompt ids, sampled ids, logprobs or None, finish reason)
+        with timer("rollout"):
+            for k, source in enumerate(sorted(set(sources))):
+                idx = [b for b in range(total) if sources[b] == source]
+                if source == "dataset":
+                    for b in idx:
+                        ids = self.side.encode(response_text(prompts[b // n]))
+                        slots[b] = (encoded[b // n], ids + [self.side.eos_id], None, "dataset")
+                    continue
+                engine = self.engine if source == "student" else self.teacher_engine
+                if engine is None:
+                    raise ValueError(f"response source {source!r} needs an engine over the teacher "
+                                     "(algorithm.seq_kd); none was built")
+                params = sampling_params(self.rollout, seed + k)
+                if len(idx) == total:   # every slot: n samples per prompt, prompt-major
+                    p_index, toks, lps, reasons = self._generate(engine, encoded, params)
+                    order = range(total)
+                else:
+                    p_index, toks, lps, reasons = self._generate(
+                        engine, [encoded[b // n] for b in idx], params.replace(n=1))
+                    order = idx
+                for j, b in enumerate(order):
+                    slots[b] = (encoded[b // n], toks[j], lps[j] if source == "student" else None, reasons[j])
+        with timer("align"):
+            eos = tuple(getattr(self.engine, "eos_ids", ())) + (self.side.eos_id,)
+            batch, (values, weights) = same_tokenizer_batch(
+                self.side, [s[0] for s in slots], [s[1] for s in slots],
+                [s[2] if s[2] is not None else [0.0] * len(s[1]) for s in slots], eos)
+            for b, s in enumerate(slots):   # non-student responses carry no π_old
+                if s[2] is None:
+                    lo, hi = int(batch.response_lens[:b].sum()), int(batch.response_lens[:b + 1].sum())
+                    weights[lo:hi] = 0.0
+            alignment = strict_align(batch, batch)
+        host = HostBatch(batch, batch, alignment, (values, weights), list(batch.responses),
+                         [s[3] for s in slots])
+        host.sources = sources
+        return host

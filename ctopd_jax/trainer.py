@@ -13,8 +13,11 @@ Decisions where SPEC is silent:
   optimizer batches of train_batch_size (usually one) and those into micro-batches of
   micro_batch_size; `steps` counts iterations and the schedule counts optimizer updates.
 - The RNG key is split once per iteration; the sampling seed of that iteration comes from it.
-- A step whose loss or gradient norm is not finite is not applied; the run stops with
-  `TrainingDiverged` naming the step and the last good checkpoint (already on disk).
+- A step whose loss or gradient norm is not finite is not applied; that, a gradient norm stuck
+  at 0 or a loss jump (run_guard.DivergenceGuard, `guard:`) stops the run with
+  `TrainingDiverged` naming the step, its values and the last good checkpoint (on disk).
+- SIGTERM / SIGINT (run_guard.SignalGuard): the step in flight finishes, is checkpointed, and
+  the run stops with `Stopped`; the resumed run is bit-exact with an uninterrupted one.
 - Metrics: each sum is reported as Σ over the iteration ÷ the iteration's student response
   tokens (`<name>_loss`); `loss` is the trained mix, `kd_loss` its distillation part.
 """
@@ -36,9 +39,9 @@ from ctopd_jax.algorithms import get_objective
 from ctopd_jax.algorithms.device import micro_grad, scalar, zero_grads
 from ctopd_jax.algorithms.pack import stack_shards
 from ctopd_jax.build import TrainerSetupError  # noqa: F401  (re-exported for callers)
-from ctopd_jax.checkpoint import Checkpointer, export_student_hf
+from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig
-from ctopd_jax.host import Collector
+from ctopd_jax.evaluate import evaluate_during_training
 from ctopd_jax.metrics import MetricsLogger, StepTimer
 from ctopd_jax.optimizer import settings_from_config
 from ctopd_jax.teacher import lm_head_of, teacher_hidden_rows
@@ -61,8 +64,11 @@ class Trainer:
     """Builds everything from a TrainConfig (or takes injected parts) and runs `train()`."""
 
     def __init__(self, config: TrainConfig, mesh=None, *, engine=None, student=None, teacher=None,
-                 student_tokenizer=None, teacher_tokenizer=None):
+                 student_tokenizer=None, teacher_tokenizer=None, preflight=None):
+        """`preflight` (preflight.Preflight): reuse what the cheap checks already loaded
+        (tokenizers, overlap map, prompts) instead of loading them again."""
         from ctopd_jax.align import CoverageMeter
+        from ctopd_jax.run_guard import DivergenceGuard
         from ctopd_jax.tokenization.overlap import overlap_map
 
         c = self.config = config
@@ -70,22 +76,28 @@ class Trainer:
         self.run_dir = Path(c.output_dir)
         self.is_writer = jax.process_index() == 0
         self.objective = get_objective(c.algorithm)
+        build.check_objective_inputs(c, self.objective)  # same-tokenizer pair: before any model loads
+        if preflight is not None:
+            student_tokenizer = student_tokenizer or preflight.student_tokenizer
+            teacher_tokenizer = teacher_tokenizer or preflight.teacher_tokenizer
         if student is None:
-            student, student_tokenizer = build.load_side(c.model.student, c.model.student_tokenizer,
-                                                         c.model, self.mesh, c.seed, "student")
+            student, student_tokenizer = build.load_side(c.model.student, c.model.student_tokenizer, c.model,
+                                                         self.mesh, c.seed, "student", student_tokenizer)
         if teacher is None:
-            teacher, teacher_tokenizer = build.load_side(c.model.teacher, c.model.teacher_tokenizer,
-                                                         c.model, self.mesh, c.seed + 1, "teacher")
+            teacher, teacher_tokenizer = build.load_side(c.model.teacher, c.model.teacher_tokenizer, c.model,
+                                                         self.mesh, c.seed + 1, "teacher", teacher_tokenizer)
         self.student, self.teacher = student, teacher
         self.s_tok, self.t_tok = student_tokenizer, teacher_tokenizer
-        self.overlap = overlap_map(self.t_tok, self.s_tok)
+        self.overlap = preflight.overlap if preflight is not None else overlap_map(self.t_tok, self.s_tok)
         self.objective.check(self.overlap)
         self.overlap_arrays = {"s_ids": build.replicated(self.overlap.s_ids.astype(np.int32), self.mesh),
                                "t_ids": build.replicated(self.overlap.t_ids.astype(np.int32), self.mesh)}
-        self.stream = build.prompt_stream(c, self.s_tok)
+        self.stream = build.prompt_stream(c, self.s_tok, preflight.prompts if preflight is not None else None)
         self.engine = engine if engine is not None else build.make_engine(self.student, self.s_tok,
                                                                           c.rollout, self.mesh)
-        self.collector = Collector(self.s_tok, self.t_tok, self.engine, c.rollout)
+        self.collector = build.make_collector(c, self.objective, self.s_tok, self.t_tok, self.engine,
+                                              self.teacher, self.mesh)
+        self.base = build.load_teacher_base(c, self.mesh)   # OPD²'s third model, or None
         responses = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
         self.updates_per_iteration = responses // c.optimizer.train_batch_size
         settings = settings_from_config(c.optimizer, c.steps * self.updates_per_iteration)
@@ -98,6 +110,7 @@ class Trainer:
         self.t_lm_head = lm_head_of(self.t_graphdef, self.t_state)
         self.rng = jax.random.key(c.seed)
         self.coverage = CoverageMeter()
+        self.guard = DivergenceGuard.from_config(c.guard)
         self.update_count = 0
         self.diagnostics = None
         if c.algorithm.diagnostics_every:
@@ -133,8 +146,9 @@ class Trainer:
             t_hidden = teacher_hidden_rows(self.t_graphdef, self.t_state, batch["teacher_ids"],
                                            batch["teacher_mask"], batch["teacher_rows"], mesh=mesh)
             t_hidden.block_until_ready()
+            batch, overlap = build.add_teacher_base(self.base, batch, self.overlap_arrays, mesh)
         with timer("student"):
-            return micro_grad(self.params, self.rest, batch, t_hidden, self.t_lm_head, self.overlap_arrays,
+            return micro_grad(self.params, self.rest, batch, t_hidden, self.t_lm_head, overlap,
                               np.float32(total_tokens), grads, graphdef=self.graphdef,
                               accumulation=accumulation, objective=self.objective, mesh=mesh)
 
@@ -158,10 +172,10 @@ class Trainer:
                 loss = loss + l
                 for k, v in s.items():
                     sums[k] = sums.get(k, 0.0) + scalar(v)
-                for k, (num, den) in m.items():
-                    part = metric_parts.setdefault(k, [0.0, 0.0])
+                for k, (num, den) in m.items():  # den None: a count, reported as the total
+                    part = metric_parts.setdefault(k, [0.0, None if den is None else 0.0])
                     part[0] += scalar(num)
-                    part[1] += 1.0 if den is None else scalar(den)
+                    part[1] = None if den is None else part[1] + scalar(den)
             with timer("student"):
                 self.params, self.opt_state, info = self.apply_update(
                     self.params, self.opt_state, grads, loss, np.int32(self.update_count))
@@ -170,7 +184,7 @@ class Trainer:
         with timer("sync"):
             nnx.update(self.student, self.params)
             self.engine.update_weights(self.student)
-        return self._metrics(host, sums, metric_parts, infos, coverage), self._samples(host)
+        return self._metrics(host, sums, metric_parts, infos, coverage), host.mismatch_samples()
 
     def _metrics(self, host, sums, metric_parts, infos, coverage) -> dict[str, Any]:
         tokens = max(host.tokens(0, host.size), 1.0)
@@ -179,8 +193,8 @@ class Trainer:
         metrics["loss"] = sum(weights.get(k, 0.0) * v for k, v in sums.items() if weights.get(k)) / tokens
         metrics["kd_loss"] = sum(w * sums[k] for k, w in self.objective.kd_weights().items() if w) / tokens
         for k, (num, den) in metric_parts.items():
-            if den:  # e.g. no log-prob gap when no re-tokenized response equals its samples
-                metrics[k] = num / den
+            if den is None or den:  # no log-prob gap when no re-tokenized response equals its samples
+                metrics[k] = num if den is None else num / den
         metrics.update({
             "lr": infos[-1]["lr"], "grad_norm": infos[-1]["grad_norm"],
             "update_applied": min(i["update_applied"] for i in infos),
@@ -189,19 +203,12 @@ class Trainer:
             "student_response_tokens": int(tokens), "strict_pairs": host.alignment.num_pairs, **coverage})
         return metrics
 
-    @staticmethod
-    def _samples(host) -> list[dict]:
-        a, s, t = host.alignment, host.student, host.teacher
-        return [{"kind": "byte_mismatch", "response": host.responses[b],
-                 "student_bytes": s.resp_bytes[b].decode("utf-8", "replace"),
-                 "teacher_bytes": t.resp_bytes[b].decode("utf-8", "replace")}
-                for b in np.flatnonzero(a.byte_mismatch)[:2]]
-
     # -- the loop ---------------------------------------------------------------------------
     def _checkpoint_meta(self) -> dict[str, Any]:
         cov = self.coverage
         return {"data": self.stream.state(), "config": self.config.to_dict(),
                 "update_count": self.update_count, "objective": self.objective.state_dict(),
+                "guard": self.guard.state(),
                 "coverage": {k: getattr(cov, k) for k in ("pairs", "student_tokens", "teacher_tokens",
                                                           "mismatched", "samples")}}
 
@@ -213,12 +220,17 @@ class Trainer:
         self.stream.restore(restored.meta["data"])
         self.update_count = int(restored.meta["update_count"])
         self.objective.load_state_dict(restored.meta.get("objective", {}))
+        self.guard.restore(restored.meta.get("guard"))
         for k, v in restored.meta["coverage"].items():
             setattr(self.coverage, k, v)
         self.engine.update_weights(self.student)
         return restored.step
 
-    def train(self, resume: bool = False) -> TrainResult:
+    def train(self, resume: bool = False, stop=None) -> TrainResult:
+        """Run to `steps`. `stop` (run_guard.SignalGuard): at each step boundary a requested stop
+        checkpoints the finished step and raises run_guard.Stopped."""
+        from ctopd_jax.run_guard import Stopped
+
         c = self.config
         ck_dir = Path(c.checkpoint.dir) if c.checkpoint.dir else self.run_dir / "checkpoints"
         checkpointer = Checkpointer(ck_dir, every=c.checkpoint.every, keep=c.checkpoint.keep,
@@ -234,64 +246,50 @@ class Trainer:
         lg = c.logging
         logger = MetricsLogger(self.run_dir, c.steps, start_step=start, jsonl=lg.jsonl,
                                tensorboard=lg.tensorboard, progress=lg.progress, is_writer=self.is_writer)
-        if start == 0:
-            logger.write(f"run {c.run_name}, objective {c.algorithm.name}; overlap: "
-                         f"{json.dumps(self.overlap.summary())}")
-        last_saved = start if start else None
+        logger.write(f"run {c.run_name}, objective {c.algorithm.name}; " + (
+            f"resumed from step {start} ({ck_dir})" if start else
+            f"overlap: {json.dumps(self.overlap.summary())}"))
         record: dict[str, Any] = {}
+        saved = start
         with jax.set_mesh(self.mesh):  # the model's activation constraints bind to the mesh
             try:
                 for step in range(start + 1, c.steps + 1):
                     timer = StepTimer()
-                    began = time.perf_counter()
-                    diagnostics = {}
-                    if self.diagnostics is not None and self.diagnostics.due(step - 1):
-                        with timer("diagnostics"):  # on the weights before this step's update
-                            diagnostics = self.diagnostics.run()
-                    metrics, samples = self.iteration(timer)
-                    metrics.update(diagnostics)
-                    if not metrics["update_applied"]:
-                        raise TrainingDiverged(
-                            f"step {step}: loss {metrics['loss']} / grad norm {metrics['grad_norm']} is not finite; "
-                            f"the update was not applied and training stopped. Last good checkpoint: "
-                            f"{'step ' + str(last_saved) if last_saved else 'none'} in {ck_dir}. "
-                            "Lower optimizer.lr or inspect the data of this step.")
-                    if checkpointer.should_save(step, c.steps):
+                    metrics, samples = self.step(step, timer)
+                    reason = self.guard.check(step, metrics)
+                    if reason:
+                        logger.log(step, metrics, samples)  # the failing step's values are kept
+                        raise TrainingDiverged(f"{reason}. Last good checkpoint: "
+                                               f"{'step ' + str(saved) if saved else 'none'} in {ck_dir}")
+                    stopping = stop is not None and stop.requested_everywhere()
+                    if checkpointer.should_save(step, c.steps) or stopping:
                         with timer("checkpoint"):
                             checkpointer.save(step, self._state(), self._checkpoint_meta())
-                        last_saved = step
-                    elapsed = time.perf_counter() - began
+                        saved = step
                     metrics.update(timer.as_metrics())
-                    metrics["tokens_per_s"] = metrics["student_response_tokens"] / max(elapsed, 1e-9)
-                    metrics.update(self._maybe_evaluate(step))
-                    if step % lg.log_every == 0 or step == c.steps:
+                    if step % lg.log_every == 0 or step == c.steps or stopping:
                         record = logger.log(step, metrics, samples)
+                    if stopping:
+                        checkpointer.wait()
+                        raise Stopped(stop.signum, step, ck_dir)
             finally:
                 checkpointer.close()
                 logger.close()
-        hf_dir = self.export_hf(self.run_dir / "hf_student") if c.checkpoint.export_hf else None
+        hf_dir = build.export_student(self.student, self.s_tok, self.run_dir / "hf_student", self.is_writer) \
+            if c.checkpoint.export_hf else None
         return TrainResult(c.steps, self.run_dir, ck_dir, hf_dir, record)
 
-    def _maybe_evaluate(self, step: int) -> dict[str, float]:
-        e = self.config.evaluation
-        if not e.dataset or not (step == self.config.steps or (e.every and step % e.every == 0)):
-            return {}
-        from ctopd_jax.datasets import load_dataset
-        from ctopd_jax.evaluate import evaluate_model
-
-        dataset = load_dataset(e.dataset, limit=e.max_problems or None)
-        report = evaluate_model(self.student, self.s_tok, dataset, engine=self.engine, k=e.samples,
-                                greedy=e.greedy, temperature=self.config.rollout.temperature,
-                                top_p=self.config.rollout.top_p,
-                                max_new_tokens=self.config.rollout.generate_max_len, seed=step,
-                                out_dir=self.run_dir / "eval" / f"step_{step}" if self.is_writer else None)
-        return {"eval_mean_at_k": report.mean_at_k, "eval_pass_at_k": report.pass_at_k}
-
-    def export_hf(self, out_dir: Path) -> Path | None:
-        model = self.student if jax.process_count() == 1 else build.local_copy(self.student)
-        if not self.is_writer:
-            return None
-        extra = {"eos_token_id": self.s_tok.eos_id, "pad_token_id": self.s_tok.pad_id}
-        if self.s_tok.bos_id is not None:
-            extra["bos_token_id"] = self.s_tok.bos_id
-        return export_student_hf(model, out_dir, tokenizer_dir=self.s_tok.path, extra_config=extra)
+    def step(self, step: int, timer: StepTimer) -> tuple[dict[str, Any], list[dict]]:
+        """One iteration with its diagnostics (before the update) and evaluation (after)."""
+        began = time.perf_counter()
+        diagnostics = {}
+        if self.diagnostics is not None and self.diagnostics.due(step - 1):
+            with timer("diagnostics"):
+                diagnostics = self.diagnostics.run()
+        metrics, samples = self.iteration(timer)
+        metrics.update(diagnostics)
+        metrics["tokens_per_s"] = metrics["student_response_tokens"] / max(time.perf_counter() - began, 1e-9)
+        with timer("eval"):
+            metrics.update(evaluate_during_training(self.config, step, self.student, self.s_tok, self.engine,
+                                                    self.run_dir if self.is_writer else None))
+        return metrics, samples
