@@ -63,6 +63,9 @@ class ModelSection:
     # The frozen teacher's storage dtype; "" = param_dtype. bf16 halves its memory, while the
     # student keeps float32 master weights (lr 1e-6 updates vanish in bf16).
     teacher_param_dtype: Literal["", "float32", "bfloat16"] = ""
+    # OPD² (algorithm.name=opd2): the teacher's own pre-tuning base π_B, same tokenizer as the
+    # teacher (a checkpoint directory or named source); "" = none.
+    teacher_base: str = ""
 
 
 @dataclass(frozen=True)

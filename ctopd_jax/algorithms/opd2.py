@@ -17,7 +17,8 @@ the loss does not see the rollout section). One completion per prompt, no group 
 (the paper's GRPO-clipped surrogate has this gradient at θ_old).
 
 The trainer runs the base like the teacher (hidden rows at the same response rows), passed as
-batch["base_hidden"] / batch["base_lm_head"]; the centring expectations are computed chunk by
+batch["base_hidden"] (split over batch shards like the rows) and overlap["base_lm_head"]
+(replicated, build.add_teacher_base); the centring expectations are computed chunk by
 chunk from the three models' hidden rows (kernels.full_rows.topk_centres).
 """
 from __future__ import annotations
@@ -71,12 +72,13 @@ class Opd2(SameTokenizerObjective):
         tau = s.opd2_temperature
         logp = student_logprobs(x, s, tau)
         lp_t = teacher_logprobs(x, s, tau)
-        lp_b = teacher_logprobs(x, s, tau, b["base_hidden"], b["base_lm_head"])
+        base = (b["base_hidden"], x.overlap["base_lm_head"])
+        lp_b = teacher_logprobs(x, s, tau, *base)
         rows = jnp.take(x.hidden, b["response_rows"], axis=0)
         k = min(int(s.opd2_topk), x.lm_head.shape[1])
         centres = full_rows.row_stats(
             full_rows.topk_centres(k),
-            [(rows, x.lm_head), (x.teacher_hidden, x.teacher_lm_head), (b["base_hidden"], b["base_lm_head"])],
+            [(rows, x.lm_head), (x.teacher_hidden, x.teacher_lm_head), base],
             temperature=tau, chunk_rows=s.chunked_loss_size)
         adv, a_delta, a_opd = opd2_advantages(jax.lax.stop_gradient(logp), lp_t, lp_b,
                                               centres[:, 0], centres[:, 1])

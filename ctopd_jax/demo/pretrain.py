@@ -2,6 +2,7 @@
 
     python -m ctopd_jax.demo.pretrain                 # both, into ctopd_jax/assets/demo/
     python -m ctopd_jax.demo.pretrain --role student --out /tmp/x --eval-every 100
+    python -m ctopd_jax.demo.pretrain --pair char     # the same-tokenizer pair, assets/demo_char/
 
 The committed checkpoints under ``ctopd_jax/assets/demo/{teacher,student}`` are exactly what
 this command writes (fixed seeds; float32 on CPU). Each directory holds ``config.json`` +
@@ -77,6 +78,26 @@ def student_config(vocab_size: int) -> ModelConfig:
                       max_position_embeddings=256)
 
 
+CHAR_ASSET_DIR = ASSET_DIR.parent / "demo_char"
+CHAR_BASE_STEPS = 60    # the char teacher's "pre-tuning base" (OPD²): its own first 60 steps
+
+
+def char_student_config(vocab_size: int) -> ModelConfig:
+    return tiny_llama(vocab_size=vocab_size, hidden_size=64, intermediate_size=192,
+                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                      max_position_embeddings=256)
+
+
+# The same-tokenizer pair (`--pair char`): both sides use the repository's character vocabulary
+# (tokenization/char_vocab.py). The teacher runs at a constant lr so that its first
+# CHAR_BASE_STEPS steps ARE the teacher_base checkpoint (a snapshot of the same run).
+CHAR_SPECS = {
+    "teacher": PretrainSpec("teacher", "char", teacher_config, steps=300, batch_size=64,
+                            lr=3e-3, seed=11, schedule="constant"),
+    "student": PretrainSpec("student", "char", char_student_config, steps=80, batch_size=64,
+                            lr=3e-3, seed=12, schedule="constant"),
+}
+
 SPECS = {
     "teacher": PretrainSpec("teacher", "tiny_bpe", teacher_config, steps=400, batch_size=64,
                             lr=3e-3, seed=1),
@@ -124,8 +145,10 @@ def held_out_accuracy(model: Decoder, side: TokenizerSide, out_dir: Path | None 
     return report.mean_at_k
 
 
-def train(spec: PretrainSpec, steps: int | None = None, eval_every: int = 0, log=print):
-    """SFT ``spec`` from its seed; returns (model, side, history)."""
+def train(spec: PretrainSpec, steps: int | None = None, eval_every: int = 0, log=print,
+          snapshot: tuple[int, Callable] | None = None):
+    """SFT ``spec`` from its seed; returns (model, side, history). ``snapshot = (n, fn)`` calls
+    ``fn(model, side, history)`` after step n (the char teacher's base)."""
     steps = steps or spec.steps
     side = load_tokenizer_side(spec.tokenizer)
     cfg = spec.make_config(side.vocab_size)
@@ -148,6 +171,8 @@ def train(spec: PretrainSpec, steps: int | None = None, eval_every: int = 0, log
             log(f"[{spec.role}] " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else
                                               f"{k}={v}" for k, v in row.items()))
         history.append(row)
+        if snapshot is not None and step == snapshot[0]:
+            snapshot[1](model, side, list(history))
     return model, side, history
 
 
@@ -164,17 +189,29 @@ def save(model: Decoder, side: TokenizerSide, out_dir: Path, meta: dict) -> Path
 
 
 def pretrain(role: str, out_root: Path, steps: int | None = None, eval_every: int = 0,
-             log=print) -> dict:
-    spec = SPECS[role]
+             log=print, pair: str = "cross") -> dict:
+    spec = (CHAR_SPECS if pair == "char" else SPECS)[role]
+    command = "python -m ctopd_jax.demo.pretrain --role " + role + (" --pair char" if pair == "char" else "")
     start = time.perf_counter()
-    model, side, history = train(spec, steps, eval_every, log)
+    snapshot = None
+    if pair == "char" and role == "teacher":
+        def save_base(model, side, history):
+            acc = held_out_accuracy(model, side)
+            save(model, side, out_root / "teacher_base",
+                 {"role": "teacher_base", "tokenizer": spec.tokenizer, "family": model.cfg.family,
+                  "steps": CHAR_BASE_STEPS, "batch_size": spec.batch_size, "lr": spec.lr,
+                  "seed": spec.seed, "final_loss": history[-1]["loss"], "held_out_accuracy": acc,
+                  "snapshot_of": "teacher", "command": command})
+            log(f"[teacher_base] held-out accuracy {acc:.3f} after {CHAR_BASE_STEPS} steps")
+        snapshot = (CHAR_BASE_STEPS, save_base)
+    model, side, history = train(spec, steps, eval_every, log, snapshot=snapshot)
     train_s = time.perf_counter() - start
     accuracy = held_out_accuracy(model, side)
     meta = {"role": role, "tokenizer": spec.tokenizer, "family": model.cfg.family,
             "steps": steps or spec.steps, "batch_size": spec.batch_size, "lr": spec.lr,
             "seed": spec.seed, "final_loss": history[-1]["loss"],
             "held_out_accuracy": accuracy, "train_seconds": round(train_s, 1),
-            "command": "python -m ctopd_jax.demo.pretrain --role " + role}
+            "command": command}
     save(model, side, out_root / role, meta)
     log(f"[{role}] held-out accuracy {accuracy:.3f} after {meta['steps']} steps "
         f"({train_s:.0f} s) -> {out_root / role}")
@@ -184,12 +221,17 @@ def pretrain(role: str, out_root: Path, steps: int | None = None, eval_every: in
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--role", choices=sorted(SPECS), nargs="*", default=["teacher", "student"])
-    parser.add_argument("--out", type=Path, default=ASSET_DIR)
+    parser.add_argument("--pair", choices=("cross", "char"), default="cross",
+                        help="cross: the tiny_bpe/tiny_unigram pair (assets/demo); char: the "
+                             "same-tokenizer character pair (assets/demo_char, teacher_base too)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: ctopd_jax/assets/demo (cross) or assets/demo_char (char)")
     parser.add_argument("--steps", type=int, default=None, help="override the recipe's steps")
     parser.add_argument("--eval-every", type=int, default=0,
                         help="also report held-out accuracy every N steps (for tuning)")
     args = parser.parse_args(argv)
-    return [pretrain(r, args.out, args.steps, args.eval_every) for r in args.role]
+    out = args.out or (CHAR_ASSET_DIR if args.pair == "char" else ASSET_DIR)
+    return [pretrain(r, out, args.steps, args.eval_every, pair=args.pair) for r in args.role]
 
 
 if __name__ == "__main__":

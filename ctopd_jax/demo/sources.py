@@ -1,9 +1,34 @@
-"""The demo's named sources (see ctopd_jax.sources): `demo:teacher` / `demo:student` models,
+"""The demo's named sources (see ctopd_jax.sources): `demo:teacher` / `demo:student` models (the
+cross-tokenizer pair), `demo:char_teacher` / `demo:char_student` / `demo:char_teacher_base` (the
+same-tokenizer character pair, ctopd_jax/assets/demo_char/, for the OPD family),
 `demo:train` / `demo:held_out` prompt files and the `demo:held_out` evaluation set."""
 from __future__ import annotations
+
+from pathlib import Path
 
 from ctopd_jax import sources
 from ctopd_jax.demo import data
 
-sources.register("model", "demo", data.checkpoint_dir)
+CHAR_ROLES = ("teacher", "student", "teacher_base")
+
+
+def char_checkpoint_dir(role: str) -> Path:
+    """The committed checkpoint of the character pair's `role` (demo:char_<role>)."""
+    if role not in CHAR_ROLES:
+        raise ValueError(f"demo model char_{role!r} is unknown; use one of "
+                         f"{', '.join('demo:char_' + r for r in CHAR_ROLES)}")
+    path = data.ASSET_DIR.parent / "demo_char" / role
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no checkpoint; rebuild it with "
+                                "`python -m ctopd_jax.demo.pretrain --pair char`")
+    return path
+
+
+def model_dir(name: str) -> Path:
+    if name.startswith("char_"):
+        return char_checkpoint_dir(name[len("char_"):])
+    return data.checkpoint_dir(name)
+
+
+sources.register("model", "demo", model_dir)
 sources.register("prompts", "demo", data.prompt_file)

@@ -107,7 +107,11 @@ def load_tokenizer_side(name_or_path, *, eos_token: str | None = None,
     model that is its end-of-turn token, e.g. ``<|im_end|>`` / ``<|eot_id|>``). PAD falls back
     to EOS when the config has none (padding positions are never attended or supervised).
     """
-    path = resolve_tokenizer_dir(name_or_path)
+    if str(name_or_path) == "char":   # the repository's character vocabulary (char_vocab.py)
+        from ctopd_jax.tokenization.char_vocab import tokenizer_dir
+        path = tokenizer_dir()
+    else:
+        path = resolve_tokenizer_dir(name_or_path)
     raw = _read_text(path / "tokenizer.json", "tokenizer.json")
     spec = _parse_json(raw, path / "tokenizer.json", "tokenizer.json")
     try:

@@ -29,12 +29,13 @@ def step_inputs(s_logits, t_logits, targets, *, old=None, old_weight=None, base_
              "rollout_logprobs": jnp.zeros(rows) if old is None else jnp.asarray(old, jnp.float32),
              "rollout_logprob_weight": (jnp.zeros(rows) if old is None else jnp.ones(rows))
              if old_weight is None else jnp.asarray(old_weight, jnp.float32)}
+    overlap = {}
     if base_logits is not None:
         batch["base_hidden"] = jnp.asarray(base_logits, jnp.float32)
-        batch["base_lm_head"] = eye
+        overlap["base_lm_head"] = eye
     if response_logprobs is None:
         response_logprobs = jax.nn.log_softmax(s, -1)[jnp.arange(rows), targets]
-    return StepInputs(s, eye, jnp.asarray(t_logits, jnp.float32), eye, batch, {}, response_logprobs)
+    return StepInputs(s, eye, jnp.asarray(t_logits, jnp.float32), eye, batch, overlap, response_logprobs)
 
 
 @functools.lru_cache(maxsize=None)
