@@ -28,7 +28,10 @@ def test_nan_loss_stops_with_message_and_keeps_last_good_checkpoint(write_config
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.state["params"]))
     # the diverged update was not applied: the live params are still finite too
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(trainer.params))
-    assert [r["step"] for r in read_metrics(run_dir)] == [1]
+    # the failing step's values are logged (NaN shown as such), nothing after it
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert not np.isfinite(rows[1]["loss"]) or not np.isfinite(rows[1]["grad_norm"])
 
 
 def test_corrupt_latest_checkpoint_falls_back_and_run_ends_exactly(write_config):
