@@ -107,6 +107,8 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--engines", default="jax,jax_slots,jax_chunks,hf,vllm")
     parser.add_argument("--slots", type=int, default=8, help="decode slots for jax_slots")
+    parser.add_argument("--refill-fraction", type=float, default=0.25,
+                        help="jax_slots refills once this fraction of its slots is idle")
     parser.add_argument("--eos-count", type=int, default=0,
                         help="how many token ids stop a sample (0: no EOS, equal lengths)")
     args = parser.parse_args()
@@ -131,7 +133,8 @@ def main():
     results = {}
     if "hf" in engines:
         results["hf"] = best_rate(hf_generate_fn(hf, prompts, args.max_new, eos_ids), args.reps)
-    for name, slots, refill in (("jax", args.batch, 0.125), ("jax_slots", args.slots, 0.125),
+    for name, slots, refill in (("jax", args.batch, 0.25),
+                                ("jax_slots", args.slots, args.refill_fraction),
                                 ("jax_chunks", args.slots, 1.0)):
         if name not in engines:
             continue
@@ -142,7 +145,7 @@ def main():
         start = time.perf_counter()
         engine_fn(sampler, prompts, args.max_new, ragged)()
         plan = sampler.plan(args.batch, args.max_prompt, args.max_new)
-        print(f"{name}: {plan['slots']} slots, KV cache {plan['bytes'] / 1e6:.1f} MB; first call "
+        print(f"{name}: {plan['slots']} slots (refill at {refill:g} idle), KV cache {plan['bytes'] / 1e6:.1f} MB; first call "
               f"incl. compile {time.perf_counter() - start:.2f}s "
               f"(jax {jax.__version__}, {jax.devices()[0].platform})")
         results[name] = best_rate(engine_fn(sampler, prompts, args.max_new, ragged), args.reps)

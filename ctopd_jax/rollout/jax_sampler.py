@@ -203,7 +203,7 @@ class JaxSampler:
     def __init__(self, model, eos_ids, pad_id: int | None = None, mesh=None,
                  max_batch_size: int = 256, max_prompt_len: int | None = None,
                  kv_cache_budget_gb: float = DEFAULT_KV_CACHE_BUDGET_GB,
-                 refill_fraction: float = 0.125):
+                 refill_fraction: float = 0.25):
         self._model = model
         self.eos_ids = normalize_eos_ids(eos_ids)
         self.pad_id = int(pad_id if pad_id is not None else (self.eos_ids or (0,))[0])
