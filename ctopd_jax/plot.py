@@ -27,10 +27,14 @@ GROUPS = {
     "response_length": (("response_length",), "student tokens per response"),
     "byte_mismatch": (("byte_mismatch_samples",), "byte-mismatched samples"),
     "time": (("time_rollout", "time_align", "time_teacher", "time_student", "time_sync",
-              "time_checkpoint", "time_eval"), "seconds per step"),
+              "time_checkpoint", "time_eval", "time_diagnostics"), "seconds per step"),
     "throughput": (("tokens_per_s",), "student tokens per second"),
     "memory": (("peak_device_memory_bytes",), "peak device memory (bytes)"),
     "eval": (("eval_mean_at_k", "eval_pass_at_k"), "accuracy"),
+    # gradient diagnostics (SPEC §6), logged only at the diagnostic steps
+    "grad_diagnostics": (("grad_cos_mismatch", "grad_cos_control", "grad_norm_ratio"),
+                         "median over replay units (cosine; norm ratio)"),
+    "mismatch": (("mismatch_token_fraction",), "student tokens in mismatch groups (fraction)"),
 }
 STYLES = ("-", "--", ":", "-.")
 
