@@ -72,11 +72,28 @@ def rollout_logprobs(result, student, eos_ids) -> tuple[np.ndarray, np.ndarray]:
     return cat(values), cat(weights)
 
 
-class Collector:
-    """Student rollouts of a prompt batch, re-tokenized on both sides and aligned."""
+def sort_by_length(result, group: int):
+    """The samples of each consecutive block of `group` (one optimizer batch) ordered by
+    generated length, longest first, so that its micro-batches hold similar lengths and pad to
+    their own small buckets. Which samples form an optimizer batch does not change, so neither
+    does its loss (a sum over its samples ÷ its tokens). Stable: ties keep the engine's order."""
+    order = []
+    for start in range(0, len(result), group):
+        block = range(start, min(start + group, len(result)))
+        order += sorted(block, key=lambda i: -len(result.token_ids[i]))
+    pick = lambda xs: [xs[i] for i in order]
+    return type(result)(result.prompt_ids, pick(result.token_ids), pick(result.logprobs),
+                        pick(result.finish_reasons), pick(result.prompt_index), result.stats)
 
-    def __init__(self, student_tok, teacher_tok, engine, rollout_section):
+
+class Collector:
+    """Student rollouts of a prompt batch, re-tokenized on both sides and aligned.
+
+    `group`: samples per optimizer batch; each such block is ordered by length (sort_by_length)."""
+
+    def __init__(self, student_tok, teacher_tok, engine, rollout_section, group: int = 1):
         self.s_tok, self.t_tok, self.engine, self.rollout = student_tok, teacher_tok, engine, rollout_section
+        self.group = group
 
     def collect(self, prompts, seed: int, timer) -> HostBatch:
         from ctopd_jax.align import strict_align
@@ -85,8 +102,8 @@ class Collector:
         s_texts = [render(self.s_tok, p) for p in prompts]
         t_texts = [render(self.t_tok, p) for p in prompts]
         with timer("rollout"):
-            result = self.engine.generate([self.s_tok.encode(t) for t in s_texts],
-                                          sampling_params(self.rollout, seed))
+            result = sort_by_length(self.engine.generate([self.s_tok.encode(t) for t in s_texts],
+                                                         sampling_params(self.rollout, seed)), self.group)
         with timer("align"):
             responses = [self.s_tok.decode(ids, skip_special_tokens=True) for ids in result.token_ids]
             idx = result.prompt_index

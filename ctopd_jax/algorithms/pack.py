@@ -6,8 +6,9 @@ micro-batch is i·T + p − 1. The collected batch uses the same convention with
 rows move to a micro-batch by (b − start)·T_micro + (row mod T_batch).
 
 Shapes are bucketed so jit sees few distinct shapes: each micro-batch is padded to ITS longest
-sequence rounded up to a multiple of `length_multiple` (not to the longest of the whole batch),
-row counts to a power of two (at least `min_rows`); padding rows carry weight 0 and index 0.
+sequence rounded up to a length bucket (`length_bucket`; not to the longest of the whole batch,
+and host.sort_by_length makes micro-batches of similar lengths), row counts to a power of two
+(at least `min_rows`); padding rows carry weight 0 and index 0.
 """
 from __future__ import annotations
 
@@ -34,10 +35,20 @@ def padded(values: np.ndarray, size: int, dtype=np.int32) -> tuple[np.ndarray, n
     return out, weight
 
 
+def length_bucket(n: int, multiple: int = 64) -> int:
+    """A few lengths only (one compile each): multiples of `multiple` up to 8 of them, then
+    1.5x / 2x geometric steps (64, 128, ..., 512, 768, 1024, 1536, 2048, 3072, 4096, ...)."""
+    size = multiple
+    while size < n:
+        size = size + multiple if size < 8 * multiple else (size * 3 // 2 if (size & (size - 1)) == 0 else
+                                                             size * 4 // 3)
+    return size
+
+
 def micro_length(side, start: int, stop: int, length_multiple: int) -> int:
-    """The micro-batch's own padded length: its longest sequence, rounded up."""
+    """The micro-batch's own padded length: its longest sequence, rounded up to a bucket."""
     longest = int(side.attention_mask[start:stop].sum(axis=1).max(initial=1))
-    return min(round_up(longest, length_multiple), round_up(side.seq_len, length_multiple))
+    return min(length_bucket(longest, length_multiple), round_up(side.seq_len, length_multiple))
 
 
 def tokens(side, start: int, stop: int, length: int) -> tuple[np.ndarray, np.ndarray]:

@@ -4,7 +4,7 @@ weight-0 rows only."""
 import numpy as np
 
 from ctopd_jax.align import strict_align
-from ctopd_jax.algorithms.pack import round_up, rows_bucket
+from ctopd_jax.algorithms.pack import length_bucket, rows_bucket
 from ctopd_jax.algorithms.strict import strict_inputs
 from ctopd_jax.host import HostBatch
 from ctopd_jax.tokenization.retokenize import retokenize_pair
@@ -25,7 +25,7 @@ def test_slices_rebase_rows_to_the_same_tokens():
     for start in (0, 2):
         mb = strict_inputs(host, start, start + 2)
         longest = s_rt.attention_mask[start:start + 2].sum(1).max()
-        assert mb["student_ids"].shape[1] == round_up(longest, 64)  # its own bucket
+        assert mb["student_ids"].shape[1] == length_bucket(longest)  # its own bucket
         assert mb["teacher_rows"] is mb["strict_teacher_rows"]
         sel = (alignment.pair_sample >= start) & (alignment.pair_sample < start + 2)
         n = int(sel.sum())
@@ -44,3 +44,22 @@ def test_slices_rebase_rows_to_the_same_tokens():
         seen_pairs, seen_rows = seen_pairs + n, seen_rows + r
     assert seen_pairs == alignment.num_pairs and seen_rows == s_rt.num_response_tokens
     assert s_rt.seq_len > 64  # the long sample made the whole batch longer than one bucket
+
+
+def test_length_buckets_are_few():
+    assert [length_bucket(n) for n in (1, 64, 65, 500, 513, 769, 1025, 2049, 5000, 8192)] == \
+        [64, 64, 128, 512, 768, 1024, 1536, 3072, 6144, 8192]
+    assert len({length_bucket(n) for n in range(1, 10241)}) == 17  # 8 steps of 64, then 9 more
+
+
+def test_sort_by_length_keeps_each_optimizer_batch():
+    from ctopd_jax.host import sort_by_length
+    from ctopd_jax.rollout.base import RolloutResult
+
+    lengths = [3, 9, 1, 4, 7, 2, 8, 5]
+    result = RolloutResult([[1]] * 2, [[0] * n for n in lengths], [[0.0] * n for n in lengths],
+                           ["stop"] * 8, [i // 4 for i in range(8)])
+    out = sort_by_length(result, 4)
+    assert [len(t) for t in out.token_ids] == [9, 4, 3, 1, 8, 7, 5, 2]
+    assert out.prompt_index == [0, 0, 0, 0, 1, 1, 1, 1]  # samples never cross optimizer batches
+    assert [len(x) for x in out.logprobs] == [len(t) for t in out.token_ids]
