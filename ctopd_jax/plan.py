@@ -9,7 +9,7 @@ llama3_2_3b; `--student-preset/--teacher-preset` force one), and prints per devi
   student parameters     param_dtype, sharded over fsdp x tensor (data replicates)
   gradients              2 x parameters: the accumulator plus one micro-batch's gradients
                          (trainer.py adds them after `micro_grad` returns)
-  optimizer state        AdamW m and v in the parameter dtype (`--mu-dtype bfloat16` shows m in bf16)
+  optimizer state        AdamW m and v in the parameter dtype (m in optimizer.mu_dtype; `--mu-dtype` overrides)
   teacher weights        teacher_param_dtype (or param_dtype), sharded like the student
   student activations    one micro-batch (per device), see `activation_bytes`
   loss chunk             chunked_loss_size rows of student and teacher logits, see `loss_chunk_bytes`
@@ -311,7 +311,8 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
 
     ps, pt = param_count(student), param_count(teacher)
     pbytes = DTYPE_BYTES[m.param_dtype]
-    mu_bytes = DTYPE_BYTES[mu_dtype] if mu_dtype else pbytes
+    mu_dtype = mu_dtype or o.mu_dtype  # --mu-dtype overrides optimizer.mu_dtype
+    mu_bytes = DTYPE_BYTES[mu_dtype]
     rows: list[Row] = []
     if r.engine == "vllm":
         share = r.vllm_gpu_memory_utilization * dev.memory_gb * GB
@@ -347,7 +348,7 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
         Row("gradients (accumulator + micro-batch)", 2 * ps * pbytes / shard,
             f"2 x {ps / 1e9:.2f} B x {pbytes} B / {shard}", "mesh.fsdp"),
         Row("optimizer state (AdamW m, v)", ps * (mu_bytes + pbytes) / shard,
-            f"m {mu_dtype or m.param_dtype}, v {m.param_dtype}", "mesh.fsdp or --mu-dtype bfloat16"),
+            f"m {mu_dtype or m.param_dtype}, v {m.param_dtype}", "mesh.fsdp or optimizer.mu_dtype=bfloat16"),
         Row("teacher weights", pt * DTYPE_BYTES[t_param_dtype] / shard,
             f"{pt / 1e9:.2f} B x {DTYPE_BYTES[t_param_dtype]} B ({t_param_dtype}) / {shard}",
             "model.teacher_param_dtype: bfloat16, or mesh.fsdp"),
