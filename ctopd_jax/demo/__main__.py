@@ -75,12 +75,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="run directory (a new sibling is used if it is not empty)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
                    help="override one config value (repeatable)")
+    p.add_argument("--algorithm", default=None, metavar="NAME",
+                   help="run the demo with this registered objective (same-tokenizer ones on the "
+                        "character pair, configs/tiny_cpu_same.yaml; see ctopd_jax.demo.compare)")
+    p.add_argument("--compare", action="store_true",
+                   help="train every registered objective for --steps steps; write compare.md/.png/.json")
+    p.add_argument("--steps", type=int, default=None, help="training steps (with --algorithm / --compare)")
+    p.add_argument("--problems", type=int, default=0,
+                   help="--compare: held-out problems graded (0 = all)")
     return p
 
 
 def run(argv=None) -> dict:
     args = _parser().parse_args(argv)
     started = time.perf_counter()
+    if args.compare:   # every objective, one table (ctopd_jax/demo/compare.py)
+        from ctopd_jax.demo.compare import compare
+        out = fresh_output_dir(args.out if args.out != Path("runs/demo") else Path("runs/compare"))
+        return {"rows": compare(out, args.steps or 20, problems=args.problems, overrides=tuple(args.overrides))}
+    if args.algorithm:   # that objective's pair and config (ctopd_jax/demo/compare.py)
+        from ctopd_jax.demo.compare import write_config
+        base = None if args.config == DEFAULT_CONFIG else args.config
+        import tempfile
+        args.config = write_config(args.algorithm, Path(tempfile.mkdtemp(prefix="ctopd_demo_")), base)
+    if args.steps:
+        args.overrides.append(f"steps={args.steps}")
     if not args.config.is_file():
         raise FileNotFoundError(f"--config {args.config}: not found; run from the repository "
                                 "root or pass --config configs/tiny_cpu.yaml")

@@ -1,0 +1,192 @@
+"""`python -m ctopd_jax.demo --algorithm NAME` and `--compare`: every registered objective on
+the demo task.
+
+- Cross-tokenizer objectives (strict, topk_strict, span, simct, mp_opd, ...) run on the demo's
+  cross pair (configs/tiny_cpu.yaml: Qwen2/tiny_bpe teacher → Llama/tiny_unigram student).
+- Same-tokenizer objectives (the OPD family of SPEC §9: gkd, opd, opd_full, vopd, opd2; every
+  objective whose `needs.reuse_sampled_ids`) run on the character pair
+  (configs/tiny_cpu_same.yaml, ctopd_jax/assets/demo_char/). opd2 samples at
+  rollout.temperature 0.7 (the paper's recipe; SPEC §9).
+
+`--compare` trains every registered objective for the same number of steps (`--steps`, from the
+same starting student of its pair, same seed and prompts) and writes `<out>/compare.md` (a
+Markdown table), `<out>/compare.png` and `<out>/compare.json`: greedy held-out accuracy of the
+teacher and of the student before and after, the share of the teacher-student gap closed, and
+seconds per iteration as a ratio to `strict` measured in the same run.
+
+Decisions: seconds per iteration is the median of the per-step wall time (`elapsed_s` of
+metrics.jsonl: rollout, alignment, teacher, student step, sync) over steps 2.. (step 1 carries
+the compilation); accuracy is greedy mean@1 on the held-out split (all 200 problems unless
+`--problems`); an objective that fails is reported in the table with its one-line error, and
+the others still run. Algorithm-specific keys of the base config that the chosen objective does
+not know (e.g. `ctkd_topk` for opd) are dropped from its algorithm section.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import ctopd_jax
+
+CONFIGS = Path(ctopd_jax.__file__).resolve().parent.parent / "configs"
+CROSS_CONFIG = CONFIGS / "tiny_cpu.yaml"
+SAME_CONFIG = CONFIGS / "tiny_cpu_same.yaml"
+REFERENCE = "strict"
+
+
+def is_same_tokenizer(name: str) -> bool:
+    from ctopd_jax.algorithms import registry
+
+    table = registry()
+    if name not in table:
+        raise ValueError(f"--algorithm {name!r} is not registered; choose one of {', '.join(sorted(table))}")
+    cls = table[name]
+    needs = cls.needs if not isinstance(cls.needs, property) else None
+    if needs is None:   # declared per instance (gkd): build one with its defaults
+        needs = cls(cls.settings_class(name=name)).needs
+    return bool(needs.reuse_sampled_ids)
+
+
+def config_tree(name: str, base: Path | None = None) -> dict:
+    """The demo config of objective `name` as a tree: its pair's YAML, algorithm.name = name,
+    algorithm keys the objective does not know dropped."""
+    import dataclasses
+
+    from ctopd_jax.algorithms import registry
+    from ctopd_jax.config import load_yaml
+
+    same = is_same_tokenizer(name)
+    path = base or (SAME_CONFIG if same else CROSS_CONFIG)
+    tree = load_yaml(path.read_text(encoding="utf-8")) or {}
+    known = {f.name for f in dataclasses.fields(registry()[name].settings_class)}
+    algo = {k: v for k, v in (tree.get("algorithm") or {}).items() if k in known}
+    algo["name"] = name
+    tree["algorithm"] = algo
+    if name == "opd2":
+        tree.setdefault("rollout", {})["temperature"] = 0.7
+    return tree
+
+
+def write_config(name: str, out_dir: Path, base: Path | None = None) -> Path:
+    """`config_tree(name)` written as YAML under out_dir (what --algorithm runs)."""
+    import yaml
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"config_{name}.yaml"
+    path.write_text(yaml.safe_dump(config_tree(name, base), sort_keys=False))
+    return path
+
+
+def iteration_seconds(run_dir: Path) -> float | None:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    times = [r["elapsed_s"] for r in rows if r.get("step", 0) >= 2 and "elapsed_s" in r]
+    return statistics.median(times) if times else None
+
+
+def _accuracy(model, side, problems, max_new, out_dir, engine=None) -> float:
+    from ctopd_jax.evaluate import evaluate_model
+
+    return evaluate_model(model, side, problems, engine=engine, greedy=True, max_new_tokens=max_new,
+                          out_dir=out_dir).mean_at_k
+
+
+def compare(out: Path, steps: int, names: list[str] | None = None, problems: int = 0,
+            overrides: tuple[str, ...] = (), log=print) -> list[dict]:
+    """Train every objective in `names` (default: all registered) for `steps` steps; write the
+    table, plot and json under `out`; return the rows."""
+    from ctopd_jax.algorithms import registry
+    from ctopd_jax.config import from_dict, load_config
+    from ctopd_jax.datasets import load_dataset
+    from ctopd_jax.demo.__main__ import gap_closed
+    from ctopd_jax.trainer import Trainer
+
+    names = names or sorted(registry())
+    if REFERENCE in registry() and REFERENCE not in names:
+        names = [REFERENCE, *names]
+    dataset = load_dataset("demo", limit=problems or None)
+    baselines: dict[bool, tuple[float, float]] = {}
+    rows = []
+    for name in names:
+        started = time.perf_counter()
+        row = {"algorithm": name}
+        try:
+            same = is_same_tokenizer(name)
+            row["pair"] = "char (same tokenizer)" if same else "cross (tiny_bpe → tiny_unigram)"
+            cfg_path = write_config(name, out / "configs")
+            config = load_config(cfg_path, [*overrides, f"steps={steps}", f"output_dir={out / name}",
+                                            "evaluation.dataset=''", "logging.progress=false",
+                                            "logging.tensorboard=false", "checkpoint.export_hf=false",
+                                            "checkpoint.every=0"])
+            trainer = Trainer(config)
+            max_new = config.rollout.generate_max_len
+            if same not in baselines:
+                baselines[same] = (
+                    _accuracy(trainer.teacher, trainer.t_tok, dataset, max_new, None),
+                    _accuracy(trainer.student, trainer.s_tok, dataset, max_new, None, engine=trainer.engine))
+            teacher_acc, before = baselines[same]
+            result = trainer.train()
+            after = _accuracy(trainer.student, trainer.s_tok, dataset, max_new, out / name / "eval_after",
+                              engine=trainer.engine)
+            row.update(teacher=teacher_acc, before=before, after=after,
+                       gap_closed=gap_closed(before, after, teacher_acc),
+                       seconds_per_iteration=iteration_seconds(result.run_dir),
+                       final_loss=result.last_metrics.get("loss"))
+        except Exception as err:  # noqa: BLE001  (one objective failing must not hide the others)
+            row["error"] = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+        row["wall_seconds"] = round(time.perf_counter() - started, 1)
+        log(f"[compare] {json.dumps(row)}")
+        rows.append(row)
+    ref = next((r.get("seconds_per_iteration") for r in rows if r["algorithm"] == REFERENCE), None)
+    for r in rows:
+        t = r.get("seconds_per_iteration")
+        r["time_vs_strict"] = (t / ref) if (t and ref) else None
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "compare.md").write_text(markdown_table(rows, steps))
+    plot(rows, out / "compare.png")
+    return rows
+
+
+def markdown_table(rows: list[dict], steps: int) -> str:
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"
+    num = lambda v, f="{:.3f}": "n/a" if v is None else f.format(v)
+    lines = [f"| objective | pair | teacher | before | after ({steps} steps) | gap closed | s / iteration | × strict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['algorithm']} | {r.get('pair', '')} | failed: {r['error']} | | | | | |")
+            continue
+        lines.append(f"| {r['algorithm']} | {r['pair']} | {num(r['teacher'])} | {num(r['before'])} | "
+                     f"{num(r['after'])} | {pct(r['gap_closed'])} | {num(r['seconds_per_iteration'], '{:.2f}')} | "
+                     f"{num(r['time_vs_strict'], '{:.2f}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> Path | None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    if not ok:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    x = range(len(ok))
+    a.bar([i - 0.2 for i in x], [r["before"] for r in ok], 0.4, label="before")
+    a.bar([i + 0.2 for i in x], [r["after"] for r in ok], 0.4, label="after")
+    a.scatter(list(x), [r["teacher"] for r in ok], color="k", marker="_", s=300, label="teacher", zorder=3)
+    a.set_xticks(list(x), [r["algorithm"] for r in ok], rotation=45, ha="right")
+    a.set_ylabel("held-out accuracy (greedy)")
+    a.set_title("accuracy before / after")
+    a.legend()
+    b.bar(list(x), [r["time_vs_strict"] or 0 for r in ok])
+    b.axhline(1.0, color="k", lw=0.8)
+    b.set_xticks(list(x), [r["algorithm"] for r in ok], rotation=45, ha="right")
+    b.set_ylabel("seconds per iteration / strict")
+    b.set_title("time per iteration (ratio to strict)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
