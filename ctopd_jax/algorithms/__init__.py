@@ -5,7 +5,7 @@ Each objective is one module that registers itself; importing this package regis
 from __future__ import annotations
 
 from ctopd_jax.algorithms.base import Needs, Objective, StepInputs, register, registry
-from ctopd_jax.algorithms import strict, span, simct  # noqa: F401,E402  (register the objectives)
+from ctopd_jax.algorithms import strict, span, simct, mp_opd  # noqa: F401,E402  (register the objectives)
 from ctopd_jax.algorithms import gkd, opd, opd_full, vopd, opd2  # noqa: F401,E402  (same-tokenizer family)
 
 

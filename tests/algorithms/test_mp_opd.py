@@ -1,0 +1,242 @@
+"""MP-OPD (SPEC §8): check values, the seed rule, credit conservation, the LM-head Gram matrix,
+and every mode against the independent PyTorch reference (values and gradients)."""
+import hashlib
+import random
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "align"))
+import torch_mp_opd  # noqa: E402
+from _align_oracle import atoms_oracle  # noqa: E402
+
+from ctopd_jax.algorithms import get_objective, mp_opd  # noqa: E402
+from ctopd_jax.algorithms.base import StepInputs  # noqa: E402
+from ctopd_jax.align import strict_align  # noqa: E402
+from ctopd_jax.config import ConfigError, from_dict  # noqa: E402
+from ctopd_jax.host import HostBatch  # noqa: E402
+from ctopd_jax.tokenization import retokenize_pair  # noqa: E402
+
+H = 8
+TEXTS = ["Tom has 12 apples and buys 7 more, so he has 12 + 7 = 19 apples; then he eats 3 and keeps 16.",
+         "Let x be 3; then 2x = 6!", "", "The total is 42 apples and 5 pears", "x <|im_end|> y"]
+
+
+# -- SPEC check values ---------------------------------------------------------------------------
+def test_spec_check_values():
+    b, w = [0.6, -0.2, 0.3], [1, 2, 1]
+    np.testing.assert_allclose(mp_opd.partition_rates(b, w, mp_opd.sample_spans("atomic", w, 0, 43, 2)),
+                               [0.6, -0.1, 0.3])
+    np.testing.assert_allclose(mp_opd.partition_rates(b, w, mp_opd.sample_spans("fixed2", w, 0, 43, 2)),
+                               [0.1333333, 0.1333333, 0.3], rtol=1e-6)
+    r, wr = np.array([1.0, -0.5, 2.0]), np.array([1.0, 2.0, 1.0])
+    shrunk = mp_opd.shrink(r, wr, 0.4)
+    np.testing.assert_allclose(shrunk, [0.8, -0.1, 1.4])
+    assert (wr * r).sum() / wr.sum() == 0.5
+    np.testing.assert_allclose((wr * shrunk).sum(), 2.0)  # = Σ b = Σ w·r
+    assert mp_opd.seed_text(43, 0, [1, 2, 1]) == "43:0:[1.0, 2.0, 1.0]"
+
+
+def _spec_seed_rule(w, row, seed, lo, hi):  # written again from SPEC §8, beside the reference's
+    digest = hashlib.sha256(f"{seed}:{row}:{[float(v) for v in w]}".encode("utf-8")).digest()
+    rng = random.Random(int.from_bytes(digest[:8], "big"))
+    spans, at = [], 0
+    while at < len(w):
+        top = min(hi, len(w) - at)
+        k = rng.randint(min(lo, top), top)
+        spans.append((at, at + k))
+        at += k
+    return spans
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=30), st.integers(0, 7), st.integers(0, 1000),
+       st.sampled_from([(1, 2), (2, 5)]))
+def test_random_partition_follows_the_seed_rule(w, row, seed, bounds):
+    got = mp_opd.random_spans(w, row, seed, *bounds)
+    assert got == _spec_seed_rule(w, row, seed, *bounds)
+    assert [list(range(a, b)) for a, b in got] == torch_mp_opd.seeded_partition(w, row, seed, *bounds)
+    assert got[0][0] == 0 and got[-1][1] == len(w) and all(a[1] == b[0] for a, b in zip(got, got[1:]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.floats(-5, 5), st.integers(1, 5)), min_size=1, max_size=24),
+       st.sampled_from(["atomic", "fixed1", "fixed2", "fixed3", "fixed4", "fixed5", "random1-2",
+                        "random2-5", "grass_chunk"]),
+       st.integers(0, 3), st.integers(2, 5), st.floats(0, 2), st.integers(0, 2**31))
+def test_credit_conserving_modes_keep_the_sum(atoms, mode, row, chunk, noise_ema, seed):
+    """Σ_i w_i·rate_i = Σ_i b_i for every partition and for GRASS (any PSD H, any noise)."""
+    b = np.array([a[0] for a in atoms])
+    w = np.array([a[1] for a in atoms], float)
+    spans = mp_opd.sample_spans(mode, w.tolist(), row, 43, chunk)
+    if mode == "grass_chunk":
+        rng = np.random.default_rng(seed % 1000)
+        grams = []
+        for s, e in spans:
+            g = rng.normal(size=(e - s, 3))
+            grams.append(g @ g.T)
+        noise = mp_opd.GrassNoise(noise_ema, 3)
+        rates, _, _ = mp_opd.grass_sample(b, w, spans, grams, noise)
+    else:
+        rates = mp_opd.partition_rates(b, w, spans)
+    np.testing.assert_allclose((w * rates).sum(), b.sum(), atol=1e-9 * max(1, np.abs(b).sum()))
+
+
+def test_grass_noise_ema_and_alpha_by_hand():
+    """≥ 8 in-chunk pairs update the EMA with (1.4826·MAD)², lower medians, bias-corrected."""
+    noise = mp_opd.GrassNoise()
+    z = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 10.0]
+    noise.observe(z[:7])
+    assert noise.updates == 0 and noise.sigma2 == 0.0
+    noise.observe(z)
+    # lower median of z = 3; |z − 3| = 3,2,1,0,1,2,3,7 -> lower median 2
+    assert noise.updates == 1
+    np.testing.assert_allclose(noise.sigma2, (1.4826 * 2) ** 2)
+    h = np.array([[2.0, 0.5], [0.5, 1.0]])
+    r, w = np.array([1.0, -1.0]), np.array([1.0, 1.0])
+    d = r - 0.0
+    want = np.clip(noise.sigma2 * (2.0 + 1.0 - 4.0 / 2) / (d @ h @ d), 0, 1)
+    assert mp_opd.grass_alpha(r, w, h, noise.sigma2) == pytest.approx(want)
+    assert mp_opd.grass_alpha(r[:1], w[:1], h[:1, :1], noise.sigma2) == 0.0
+
+
+def test_lm_head_gram_against_brute_force():
+    rng = np.random.default_rng(0)
+    hidden = rng.normal(size=(20, H)).astype(np.float32)
+    head = rng.normal(size=(H, 30)).astype(np.float32)
+    chunks = [[[0], [1, 2]], [[3, 4], [5]], [[6]], [[7, 8, 9], [10]]]   # atoms -> token rows
+    k = 4
+    rows = np.zeros((len(chunks), k), np.int32)
+    pos, valid = np.zeros_like(rows), np.zeros(rows.shape, np.float32)
+    targets = rng.integers(0, 30, size=rows.shape).astype(np.int32)
+    for c, atoms in enumerate(chunks):
+        slot = 0
+        for i, toks in enumerate(atoms):
+            for t in toks:
+                rows[c, slot], pos[c, slot], valid[c, slot] = t, i, 1
+                slot += 1
+    got = np.asarray(mp_opd.lm_head_gram(jnp.asarray(hidden), jnp.asarray(head), jnp.asarray(rows), jnp.asarray(targets),
+                                         jnp.asarray(pos), jnp.asarray(valid), 2, chunk_rows=8))
+    for c, atoms in enumerate(chunks):
+        p = torch.softmax(torch.tensor(hidden[rows[c]], dtype=torch.float64) @ torch.tensor(head, dtype=torch.float64), -1)
+        delta = (p - torch.nn.functional.one_hot(torch.tensor(targets[c], dtype=torch.long), 30)).numpy()
+        slots, at = [], 0
+        for toks in atoms:
+            slots.append(list(range(at, at + len(toks))))
+            at += len(toks)
+        want = torch_mp_opd.gram(delta, hidden[rows[c]].astype(np.float64), slots)
+        np.testing.assert_allclose(got[c, :len(atoms), :len(atoms)], want, rtol=1e-4, atol=1e-4)
+
+
+# -- the objective against the PyTorch reference ---------------------------------------------------
+def make_host(t_side, s_side, texts):
+    t, s = retokenize_pair(t_side, s_side, [t_side.render_prompt("q")] * len(texts),
+                           [s_side.render_prompt("q")] * len(texts), texts, pad_to_multiple=64)
+    return HostBatch(s, t, strict_align(t, s), None, list(texts), ["stop"] * len(texts))
+
+
+@pytest.fixture(scope="module")
+def demo(tiny_bpe, tiny_unigram):
+    return make_host(tiny_bpe, tiny_unigram, TEXTS), tiny_bpe, tiny_unigram
+
+
+def objective(**kw):
+    return get_objective(from_dict({"algorithm": {"name": "mp_opd", "chunked_loss_size": 16, **kw}}).algorithm)
+
+
+def run_jax(obj, host, hs, ws, ht, wt):
+    from ctopd_jax.kernels.token_rows import token_rows
+
+    batch = jax.tree.map(jnp.asarray, obj.prepare(host, 0, host.size))
+    t_hidden = jnp.asarray(ht)[batch["teacher_rows"]]
+
+    def f(h, w):
+        rows = jnp.take(h, batch["response_rows"], axis=0)
+        logp, _ = token_rows(rows, w, batch["response_targets"], chunk_rows=16)
+        x = StepInputs(h, w, t_hidden, jnp.asarray(wt), batch, {}, logp)
+        sums, metrics = obj.kd_sums(x)
+        return sums["mp_opd"], metrics
+
+    (value, metrics), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(jnp.asarray(hs), jnp.asarray(ws))
+    return float(value), jax.device_get(metrics), np.asarray(grads[0]), np.asarray(grads[1])
+
+
+def side_tokens(side, batch, b):
+    lo, hi = batch.resp_offsets[b], batch.resp_offsets[b + 1]
+    ids = batch.resp_ids[lo:hi].tolist()
+    pieces = [(side.token_bytes[i][1:] if st_ else side.token_bytes[i])
+              for i, st_ in zip(ids, batch.resp_stripped[lo:hi].tolist())]
+    return ids, pieces
+
+
+def run_torch(host, t_side, s_side, hs, ws, ht, wt, mode, noise=None):
+    s_b, t_b = host.student, host.teacher
+    hs_t, ws_t = torch.tensor(hs, requires_grad=True), torch.tensor(ws, requires_grad=True)
+    samples = []
+    for b in range(host.size):
+        t_ids, t_p = side_tokens(t_side, t_b, b)
+        s_ids, s_p = side_tokens(s_side, s_b, b)
+        dec = lambda pieces: lambda k: b"".join(pieces[i] for i in range(len(k))).decode("utf-8", "replace")  # noqa: E731
+        _, atoms = atoms_oracle(t_ids, s_ids, dec(t_p), dec(s_p), lambda i: bool(t_side.is_added[i]),
+                                lambda i: bool(s_side.is_added[i]), t_side.eos_id, s_side.eos_id)
+        s_rows = s_b.row_base[b] + np.arange(s_b.response_lens[b])
+        t_rows = t_b.row_base[b] + np.arange(t_b.response_lens[b])
+        samples.append({"atoms": atoms, "row": b, "s_labels": s_b.labels.reshape(-1)[s_rows],
+                        "t_labels": t_b.labels.reshape(-1)[t_rows], "s_hidden": hs_t[torch.as_tensor(s_rows)],
+                        "t_hidden": torch.tensor(ht)[torch.as_tensor(t_rows)]})
+    total, rates = torch_mp_opd.mp_opd_loss(samples, ws_t, torch.tensor(wt), mode, noise=noise)
+    total.backward()
+    return float(total.detach()), rates, hs_t.grad.numpy(), ws_t.grad.numpy(), samples
+
+
+def random_model(host, t_side, s_side, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(host.student.input_ids.size, H)).astype(np.float32),
+            rng.normal(size=(H, s_side.vocab_size)).astype(np.float32),
+            rng.normal(size=(host.teacher.input_ids.size, H)).astype(np.float32),
+            rng.normal(size=(H, t_side.vocab_size)).astype(np.float32))
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("mode", ["atomic", "grass_chunk", pytest.param("align", marks=SLOW)]
+                         + [pytest.param(m, marks=SLOW) for m in
+                            ("fixed1", "fixed2", "fixed3", "fixed4", "fixed5", "random1-2", "random2-5")])
+def test_matches_torch_reference(demo, mode):
+    host, t_side, s_side = demo
+    hs, ws, ht, wt = random_model(host, t_side, s_side, seed=7)
+    obj = objective(mp_opd_mode=mode)
+    ref_noise = torch_mp_opd.Noise()
+    want, rates, r_h, r_w, samples = run_torch(host, t_side, s_side, hs, ws, ht, wt, mode, noise=ref_noise)
+    got, metrics, g_h, g_w = run_jax(obj, host, hs, ws, ht, wt)
+    assert sum(len(s["atoms"]) for s in samples) == float(metrics["mp_opd_atoms_per_sample"][0])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(g_h, r_h, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(g_w, r_w, rtol=1e-3, atol=1e-4)
+    # fail-closed samples counted by reason: the empty response and the added token
+    assert float(metrics["mp_opd_fail_empty_response"][0]) == 1
+    assert float(metrics["mp_opd_fail_unsupported_added_token"][0]) == 1
+    assert float(metrics["mp_opd_fail_normalization_mismatch"][0]) == 0
+    if mode == "grass_chunk":
+        assert ref_noise.t == 1  # the long first sample updated the noise estimate
+        state = obj.state_dict()
+        assert state["grass_noise_updates"] == ref_noise.t
+        np.testing.assert_allclose(state["grass_noise_ema"], ref_noise.ema, rtol=1e-4)
+        fresh = objective(mp_opd_mode=mode)
+        fresh.load_state_dict(state)
+        assert fresh.state_dict() == state
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(ConfigError, match="algorithm.mp_opd_mode"):
+        from_dict({"algorithm": {"name": "mp_opd", "mp_opd_mode": "fixed6"}})
+    with pytest.raises(ConfigError, match="algorithm.grass_chunk_atoms"):
+        from_dict({"algorithm": {"name": "mp_opd", "grass_chunk_atoms": 0}})
