@@ -105,7 +105,7 @@ def check_memory_split(gpu_memory_utilization: float, environ=None) -> None:
     if environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() in ("false", "0"):
         return
     xla = float(environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))  # XLA's default
-    if xla + gpu_memory_utilization > 0.95:
+    if xla + gpu_memory_utilization > 0.95 + 1e-9:  # launch/ pairs 0.75 + 0.20 exactly
         raise RolloutConfigError(
             f"GPU memory split: XLA_PYTHON_CLIENT_MEM_FRACTION={xla:g} + "
             f"rollout.vllm_gpu_memory_utilization={gpu_memory_utilization:g} > 0.95; set "

@@ -205,7 +205,7 @@ def test_refilled_slots_equal_hf_and_one_batch(llama):
     assert slotted.token_ids == one_batch.token_ids
     assert slotted.finish_reasons == one_batch.finish_reasons
     np.testing.assert_allclose(np.concatenate(slotted.logprobs),
-                               np.concatenate(one_batch.logprobs), atol=1e-6)
+                               np.concatenate(one_batch.logprobs), atol=1e-5)  # float32 reassociation
 
 
 def test_kv_cache_budget_sizes_to_slots_and_fails_in_one_line(llama):

@@ -63,6 +63,7 @@ def test_platform_defaults_and_memory_split():
                                                          "enforce_eager": True}
     assert platform_defaults(True, "bfloat16", "float32")["dtype"] == "bfloat16"
     check_memory_split(0.5, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.45"})
+    check_memory_split(0.2, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.75"})  # launch/ single GPU
     check_memory_split(0.9, {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     with pytest.raises(RolloutConfigError) as err:
         check_memory_split(0.5, {})  # XLA's default 0.75 + 0.5
