@@ -142,9 +142,8 @@ def make_engine(student, s_tok, rollout, mesh):
             from ctopd_jax.rollout.vllm_engine import VllmEngine
             return VllmEngine.from_config(model, s_tok, rollout)
         from ctopd_jax.rollout.jax_sampler import JaxSampler
-        return JaxSampler(model, eos_ids=s_tok.eos_id, pad_id=s_tok.pad_id,
-                          mesh=mesh if jax.process_count() == 1 else None,
-                          max_prompt_len=rollout.max_prompt_len)
+        return JaxSampler.from_config(model, s_tok, rollout,
+                                      mesh=mesh if jax.process_count() == 1 else None)
 
     return make(student) if jax.process_count() == 1 else ProcessLocalEngine(make, student)
 
