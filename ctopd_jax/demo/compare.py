@@ -14,9 +14,9 @@ Markdown table), `<out>/compare.png` and `<out>/compare.json`: greedy held-out a
 teacher and of the student before and after, the share of the teacher-student gap closed, and
 seconds per iteration as a ratio to `strict` measured in the same run.
 
-Decisions: seconds per iteration is the median of the per-step wall time (`elapsed_s` of
-metrics.jsonl: rollout, alignment, teacher, student step, sync) over steps 2.. (step 1 carries
-the compilation); accuracy is greedy mean@1 on the held-out split (all 200 problems unless
+Decisions: seconds per iteration is the median of the per-step wall time (differences of the
+cumulative `elapsed_s` of metrics.jsonl: rollout, alignment, teacher, student step, sync,
+logging) over steps 2.. (step 1 carries the compilation); accuracy is greedy mean@1 on the held-out split (all 200 problems unless
 `--problems`); an objective that fails is reported in the table with its one-line error, and
 the others still run. Algorithm-specific keys of the base config that the chosen objective does
 not know (e.g. `ctkd_topk` for opd) are dropped from its algorithm section.
@@ -81,7 +81,8 @@ def write_config(name: str, out_dir: Path, base: Path | None = None) -> Path:
 
 def iteration_seconds(run_dir: Path) -> float | None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    times = [r["elapsed_s"] for r in rows if r.get("step", 0) >= 2 and "elapsed_s" in r]
+    clock = {r["step"]: r["elapsed_s"] for r in rows if "elapsed_s" in r and "step" in r}  # cumulative
+    times = [clock[s] - clock[s - 1] for s in sorted(clock) if s >= 2 and s - 1 in clock]
     return statistics.median(times) if times else None
 
 

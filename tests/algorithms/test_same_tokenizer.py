@@ -197,3 +197,38 @@ def test_bad_teacher_base_refused_in_one_line(tmp_path, monkeypatch):
         Trainer(load_config(SAME, args + [f"model.teacher_base={base}"]))
     with pytest.raises(TrainerSetupError, match=r"^model\.teacher_base: algorithm\.name=opd2 needs"):
         Trainer(load_config(SAME, args + ["model.teacher_base="]))
+
+
+@pytest.mark.slow
+def test_trainer_step_on_the_char_pair(tmp_path):
+    """The real loop with the same-tokenizer collector: teacher = the student's own checkpoint,
+    so the sampled gap is 0 (loss 0), the engine's π_old equals the trainer's recomputation
+    (logprob_gap ~ 0) and every response token is supervised (coverage 1)."""
+    from ctopd_jax.trainer import Trainer
+
+    student = ROOT / "ctopd_jax" / "assets" / "demo_char" / "student"
+    config = load_config(SAME, [f"output_dir={tmp_path}", "steps=1", "rollout.rollout_batch_size=8",
+                                "optimizer.train_batch_size=8", "optimizer.micro_batch_size=4",
+                                f"model.teacher={student}", "logging.progress=false",
+                                "logging.tensorboard=false", "checkpoint.export_hf=false",
+                                "evaluation.dataset=''"])
+    metrics = Trainer(config).train().last_metrics
+    assert abs(metrics["opd_loss"]) < 1e-6 and abs(metrics["opd_gap"]) < 1e-5
+    assert metrics["logprob_gap"] < 1e-4
+    assert metrics["coverage_student"] == 1.0 and metrics["strict_pairs"] == metrics["student_response_tokens"]
+
+
+def test_demo_picks_the_pair_and_times_iterations(tmp_path):
+    from ctopd_jax.demo import compare
+
+    assert {n: compare.is_same_tokenizer(n) for n in ("strict", "topk_strict", "gkd", "opd", "opd2")} == {
+        "strict": False, "topk_strict": False, "gkd": True, "opd": True, "opd2": True}
+    opd = compare.config_tree("opd")
+    assert opd["model"]["student"] == "demo:char_student" and "ctkd_topk" not in opd["algorithm"]
+    assert compare.config_tree("opd2")["rollout"]["temperature"] == 0.7
+    assert compare.config_tree("topk_strict")["algorithm"]["ctkd_topk"] == 16
+    (tmp_path / "metrics.jsonl").write_text("\n".join(
+        json.dumps({"step": s, "elapsed_s": e}) for s, e in ((1, 30.0), (2, 32.0), (3, 35.0), (4, 37.5))))
+    assert compare.iteration_seconds(tmp_path) == 2.5   # median of 2, 3, 2.5; step 1 (compile) left out
+    with pytest.raises(ValueError, match=r"^--algorithm 'nope' is not registered; choose one of"):
+        compare.is_same_tokenizer("nope")
