@@ -4,12 +4,14 @@ the optimizer update. trainer.py only calls these.
 Decisions where SPEC is silent:
 - Prompts whose student rendering is longer than rollout.max_prompt_len are dropped once at
   start-up (with a warning naming the count and the first one), so the data order is fixed.
-- Multi-process (jax.distributed): every process runs the same host work on the same data and
-  the embedded sampler runs per process on a gathered local copy of the student.
+- Multi-process (jax.distributed): each process samples its shard of the prompts with its own
+  engine (ProcessShardedEngine); the samples are gathered, so every process runs the same host
+  work on the same data and assembles the same global arrays.
 """
 from __future__ import annotations
 
 import functools
+import json
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -121,15 +123,46 @@ def local_copy(module):
     return nnx.merge(graphdef, gathered)
 
 
-class ProcessLocalEngine:
-    """Wraps an engine so that, with several processes, it samples from a local student copy."""
+def allgather_objects(obj) -> list:
+    """Every process's JSON-able `obj`, in process order (bytes through process_allgather)."""
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([data.size], np.int64)).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes)]
+
+
+class ProcessShardedEngine:
+    """One engine per process (jax.distributed): process p samples only its shard of the prompts
+    (a contiguous block, with the global sample ids, so the draws equal a single process's), and
+    the samples are gathered so that every process builds the same host batch.
+
+    The engine samples from a local copy of the student (gathered from the mesh each sync): fine
+    for the embedded sampler and small students; vLLM gets its own copy per process likewise."""
 
     def __init__(self, make_engine: Callable[[Any], Any], student):
         self.engine = make_engine(local_copy(student))
         self.eos_ids = getattr(self.engine, "eos_ids", ())
 
     def generate(self, prompts, params):
-        return self.engine.generate(prompts, params)
+        from ctopd_jax.rollout.base import RolloutResult
+
+        count, index = jax.process_count(), jax.process_index()
+        per = -(-len(prompts) // count)
+        first = min(index * per, len(prompts))
+        mine = list(prompts[first:first + per])
+        part = {"prompt_ids": [], "token_ids": [], "logprobs": [], "finish_reasons": [], "prompt_index": []}
+        if mine:
+            r = self.engine.generate(mine, params.replace(first_sample_id=first * params.n))
+            part = {"prompt_ids": r.prompt_ids, "token_ids": r.token_ids, "logprobs": r.logprobs,
+                    "finish_reasons": r.finish_reasons, "prompt_index": [first + i for i in r.prompt_index]}
+        parts = allgather_objects({k: [list(map(float, x)) if k == "logprobs" else x for x in v]
+                                   for k, v in part.items()})
+        merged = {k: [x for p in parts for x in p[k]] for k in part}
+        return RolloutResult(**merged, stats={"shard_samples": len(part["token_ids"])})
 
     def update_weights(self, model) -> None:
         self.engine.update_weights(local_copy(model))
@@ -145,7 +178,7 @@ def make_engine(student, s_tok, rollout, mesh):
         return JaxSampler.from_config(model, s_tok, rollout,
                                       mesh=mesh if jax.process_count() == 1 else None)
 
-    return make(student) if jax.process_count() == 1 else ProcessLocalEngine(make, student)
+    return make(student) if jax.process_count() == 1 else ProcessShardedEngine(make, student)
 
 
 def prompt_stream(config, s_tok, prompts=None):

@@ -23,6 +23,7 @@ class HostBatch:
     rollout_logprobs: tuple[np.ndarray, np.ndarray] | None  # (values, weights) per response row
     responses: list[str]
     finish_reasons: list[str]
+    shard_samples: int = 0           # samples this process generated itself (its shard)
 
     @property
     def size(self) -> int:
@@ -112,7 +113,8 @@ class Collector:
             alignment = strict_align(t_rt, s_rt)
             eos = tuple(getattr(self.engine, "eos_ids", ())) + (self.s_tok.eos_id,)
             logprobs = rollout_logprobs(result, s_rt, eos)
-        return HostBatch(s_rt, t_rt, alignment, logprobs, responses, list(result.finish_reasons))
+        return HostBatch(s_rt, t_rt, alignment, logprobs, responses, list(result.finish_reasons),
+                         int(result.stats.get("shard_samples", len(result))))
 
 
 # ---------------------------------------------------------------------------------------------

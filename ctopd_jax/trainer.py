@@ -142,12 +142,12 @@ class Trainer:
         parts = [self.objective.prepare(host, a, a + step) for a in range(start, stop, step)]
         batch = build.to_global(stack_shards(parts), self.mesh)
         mesh = self.mesh if shards > 1 else None
-        with timer("teacher"):
+        with timer("teacher"), jax.set_mesh(self.mesh):  # the models' activation constraints bind
             t_hidden = teacher_hidden_rows(self.t_graphdef, self.t_state, batch["teacher_ids"],
                                            batch["teacher_mask"], batch["teacher_rows"], mesh=mesh)
             t_hidden.block_until_ready()
             batch, overlap = build.add_teacher_base(self.base, batch, self.overlap_arrays, mesh)
-        with timer("student"):
+        with timer("student"), jax.set_mesh(self.mesh):
             return micro_grad(self.params, self.rest, batch, t_hidden, self.t_lm_head, overlap,
                               np.float32(total_tokens), grads, graphdef=self.graphdef,
                               accumulation=accumulation, objective=self.objective, mesh=mesh)
@@ -200,6 +200,7 @@ class Trainer:
             "update_applied": min(i["update_applied"] for i in infos),
             "response_length": float(np.mean(host.student.response_lens)),
             "truncated_samples": sum(r == "length" for r in host.finish_reasons),
+            "rollout_shard_samples": host.shard_samples,
             "student_response_tokens": int(tokens), "strict_pairs": host.alignment.num_pairs, **coverage})
         return metrics
 
@@ -251,30 +252,29 @@ class Trainer:
             f"overlap: {json.dumps(self.overlap.summary())}"))
         record: dict[str, Any] = {}
         saved = start
-        with jax.set_mesh(self.mesh):  # the model's activation constraints bind to the mesh
-            try:
-                for step in range(start + 1, c.steps + 1):
-                    timer = StepTimer()
-                    metrics, samples = self.step(step, timer)
-                    reason = self.guard.check(step, metrics)
-                    if reason:
-                        logger.log(step, metrics, samples)  # the failing step's values are kept
-                        raise TrainingDiverged(f"{reason}. Last good checkpoint: "
-                                               f"{'step ' + str(saved) if saved else 'none'} in {ck_dir}")
-                    stopping = stop is not None and stop.requested_everywhere()
-                    if checkpointer.should_save(step, c.steps) or stopping:
-                        with timer("checkpoint"):
-                            checkpointer.save(step, self._state(), self._checkpoint_meta())
-                        saved = step
-                    metrics.update(timer.as_metrics())
-                    if step % lg.log_every == 0 or step == c.steps or stopping:
-                        record = logger.log(step, metrics, samples)
-                    if stopping:
-                        checkpointer.wait()
-                        raise Stopped(stop.signum, step, ck_dir)
-            finally:
-                checkpointer.close()
-                logger.close()
+        try:
+            for step in range(start + 1, c.steps + 1):
+                timer = StepTimer()
+                metrics, samples = self.step(step, timer)
+                reason = self.guard.check(step, metrics)
+                if reason:
+                    logger.log(step, metrics, samples)  # the failing step's values are kept
+                    raise TrainingDiverged(f"{reason}. Last good checkpoint: "
+                                           f"{'step ' + str(saved) if saved else 'none'} in {ck_dir}")
+                stopping = stop is not None and stop.requested_everywhere()
+                if checkpointer.should_save(step, c.steps) or stopping:
+                    with timer("checkpoint"):
+                        checkpointer.save(step, self._state(), self._checkpoint_meta())
+                    saved = step
+                metrics.update(timer.as_metrics())
+                if step % lg.log_every == 0 or step == c.steps or stopping:
+                    record = logger.log(step, metrics, samples)
+                if stopping:
+                    checkpointer.wait()
+                    raise Stopped(stop.signum, step, ck_dir)
+        finally:
+            checkpointer.close()
+            logger.close()
         hf_dir = build.export_student(self.student, self.s_tok, self.run_dir / "hf_student", self.is_writer) \
             if c.checkpoint.export_hf else None
         return TrainResult(c.steps, self.run_dir, ck_dir, hf_dir, record)

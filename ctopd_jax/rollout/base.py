@@ -35,6 +35,9 @@ class SamplingParams:
     n: int = 1
     seed: int = 0
     stop_on_eos: bool = True
+    # id of this call's first sample: randomness depends on (seed, sample id), so a process
+    # that samples a shard of a batch passes its offset and draws what a single process would
+    first_sample_id: int = 0
 
     def __post_init__(self):
         if not self.temperature >= 0.0:

@@ -359,7 +359,8 @@ class JaxSampler:
             refill_min = min(refill_step, len(pending)) if pending else slots + 1
             before = steps.copy()
             cache, logits, tokens, logprobs, steps_d, positions_d, done_d = _decode_until_refill(
-                state, cache, logits, tokens, logprobs, self._put(sample_ids),
+                state, cache, logits, tokens, logprobs,
+                self._put(np.where(sample_ids >= 0, sample_ids + params.first_sample_id, -1).astype(np.int32)),
                 self._put(steps), self._put(positions), self._put(done), *knobs,
                 np.int32(refill_min), **static)
             steps, positions, done = (np.array(a) for a in

@@ -1,6 +1,7 @@
 """Two local processes with jax.distributed (4 CPU devices each, one 8-device mesh
 data=2 x fsdp=4 over both) train a few steps and agree with a single-process run on the same
-mesh shape: same exported student weights and the same logged losses. The single-process run
+mesh shape: same exported student weights and the same logged losses, while each process
+sampled only its shard of the prompts (the gathered host batches are identical). The single-process run
 also checks that the teacher never changes and that the exported student loads in transformers
 with the same logits."""
 import socket
@@ -74,6 +75,9 @@ def test_two_processes_agree_with_one(tmp_path, compile_cache):
         np.testing.assert_allclose(multi[name], single[name], rtol=1e-4, atol=1e-5, err_msg=name)
     s_log, m_log = read_metrics(single_dir), read_metrics(multi_dir)
     assert [r["step"] for r in m_log] == [1, 2]
+    # one engine per process: each generated only its shard (2 of the 4 prompts, 2 samples each)
+    assert [r["rollout_shard_samples"] for r in s_log] == [8, 8]
+    assert [r["rollout_shard_samples"] for r in m_log] == [4, 4]
     for a, b in zip(s_log, m_log):
         for key in ("loss", "grad_norm", "coverage_student", "strict_pairs", "student_response_tokens"):
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=key)
