@@ -27,6 +27,9 @@ Decisions:
   on ``layers.{i}``); the scan stacks the layer parameters at call time instead, which costs
   one extra copy of the layer weights (and of their gradient) per step.  The KV-cache path
   always runs unrolled: decoding is not memory bound on activations.
+- ``mlp_chunk``: with blockwise attention and remat, the largest term of one layer's backward
+  is the MLP's [B, T, intermediate] set; running the MLP over sequence chunks, each
+  rematerialised, bounds it (measured numbers: benchmarks/RESULTS.md, "Attention").
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from ctopd_jax.mesh import LOGICAL_RULES, logical_spec
 from ctopd_jax.models.attention import AttentionMask, attend, resolve_implementation
 from ctopd_jax.models.config import ModelConfig
 from ctopd_jax.models.kv_cache import KVCache, init_cache  # noqa: F401  (re-exported)
+from ctopd_jax.models.lora import lora_weight
 
 _INIT_STD = 0.02
 
@@ -134,9 +138,9 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, mask: AttentionMask, cache: KVCache | None = None,
                  layer: int = 0):
         dt = self.dtype
-        q = jnp.einsum("bth,hnd->btnd", x, self.q_proj[...].astype(dt))
-        k = jnp.einsum("bth,hnd->btnd", x, self.k_proj[...].astype(dt))
-        v = jnp.einsum("bth,hnd->btnd", x, self.v_proj[...].astype(dt))
+        q = jnp.einsum("bth,hnd->btnd", x, lora_weight(self, "q_proj", dt))
+        k = jnp.einsum("bth,hnd->btnd", x, lora_weight(self, "k_proj", dt))
+        v = jnp.einsum("bth,hnd->btnd", x, lora_weight(self, "v_proj", dt))
         if self.qkv_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -154,7 +158,7 @@ class Attention(nnx.Module):
             k, v = k_all[layer].astype(dt), v_all[layer].astype(dt)
         implementation = resolve_implementation(self.implementation, dt, cache is not None)
         out = attend(q, k, v, mask, implementation, self.block, self.block)
-        return jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(dt)), cache
+        return jnp.einsum("btnd,ndh->bth", out, lora_weight(self, "o_proj", dt)), cache
 
 
 class MLP(nnx.Module):
@@ -168,8 +172,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dt = self.dtype
-        gate_w, up_w = self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt)
-        down_w = self.down_proj[...].astype(dt)
+        gate_w, up_w = lora_weight(self, "gate_proj", dt), lora_weight(self, "up_proj", dt)
+        down_w = lora_weight(self, "down_proj", dt)
 
         def mlp(x):
             hidden = constrain(jax.nn.silu(x @ gate_w) * (x @ up_w), ("batch", None, "mlp"))
