@@ -151,8 +151,8 @@ def reference_grads(reference_model):
 
 @pytest.mark.parametrize("options", [
     dict(attention="blockwise", attention_block=16),
-    dict(attention="blockwise", attention_block=16, scan_layers=True, remat_policy="full",
-         mlp_chunk=16),
+    pytest.param(dict(attention="blockwise", attention_block=16, scan_layers=True,
+                      remat_policy="full", mlp_chunk=16), marks=pytest.mark.slow),
     pytest.param(dict(attention="blockwise", scan_layers=True, remat_policy="blocks",
                       mlp_chunk=13), marks=pytest.mark.slow),
     pytest.param(dict(attention="einsum", remat_policy="dots_saveable"),
@@ -201,6 +201,7 @@ def test_scanned_model_exports_and_loads_back(reference_model, tmp_path):
                                   np.asarray(jax.jit(lambda m: m(ids, pos, mask))(scanned)))
 
 
+@pytest.mark.slow
 def test_blockwise_cache_decode_equals_full_forward(reference_model):
     """Prefill a left-padded batch then decode one token at a time, blockwise over a cache of
     several blocks; logits equal the einsum reference's no-cache forward at every real
