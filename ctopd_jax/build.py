@@ -216,13 +216,22 @@ def update_fns(settings, donate: bool):
     return tx, schedule, make_apply_update(tx, schedule, donate=donate)
 
 
-def export_student(student, s_tok, out_dir: Path, is_writer: bool) -> Path | None:
-    """The trained student as an HF checkpoint (written by the first process only)."""
+def export_student(student, s_tok, out_dir: Path, is_writer: bool, config=None) -> Path | None:
+    """The trained student as an HF checkpoint (written by the first process only).  With LoRA
+    (`lora.rank` > 0): the PEFT adapter in <out_dir>/../adapter, and the merged HF model only
+    with `checkpoint.export_merged` (then its folder is returned, else the adapter's)."""
     from ctopd_jax.checkpoint import export_student_hf
 
     model = student if jax.process_count() == 1 else local_copy(student)
     if not is_writer:
         return None
+    if config is not None and config.lora.rank > 0:
+        from ctopd_jax.models.lora import save_adapter
+
+        adapter = save_adapter(model, Path(out_dir).parent / "adapter", config.model.student,
+                               config.lora.dropout)
+        if not config.checkpoint.export_merged:
+            return adapter
     extra = {"eos_token_id": s_tok.eos_id, "pad_token_id": s_tok.pad_id}
     if s_tok.bos_id is not None:
         extra["bos_token_id"] = s_tok.bos_id

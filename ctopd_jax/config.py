@@ -170,6 +170,7 @@ class CheckpointSection:
     keep: int = 3
     async_save: bool = True
     export_hf: bool = True               # write the final student as HF safetensors
+    export_merged: bool = False          # with lora.rank > 0: also the merged HF model
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,10 @@ class LoggingSection:
     tensorboard: bool = True
     progress: bool = True
     log_every: int = 1
+    wandb: bool = False                  # also log to Weights & Biases (pip install wandb)
+    wandb_project: str = "ctopd_jax"
+    wandb_entity: str = ""
+    wandb_mode: Literal["online", "offline"] = "online"
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,19 @@ class GuardSection:
     loss_jump_warmup: int = 5
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    """LoRA on the student (ctopd_jax/models/lora.py); rank 0 = full fine-tuning."""
+    rank: int = 0
+    alpha: float = 16.0                  # the update is scaled by alpha / rank (as PEFT)
+    dropout: float = 0.0                 # only 0 for now
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    init_adapter: str = ""               # a PEFT adapter folder to start from
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     run_name: str = "run"                # named in the run's first log line (and loggers)
@@ -220,6 +238,7 @@ class TrainConfig:
     logging: LoggingSection = field(default_factory=LoggingSection)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     guard: GuardSection = field(default_factory=GuardSection)
+    lora: LoraSection = field(default_factory=LoraSection)
 
 
     def to_dict(self) -> dict[str, Any]:
@@ -251,6 +270,10 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         raise ConfigError(f"{name}: {value!r} does not have type {hint}")
     if origin is tuple:
         args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: a list of any length
+            if isinstance(value, str) or not isinstance(value, (list, tuple)):
+                raise ConfigError(f"{name}: expected a list, got {value!r}")
+            return tuple(_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{name}: expected a list of {len(args)} values like "
                               f"[{', '.join(a.__name__ for a in args)}], got {value!r}")
@@ -408,6 +431,15 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     _require(config.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
     _require(config.logging.log_every >= 1, "logging.log_every", "must be >= 1")
     _require(config.evaluation.samples >= 1, "evaluation.samples", "must be >= 1")
+    lo = config.lora
+    _require(lo.rank >= 0, "lora.rank", f"{lo.rank} must be >= 0 (0 = full fine-tuning)")
+    _require(lo.alpha > 0, "lora.alpha", f"{lo.alpha} must be > 0")
+    _require(0 <= lo.dropout < 1, "lora.dropout", f"{lo.dropout} must be in [0, 1)")
+    _require(lo.dropout == 0, "lora.dropout", "only 0.0 is supported (the adapter is folded "
+             "into the weight in the forward); set lora.dropout: 0.0")
+    _require(bool(lo.target_modules) and set(lo.target_modules) <= set(LORA_TARGETS),
+             "lora.target_modules", f"{list(lo.target_modules)} must be a non-empty subset of "
+             f"{list(LORA_TARGETS)}")
     g = config.guard
     _require(g.zero_grad_norm_steps >= 0, "guard.zero_grad_norm_steps", "must be >= 0 (0 = off)")
     _require(g.loss_jump_factor == 0 or g.loss_jump_factor > 1, "guard.loss_jump_factor",

@@ -43,6 +43,7 @@ from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig
 from ctopd_jax.evaluate import evaluate_during_training
 from ctopd_jax.metrics import MetricsLogger, StepTimer
+from ctopd_jax.models import lora
 from ctopd_jax.optimizer import settings_from_config
 from ctopd_jax.teacher import lm_head_of, teacher_hidden_rows
 
@@ -102,7 +103,7 @@ class Trainer:
         self.updates_per_iteration = responses // c.optimizer.train_batch_size
         settings = settings_from_config(c.optimizer, c.steps * self.updates_per_iteration)
         self.tx, self.schedule, self.apply_update = build.update_fns(settings, jax.default_backend() != "cpu")
-        self.graphdef, self.params, self.rest = nnx.split(self.student, nnx.Param, ...)
+        self.graphdef, self.params, self.rest = nnx.split(lora.prepare(self.student, c), lora.trainable_filter(c), ...)
         # scalars of the optimizer state (step counts) come out of init on one device: put them
         # on the mesh too, so saved and restored states carry mesh shardings throughout
         self.opt_state = jax.tree.map(lambda x: build.on_mesh(x, self.mesh), jax.jit(self.tx.init)(self.params))
@@ -246,7 +247,7 @@ class Trainer:
             (self.run_dir / "config.json").write_text(c.to_json())
         lg = c.logging
         logger = MetricsLogger(self.run_dir, c.steps, start_step=start, jsonl=lg.jsonl,
-                               tensorboard=lg.tensorboard, progress=lg.progress, is_writer=self.is_writer)
+                               tensorboard=lg.tensorboard, progress=lg.progress, is_writer=self.is_writer, config=c)
         logger.write(f"run {c.run_name}, objective {c.algorithm.name}; " + (
             f"resumed from step {start} ({ck_dir})" if start else
             f"overlap: {json.dumps(self.overlap.summary())}"))
@@ -275,7 +276,7 @@ class Trainer:
         finally:
             checkpointer.close()
             logger.close()
-        hf_dir = build.export_student(self.student, self.s_tok, self.run_dir / "hf_student", self.is_writer) \
+        hf_dir = build.export_student(self.student, self.s_tok, self.run_dir / "hf_student", self.is_writer, c) \
             if c.checkpoint.export_hf else None
         return TrainResult(c.steps, self.run_dir, ck_dir, hf_dir, record)
 

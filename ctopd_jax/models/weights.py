@@ -12,6 +12,7 @@ Decisions:
   ignored (it is a copy of the embedding).  `hf_named_tensors` always yields `lm_head.weight`
   because vLLM's reload needs it even for tied models.
 - `rotary_emb.inv_freq` buffers of old checkpoints are ignored (RoPE comes from the config).
+- A model with LoRA adapters (lora.py) is exported and synced merged: W + (alpha/r) A @ B.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from safetensors.numpy import save_file
 
 from ctopd_jax.models.config import DTYPES, ModelConfig, ModelConfigError
 from ctopd_jax.models.decoder import Decoder
+from ctopd_jax.models.lora import merged
 
 
 class CheckpointError(ValueError):
@@ -268,6 +270,7 @@ def hf_named_tensors(model: Decoder, include_tied_lm_head: bool = True,
     ``lm_head.weight`` is yielded for tied models too (the embedding) unless
     ``include_tied_lm_head`` is False (what an HF checkpoint file wants).
     """
+    model = merged(model)
     for path, var in _flat_params(nnx.state(model, nnx.Param)):
         rule, hf_name = _rule_for_nnx(path)
         value = _host(var[...], dtype)
@@ -291,7 +294,7 @@ def export_hf_checkpoint(model: Decoder, cfg: ModelConfig, out_dir,
         raise ModelConfigError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    params = _flat_params(nnx.state(model, nnx.Param))
+    params = _flat_params(nnx.state(merged(model), nnx.Param))
     shards: list[list[tuple[str, Rule, nnx.Variable]]] = [[]]
     size = 0
     for path, var in params:  # plan shards from shapes, before gathering anything

@@ -1,0 +1,249 @@
+"""LoRA adapters on the Decoder's projections, in PEFT's convention and file format.
+
+A projection W (NNX layout: [in dims..., out dims...], see weights.NAME_TABLE ``in_dims``) gets
+two factors ``A [in dims..., r]`` and ``B [r, out dims...]`` stored next to it as
+``<name>_lora_a`` / ``<name>_lora_b`` (`LoraParam`, a subclass of nnx.Param), and the layer
+uses ``W + (alpha / r) * A @ B`` (`lora_weight`).
+
+Decisions:
+- PEFT computes ``W x + s * B(A(dropout(x)))``; we fold the delta into the weight inside the
+  forward (same function, same gradients up to float rounding, one [in, out] temporary per
+  projection like the cast of W itself).  Because of that fold, `lora.dropout` > 0 is
+  refused by config validation for now.
+- Initialisation as PEFT's default: A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (kaiming-uniform
+  with a = sqrt(5)), B = 0, so a fresh adapter leaves the model unchanged.
+- The trainable split is `trainable_filter(config)`: with rank > 0 only LoraParam variables
+  are trained; the base weights stay in the frozen remainder and never reach the optimizer.
+- Files: ``adapter_config.json`` + ``adapter_model.safetensors`` with PEFT's key names
+  (``base_model.model.<hf module>.lora_A.weight`` [r, in], ``lora_B.weight`` [out, r]), so
+  ``peft.PeftModel.from_pretrained(hf_base, folder)`` loads them unchanged; `load_adapter`
+  reads such a folder (written by us or by PEFT) into an attached model.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# projection name -> (sub-module of DecoderLayer, number of leading input dims of the kernel)
+TARGETS = {"q_proj": ("attn", 1), "k_proj": ("attn", 1), "v_proj": ("attn", 1),
+           "o_proj": ("attn", 2), "gate_proj": ("mlp", 1), "up_proj": ("mlp", 1),
+           "down_proj": ("mlp", 1)}
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+class LoraParam(nnx.Param):
+    """A LoRA factor: the only trainable variables when `lora.rank` > 0."""
+
+
+class LoraScale(nnx.Variable):
+    """alpha / rank of a module's adapters: a (frozen) variable, not a static attribute, so it
+    travels with the state into a Decoder built afresh and updated from it."""
+
+
+class LoraError(ValueError):
+    """An adapter folder that does not fit the model or the `lora:` settings (message names it)."""
+
+
+def lora_weight(module, name: str, dtype) -> jax.Array:
+    """The projection `name` of `module` in `dtype`, with its adapter delta when it has one."""
+    w = getattr(module, name)[...].astype(dtype)
+    a = getattr(module, name + "_lora_a", None)
+    if a is None:
+        return w
+    b = getattr(module, name + "_lora_b")
+    delta = jnp.tensordot(a[...].astype(dtype), b[...].astype(dtype), axes=1)
+    return w + (module.lora_scale[...] * delta).astype(dtype)
+
+
+def trainable_filter(config):
+    """The nnx filter of the trained variables: all parameters, or only the adapters."""
+    return LoraParam if config.lora.rank > 0 else nnx.Param
+
+
+def _sites(model):
+    """(layer index, sub-module, projection name, in_dims) of every adaptable projection."""
+    for i, layer in enumerate(model.layers):
+        for name, (sub, in_dims) in TARGETS.items():
+            yield i, getattr(layer, sub), name, in_dims
+
+
+def has_adapters(model) -> bool:
+    return any(hasattr(m, n + "_lora_a") for _, m, n, _ in _sites(model))
+
+
+def _place_like(value: np.ndarray, base: jax.Array, axes):
+    sharding = getattr(base, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        from ctopd_jax.mesh import logical_sharding
+
+        return jax.device_put(value, logical_sharding(sharding.mesh, axes, value.shape))
+    return jax.device_put(value)
+
+
+def attach(model, rank: int, alpha: float, target_modules, seed: int = 0):
+    """Add fresh adapters (PEFT's init) to `model` in place and return it."""
+    from ctopd_jax.mesh import variable_logical_axes
+
+    if has_adapters(model):
+        raise LoraError("the model already has LoRA adapters")
+    key = jax.random.key(seed)
+    for index, (i, module, name, in_dims) in enumerate(_sites(model)):
+        if name not in target_modules:
+            continue
+        var = getattr(module, name)
+        w = var[...]
+        axes = variable_logical_axes(var) or (None,) * w.ndim
+        fan_in = math.prod(w.shape[:in_dims])
+        bound = 1.0 / math.sqrt(fan_in)
+        a = np.asarray(jax.random.uniform(jax.random.fold_in(key, index), (fan_in, rank),
+                                          jnp.float32, -bound, bound))
+        a = a.reshape(w.shape[:in_dims] + (rank,)).astype(w.dtype)
+        b = np.zeros((rank,) + w.shape[in_dims:], w.dtype)
+        a_axes, b_axes = tuple(axes[:in_dims]) + (None,), (None,) + tuple(axes[in_dims:])
+        setattr(module, name + "_lora_a", LoraParam(_place_like(a, w, a_axes),
+                                                    out_sharding=a_axes, eager_sharding=False))
+        setattr(module, name + "_lora_b", LoraParam(_place_like(b, w, b_axes),
+                                                    out_sharding=b_axes, eager_sharding=False))
+        module.lora_scale = LoraScale(jnp.float32(float(alpha) / rank))
+    return model
+
+
+def prepare(model, config):
+    """What `lora:` asks of the student: nothing at rank 0, else adapters attached (and loaded
+    from `lora.init_adapter` when set).  Returns the model."""
+    lo = config.lora
+    if lo.rank == 0 or has_adapters(model):
+        return model
+    attach(model, lo.rank, lo.alpha, lo.target_modules, config.seed)
+    if lo.init_adapter:
+        load_adapter(model, lo.init_adapter, expect=lo)
+    return model
+
+
+# ---------------------------------------------------------------------- PEFT files
+def _hf_module(layer: int, sub: str, name: str) -> str:
+    return f"model.layers.{layer}.{'self_attn' if sub == 'attn' else 'mlp'}.{name}"
+
+
+def adapter_settings(model) -> dict:
+    """rank, alpha, target_modules of the attached adapters."""
+    rank, scale, targets = None, None, []
+    for _, module, name, in_dims in _sites(model):
+        a = getattr(module, name + "_lora_a", None)
+        if a is None:
+            continue
+        rank, scale = a.shape[-1], float(module.lora_scale[...])
+        if name not in targets:
+            targets.append(name)
+    if rank is None:
+        raise LoraError("the model has no LoRA adapters")
+    return {"rank": rank, "alpha": scale * rank, "target_modules": targets}
+
+
+def save_adapter(model, out_dir, base_model: str = "", dropout: float = 0.0) -> Path:
+    """``adapter_config.json`` + ``adapter_model.safetensors`` that PEFT loads."""
+    from safetensors.numpy import save_file
+
+    s = adapter_settings(model)
+    tensors = {}
+    for i, module, name, in_dims in _sites(model):
+        a = getattr(module, name + "_lora_a", None)
+        if a is None:
+            continue
+        prefix = "base_model.model." + _hf_module(i, TARGETS[name][0], name)
+        a_host = np.asarray(jax.device_get(a[...]))
+        b_host = np.asarray(jax.device_get(getattr(module, name + "_lora_b")[...]))
+        tensors[prefix + ".lora_A.weight"] = np.ascontiguousarray(a_host.reshape(-1, s["rank"]).T)
+        tensors[prefix + ".lora_B.weight"] = np.ascontiguousarray(b_host.reshape(s["rank"], -1).T)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": s["rank"],
+              "lora_alpha": s["alpha"], "lora_dropout": dropout,
+              "target_modules": sorted(s["target_modules"]), "bias": "none",
+              "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
+              "use_rslora": False, "use_dora": False, "modules_to_save": None,
+              "base_model_name_or_path": str(base_model) or None}
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def load_adapter(model, folder, expect=None):
+    """Load a PEFT LoRA adapter folder into `model`, whose adapters must already be attached
+    with the same rank, alpha and target modules (`expect`: the `lora:` section to check the
+    folder against, errors naming its field)."""
+    from safetensors.numpy import load_file
+
+    folder = Path(folder)
+    config_file = folder / ADAPTER_CONFIG
+    if not config_file.exists():
+        raise LoraError(f"lora.init_adapter: {folder} has no {ADAPTER_CONFIG}")
+    cfg = json.loads(config_file.read_text())
+    s = adapter_settings(model)
+    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
+        raise LoraError(f"lora.init_adapter: {folder} is not a plain LoRA adapter")
+    targets = cfg.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    checks = (("rank", cfg.get("r"), s["rank"]), ("alpha", cfg.get("lora_alpha"), s["alpha"]),
+              ("target_modules", sorted(targets), sorted(s["target_modules"])))
+    for field, got, want in checks:
+        if got != want and not (field == "alpha" and got is not None
+                                and math.isclose(got, want)):
+            raise LoraError(f"lora.{field}: {want!r} but the adapter {folder} has {got!r}; "
+                            f"set lora.{field} to match it")
+    tensors = load_file(str(folder / ADAPTER_WEIGHTS))
+    tensors = {k.replace(".default.", "."): v for k, v in tensors.items()}
+    used = set()
+    for i, module, name, in_dims in _sites(model):
+        a = getattr(module, name + "_lora_a", None)
+        if a is None:
+            continue
+        prefix = "base_model.model." + _hf_module(i, TARGETS[name][0], name)
+        for suffix, var in ((".lora_A.weight", a),
+                            (".lora_B.weight", getattr(module, name + "_lora_b"))):
+            key = prefix + suffix
+            if key not in tensors:
+                raise LoraError(f"lora.init_adapter: {folder} has no tensor {key!r}")
+            value = np.ascontiguousarray(tensors[key].T.reshape(var.shape)).astype(var[...].dtype)
+            var[...] = jax.device_put(value, var[...].sharding)
+            used.add(key)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise LoraError(f"lora.init_adapter: {folder} has tensor {extra[0]!r}, which this "
+                        "model has no adapter for")
+    return model
+
+
+# ---------------------------------------------------------------------- merging
+def merged(model):
+    """`model` itself without adapters, else a Decoder with W + s * A @ B in place of each
+    adapted projection (other parameters shared, not copied)."""
+    if not has_adapters(model):
+        return model
+    from ctopd_jax.models.decoder import Decoder
+
+    values = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if not isinstance(var, LoraParam):
+            values[tuple(path)] = var[...]
+    for i, module, name, _ in _sites(model):
+        if hasattr(module, name + "_lora_a"):
+            w = getattr(module, name)[...]
+            values[("layers", i, TARGETS[name][0], name)] = lora_weight(
+                module, name, jnp.float32).astype(w.dtype)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(model.cfg, rngs=nnx.Rngs(0))))
+    state = nnx.from_flat_state([(tuple(path), var.replace(values[tuple(path)]))
+                                 for path, var in nnx.to_flat_state(abstract)])
+    return nnx.merge(graphdef, state)
+
+
+def parameter_count(model, adapters_only: bool = True) -> int:
+    filt = LoraParam if adapters_only else nnx.Param
+    return sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(model, filt)))

@@ -1,0 +1,153 @@
+"""LoRA (ctopd_jax/models/lora.py) against PEFT on tiny HF Llama / Qwen2: adapters written by
+PEFT load into ours with equal logits, ours load into PEFT unchanged, our merged export equals
+PEFT's merge_and_unload(), and training moves only the adapter."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from flax import nnx
+from transformers import AutoModelForCausalLM
+
+from hf_fixtures import VARIANTS, hf_logits, jax_logits, save_hf, with_options
+from ctopd_jax.config import ConfigError, TrainConfig, load_config
+from ctopd_jax.models import lora, weights
+
+peft = pytest.importorskip("peft", reason="pip install -e '.[test]' (peft)")
+
+IDS = np.random.RandomState(0).randint(0, 256, (2, 11))
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CASES = {"llama_untied_llama3rope": (4, 8.0, ALL),
+         "qwen2_tied_bias": (2, 16.0, ["q_proj", "v_proj", "o_proj", "down_proj"])}
+
+
+def _base(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _peft_adapter(base_dir, out_dir, rank, alpha, targets):
+    """An adapter written by PEFT itself, A and B both random (init_lora_weights=False)."""
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                             init_lora_weights=False, task_type="CAUSAL_LM")
+    model = peft.get_peft_model(_base(base_dir), config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out_dir)
+
+
+def _close(ours, theirs):
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * np.abs(theirs).max())
+
+
+@pytest.mark.parametrize("variant", ["llama_untied_llama3rope",
+                                     pytest.param("qwen2_tied_bias", marks=pytest.mark.slow)])
+def test_peft_adapter_parity_both_ways_and_merged_export(variant, tmp_path):
+    rank, alpha, targets = CASES[variant]
+    save_hf(VARIANTS[variant](), tmp_path / "base")
+    _peft_adapter(tmp_path / "base", tmp_path / "peft", rank, alpha, targets)
+    reference = peft.PeftModel.from_pretrained(_base(tmp_path / "base"), tmp_path / "peft").eval()
+    want = hf_logits(reference, IDS)
+    assert np.abs(want - hf_logits(_base(tmp_path / "base"), IDS)).max() > 1e-2  # B non-zero
+
+    # PEFT's adapter loaded into ours gives PEFT's logits (also with the layers under scan).
+    model, _ = weights.load_hf_checkpoint(tmp_path / "base")
+    lora.attach(model, rank, alpha, targets)
+    lora.load_adapter(model, tmp_path / "peft")
+    _close(jax_logits(model, IDS), want)
+    _close(jax_logits(with_options(model, scan_layers=True), IDS), want)
+    assert lora.parameter_count(model) == sum(
+        p.numel() for n, p in reference.named_parameters() if "lora_" in n)
+
+    # Our adapter files load into PEFT unchanged and give the same logits.
+    lora.save_adapter(model, tmp_path / "ours", base_model=str(tmp_path / "base"))
+    saved = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert (saved["r"], saved["lora_alpha"], sorted(saved["target_modules"])) == (
+        rank, alpha, sorted(targets))
+    again = peft.PeftModel.from_pretrained(_base(tmp_path / "base"), tmp_path / "ours").eval()
+    _close(hf_logits(again, IDS), want)
+
+    # Our merged export equals PEFT's merge_and_unload(), tensor by tensor and in logits.
+    merged_ref = reference.merge_and_unload()
+    weights.export_hf_checkpoint(model, model.cfg, tmp_path / "merged")
+    exported = _base(tmp_path / "merged")
+    theirs = merged_ref.state_dict()
+    for name, tensor in exported.state_dict().items():
+        np.testing.assert_allclose(tensor.numpy(), theirs[name].numpy(), rtol=0, atol=1e-6,
+                                   err_msg=name)
+    _close(hf_logits(exported, IDS), hf_logits(merged_ref, IDS))
+    # vLLM weight sync sends the merged weights too.
+    synced = dict(weights.hf_named_tensors(model))
+    np.testing.assert_allclose(synced["model.layers.1.mlp.down_proj.weight"],
+                               theirs["model.layers.1.mlp.down_proj.weight"].numpy(),
+                               rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_fresh_adapter_is_identity_and_only_the_adapter_trains(tmp_path):
+    save_hf(VARIANTS["qwen2_tied_bias"](), tmp_path / "base")
+    model, _ = weights.load_hf_checkpoint(tmp_path / "base")
+    before = jax_logits(model, IDS)
+    config = load_config(None, ["lora.rank=4", "lora.target_modules=[q_proj, up_proj]"])
+    assert lora.trainable_filter(TrainConfig()) is nnx.Param  # rank 0: full fine-tuning
+    lora.prepare(model, config)
+    np.testing.assert_array_equal(jax_logits(model, IDS), before)  # B = 0: unchanged
+    a = model.layers[0].attn.q_proj_lora_a[...]
+    assert a.shape == (128, 4) and np.abs(a).max() <= 1 / np.sqrt(128)  # PEFT's kaiming bound
+    assert not hasattr(model.layers[0].attn, "k_proj_lora_a")
+
+    graphdef, params, rest = nnx.split(model, lora.trainable_filter(config), ...)
+    base_before = jax.tree.map(np.asarray, rest)
+    adapter_size = sum(x.size for x in jax.tree.leaves(params))
+    # 2 layers x (q_proj: A [128, 4] + B [4, 4 heads, 32]; up_proj: A [128, 4] + B [4, 256])
+    assert adapter_size == lora.parameter_count(model) == 2 * (
+        (128 * 4 + 4 * 4 * 32) + (128 * 4 + 4 * 256))
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(params)
+    assert sum(x.size for x in jax.tree.leaves(opt_state)) == 2 * adapter_size + 1
+    ids = jnp.asarray(IDS, jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+
+    @jax.jit
+    def step(params, opt_state):
+        def loss(p):
+            logits = nnx.merge(graphdef, p, rest)(ids[:, :-1], pos[:, :-1])
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
+                                                 ids[:, 1:, None], -1))
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    losses = []
+    for _ in range(3):
+        params, opt_state, value = step(params, opt_state)
+        losses.append(float(value))
+    assert losses[-1] < losses[0]
+    nnx.update(model, params)
+    after = nnx.state(model, nnx.Not(lora.LoraParam))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, after), base_before)
+    assert np.abs(np.asarray(model.layers[0].attn.q_proj_lora_b[...])).max() > 0
+
+
+def test_lora_config_errors_name_the_field(tmp_path):
+    assert TrainConfig().lora.rank == 0 and TrainConfig().lora.alpha == 16
+    for override, field in (("lora.rank=-1", "lora.rank"), ("lora.alpha=0", "lora.alpha"),
+                            ("lora.dropout=1.0", "lora.dropout"),
+                            ("lora.dropout=0.1", "lora.dropout"),
+                            ("lora.target_modules=[qkv]", "lora.target_modules"),
+                            ("lora.target_modules=q_proj", "lora.target_modules")):
+        with pytest.raises(ConfigError, match=f"^{field}"):
+            load_config(None, [override])
+    # an adapter folder that does not match the settings names the mismatching field
+    save_hf(VARIANTS["llama_tied"](), tmp_path / "base")
+    _peft_adapter(tmp_path / "base", tmp_path / "peft", 2, 4.0, ["q_proj"])
+    model, _ = weights.load_hf_checkpoint(tmp_path / "base")
+    config = load_config(None, ["lora.rank=4", "lora.alpha=4", "lora.target_modules=[q_proj]",
+                                f"lora.init_adapter={tmp_path / 'peft'}"])
+    with pytest.raises(lora.LoraError, match="^lora.rank: 4 but the adapter"):
+        lora.prepare(model, config)
