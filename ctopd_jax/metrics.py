@@ -19,6 +19,10 @@ Decisions:
   plain line per logged step. Messages (`write`) always get lines of their own, never inside
   the bar.
 - Only process 0 writes; other processes get a silent logger.
+- Weights & Biases (`logging.wandb`): the same rows as metrics.jsonl (`wandb.log(row, step=)`)
+  and the run config, one wandb run per training run.  Its id is kept in
+  `<run_dir>/wandb_run_id`: a resume (start_step > 0) continues that run, a fresh start makes
+  a new one.  wandb keeps its files under $WANDB_DIR when set, else in the run directory.
 """
 from __future__ import annotations
 
@@ -154,7 +158,7 @@ def _last_elapsed(path: Path) -> float:
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0, jsonl: bool = True,
                  tensorboard: bool = True, progress: bool = True, is_writer: bool = True,
-                 stream=None):
+                 stream=None, config=None):
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
         self.is_writer = is_writer
@@ -164,6 +168,7 @@ class MetricsLogger:
         self._samples = None
         self._tb = None
         self._bar = None
+        self._wandb = None
         self._lines = False
         self._started = time.time()
         self._elapsed_before = 0.0
@@ -190,6 +195,8 @@ class MetricsLogger:
                                  dynamic_ncols=True, file=self.stream)
             else:
                 self._lines = True
+        if config is not None and config.logging.wandb:
+            self._wandb = _start_wandb(self.run_dir, config, start_step)
         for path in self.moved:
             self.write(f"metrics: kept the earlier rows in {path}")
 
@@ -218,6 +225,8 @@ class MetricsLogger:
                 if key != "step" and key not in NOT_SCALARS_FOR_TENSORBOARD and math.isfinite(value):
                     self._tb.add_scalar(f"train/{key}", value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=int(step))
         keys = ("loss", "coverage_student", "tokens_per_s")
         if self._bar is not None:
             post = {k: f"{record[k]:.4g}" for k in keys if k in record}
@@ -246,6 +255,33 @@ class MetricsLogger:
             self._tb.close()
         if self._bar is not None:
             self._bar.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def _start_wandb(run_dir: Path, config, start_step: int):
+    """The wandb run of this training run (resumed runs continue the id kept in run_dir)."""
+    import os
+    import uuid
+
+    try:
+        import wandb
+    except ImportError:
+        raise MetricsError("logging.wandb: true needs the wandb package: pip install wandb") from None
+    lg = config.logging
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if start_step and id_file.is_file() else ""
+    run_id = run_id or uuid.uuid4().hex[:12]
+    id_file.write_text(run_id + "\n")
+    directory = Path(os.environ.get("WANDB_DIR") or run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=lg.wandb_project, entity=lg.wandb_entity or None,
+                      name=config.run_name, id=run_id, resume="allow", dir=str(directory),
+                      mode=lg.wandb_mode, config=config.to_dict())
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

