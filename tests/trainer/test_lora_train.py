@@ -1,0 +1,71 @@
+"""A tiny training run with `lora.rank` > 0: only the adapter moves (base weights bit-identical,
+optimizer state and checkpoint hold the adapter alone), and the run's adapter/ folder loads
+onto the HF student with PEFT and gives our final student's logits; export_merged writes the
+merged model, which transformers loads to the same logits."""
+import numpy as np
+import pytest
+import torch
+import yaml
+from flax import nnx
+from transformers import AutoModelForCausalLM
+
+from conftest import tiny_tree
+from ctopd_jax.config import load_config
+from ctopd_jax.models import lora, weights
+from ctopd_jax.trainer import Trainer
+
+peft = pytest.importorskip("peft", reason="pip install -e '.[test]' (peft)")
+
+
+@pytest.mark.slow
+def test_lora_run_trains_only_the_adapter_and_writes_a_peft_adapter(tmp_path):
+    tree = tiny_tree(tmp_path / "run", steps=2, **{
+        "lora.rank": 4, "lora.alpha": 8.0, "lora.target_modules": ["q_proj", "v_proj", "up_proj"],
+        "checkpoint.every": 1, "checkpoint.export_hf": True, "checkpoint.export_merged": True,
+        "optimizer.lr": 1e-2})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    trainer = Trainer(load_config(path))
+    base_before = jax_host(nnx.state(trainer.student, nnx.Not(lora.LoraParam)))
+    adapter_size = lora.parameter_count(trainer.student)
+    full_size = lora.parameter_count(trainer.student, adapters_only=False) - adapter_size
+    assert 0 < adapter_size < full_size // 10
+    assert sum(x.size for x in jax_leaves(trainer.params)) == adapter_size
+    assert sum(x.size for x in jax_leaves(trainer.opt_state)) < 2 * adapter_size + 100
+    # the student is a random tiny model: its HF form (B = 0, so the base exactly) for PEFT
+    weights.export_hf_checkpoint(trainer.student, trainer.student.cfg, tmp_path / "base")
+    result = trainer.train()
+
+    after = jax_host(nnx.state(trainer.student, nnx.Not(lora.LoraParam)))
+    for (path_, a), (_, b) in zip(nnx.to_flat_state(after), nnx.to_flat_state(base_before)):
+        np.testing.assert_array_equal(a, b, err_msg=str(path_))
+    b = np.asarray(trainer.student.layers[0].attn.q_proj_lora_b[...])
+    assert np.abs(b).max() > 0  # the adapter moved
+
+    run_dir = result.run_dir
+    base_dir = tmp_path / "base"
+    ids = np.random.RandomState(0).randint(3, 200, (2, 9))
+    ours = np.asarray(trainer.student(ids.astype(np.int32), np.broadcast_to(
+        np.arange(9, dtype=np.int32), ids.shape)))
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    peft_model = peft.PeftModel.from_pretrained(base, run_dir / "adapter").eval()
+    with torch.no_grad():
+        theirs = peft_model(torch.tensor(ids)).logits.numpy()
+        merged = AutoModelForCausalLM.from_pretrained(run_dir / "hf_student",
+                                                      dtype=torch.float32).eval()
+        merged_logits = merged(torch.tensor(ids)).logits.numpy()
+    scale = np.abs(theirs).max()
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(merged_logits, theirs, rtol=0, atol=1e-5 * scale)
+
+
+def jax_host(state):
+    import jax
+
+    return jax.tree.map(np.asarray, state)
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
