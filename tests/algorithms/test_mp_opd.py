@@ -196,7 +196,7 @@ def run_torch(host, t_side, s_side, hs, ws, ht, wt, mode, noise=None):
     return float(total.detach()), rates, hs_t.grad.numpy(), ws_t.grad.numpy(), samples
 
 
-def random_model(host, t_side, s_side, seed):
+def random_model(host, t_side, s_side, seed):  # noqa: D103
     rng = np.random.default_rng(seed)
     return (rng.normal(size=(host.student.input_ids.size, H)).astype(np.float32),
             rng.normal(size=(H, s_side.vocab_size)).astype(np.float32),
@@ -240,3 +240,24 @@ def test_bad_settings_name_the_field():
         from_dict({"algorithm": {"name": "mp_opd", "mp_opd_mode": "fixed6"}})
     with pytest.raises(ConfigError, match="algorithm.grass_chunk_atoms"):
         from_dict({"algorithm": {"name": "mp_opd", "grass_chunk_atoms": 0}})
+
+
+REAL_TEXTS = ["数学很有趣 😀😀 — naïve café ½ × 3 = 1.5 and then 12 + 30 = 42 apples in total.",
+              "so the answer is 7 <|im_end|> then more", "truncated mid-character: 答\ufffd", ""]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["atomic", "grass_chunk", "align", "random2-5"])
+def test_real_pair_edge_cases_match_torch_reference(qwen, llama, mode):
+    """Qwen2.5 -> Llama-3 at the real vocabularies: CJK and emoji atoms; the added token, the
+    split UTF-8 tail and the empty response fail closed, counted by reason, never a crash."""
+    host = make_host(qwen, llama, REAL_TEXTS)
+    hs, ws, ht, wt = random_model(host, qwen, llama, seed=11)
+    want, _, r_h, r_w, samples = run_torch(host, qwen, llama, hs, ws, ht, wt, mode)
+    got, metrics, g_h, g_w = run_jax(objective(mp_opd_mode=mode), host, hs, ws, ht, wt)
+    assert [bool(s["atoms"]) for s in samples] == [True, False, False, False]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(g_h, r_h, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(g_w, r_w, rtol=1e-3, atol=1e-4)
+    for reason in ("unsupported_added_token", "replacement_character", "empty_response"):
+        assert float(metrics[f"mp_opd_fail_{reason}"][0]) == 1
