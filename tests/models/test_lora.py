@@ -151,3 +151,10 @@ def test_lora_config_errors_name_the_field(tmp_path):
                                 f"lora.init_adapter={tmp_path / 'peft'}"])
     with pytest.raises(lora.LoraError, match="^lora.rank: 4 but the adapter"):
         lora.prepare(model, config)
+    # the matching settings load it: PEFT's logits
+    model, _ = weights.load_hf_checkpoint(tmp_path / "base")
+    config = load_config(None, ["lora.rank=2", "lora.alpha=4", "lora.target_modules=[q_proj]",
+                                f"lora.init_adapter={tmp_path / 'peft'}"])
+    lora.prepare(model, config)
+    reference = peft.PeftModel.from_pretrained(_base(tmp_path / "base"), tmp_path / "peft").eval()
+    _close(jax_logits(model, IDS), hf_logits(reference, IDS))
