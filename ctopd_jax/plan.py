@@ -145,6 +145,15 @@ def param_count(cfg) -> int:
     return total
 
 
+def lora_param_count(cfg, rank: int, targets) -> int:
+    """Adapter parameters of LoRA rank `rank` on `targets`: r x (in + out) per projection."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes = {"q_proj": (h, cfg.num_heads * d), "k_proj": (h, cfg.num_kv_heads * d),
+              "v_proj": (h, cfg.num_kv_heads * d), "o_proj": (cfg.num_heads * d, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    return cfg.num_layers * sum(rank * sum(shapes[t]) for t in targets)
+
+
 def attention_kind(cfg, override: str | None = None, gpu: bool = False) -> str:
     """The attention path to plan for: "einsum" (materialises [heads, T, T]), "blockwise"
     (O(T) plus a few [block, block] tiles a layer) or "cudnn" (O(T)). The model's `attention`
@@ -341,13 +350,24 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
     if not 0 < pool_fraction <= 1:
         raise UserError(f"XLA pool fraction {pool_fraction:g} is not in (0, 1]: lower "
                         "rollout.vllm_gpu_memory_utilization or pass --xla-mem-fraction")
+    lo = getattr(config, "lora", None)
+    trained = ps  # parameters with gradients and optimizer state
+    if lo is not None and lo.rank > 0:
+        trained = lora_param_count(student, lo.rank, lo.target_modules)
+        rows.append(Row("LoRA adapters", trained * pbytes / shard,
+                        f"rank {lo.rank}: {trained / 1e6:.2f} M x {pbytes} B / {shard}",
+                        "lora.rank or lora.target_modules"))
+        notes.append(f"LoRA rank {lo.rank}: {trained / 1e6:.2f} M trained parameters = "
+                     f"{trained / ps:.4f} x full fine-tuning (gradients, optimizer state); the "
+                     f"adapter is {trained * pbytes / 1e6:.1f} MB, but vLLM sync still sends the "
+                     f"merged weights ({ps * 2 / GB:.2f} GB bf16)")
     rows += [
         Row("student parameters", ps * pbytes / shard,
             f"{ps / 1e9:.2f} B x {pbytes} B ({m.param_dtype}) / fsdp x tensor {shard}",
             "mesh.fsdp (shard more) or model.param_dtype"),
-        Row("gradients (accumulator + micro-batch)", 2 * ps * pbytes / shard,
-            f"2 x {ps / 1e9:.2f} B x {pbytes} B / {shard}", "mesh.fsdp"),
-        Row("optimizer state (AdamW m, v)", ps * (mu_bytes + pbytes) / shard,
+        Row("gradients (accumulator + micro-batch)", 2 * trained * pbytes / shard,
+            f"2 x {trained / 1e9:.3f} B x {pbytes} B / {shard}", "mesh.fsdp"),
+        Row("optimizer state (AdamW m, v)", trained * (mu_bytes + pbytes) / shard,
             f"m {mu_dtype or m.param_dtype}, v {m.param_dtype}", "mesh.fsdp or optimizer.mu_dtype=bfloat16"),
         Row("teacher weights", pt * DTYPE_BYTES[t_param_dtype] / shard,
             f"{pt / 1e9:.2f} B x {DTYPE_BYTES[t_param_dtype]} B ({t_param_dtype}) / {shard}",

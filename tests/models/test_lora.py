@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from hf_fixtures import VARIANTS, hf_logits, jax_logits, save_hf, with_options
 from ctopd_jax.config import ConfigError, TrainConfig, load_config
 from ctopd_jax.models import lora, weights
+from ctopd_jax.plan import lora_param_count
 
 peft = pytest.importorskip("peft", reason="pip install -e '.[test]' (peft)")
 
@@ -62,7 +63,8 @@ def test_peft_adapter_parity_both_ways_and_merged_export(variant, tmp_path):
     _close(jax_logits(model, IDS), want)
     _close(jax_logits(with_options(model, scan_layers=True), IDS), want)
     assert lora.parameter_count(model) == sum(
-        p.numel() for n, p in reference.named_parameters() if "lora_" in n)
+        p.numel() for n, p in reference.named_parameters() if "lora_" in n) == (
+        lora_param_count(model.cfg, rank, targets))  # the planner's count
 
     # Our adapter files load into PEFT unchanged and give the same logits.
     lora.save_adapter(model, tmp_path / "ours", base_model=str(tmp_path / "base"))
