@@ -25,7 +25,7 @@ def gkd(beta, **kw):
 
 
 @pytest.mark.parametrize("beta,implementation", [
-    pytest.param(b, "xla", marks=[] if b == 0.5 else [pytest.mark.slow]) for b in BETAS] + [
+    pytest.param(b, "xla") for b in BETAS] + [
     pytest.param(b, "reference", marks=[pytest.mark.slow]) for b in BETAS])
 def test_values_and_gradients_match_torch(beta, implementation):
     s, t = random_logits(0, 9, 11), random_logits(1, 9, 11)

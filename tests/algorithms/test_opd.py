@@ -17,8 +17,7 @@ from ctopd_jax.algorithms.opd_full import OpdFull
 from ctopd_jax.algorithms.same_tokenizer import SameTokenizerSettings
 
 
-@pytest.mark.parametrize("clip", ["none", pytest.param("ppo", marks=pytest.mark.slow),
-                                  pytest.param("icepop", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("clip", ["none", "ppo", "icepop"])
 def test_sampled_matches_torch(clip):
     rows, vocab = 12, 7
     s, t = random_logits(10, rows, vocab), random_logits(11, rows, vocab)

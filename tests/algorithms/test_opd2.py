@@ -36,7 +36,6 @@ def test_gate_rule():
     assert np.asarray(a).tolist() == [0.5, 0.0, -1.0]  # kept, gated (signs differ), kept
 
 
-@pytest.mark.slow
 def test_values_and_gradients_match_torch():
     rows, vocab, k = 7, 10, 4
     s, t, b = random_logits(40, rows, vocab), random_logits(41, rows, vocab), random_logits(42, rows, vocab)

@@ -36,7 +36,6 @@ def test_spec_check_case():
     assert ref[0].tolist() == pytest.approx([math.log(2), -math.log(2)], abs=1e-6)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("baseline", ["full", "topk"])
 def test_values_and_gradients_match_torch(baseline):
     rows, vocab = 8, 9
