@@ -154,7 +154,8 @@ def run(argv=None) -> dict:
         "coverage_student": last.get("coverage_student_cum"),
         "coverage_teacher": last.get("coverage_teacher_cum"),
         "shared_vocab": trainer.overlap.shared, "aligned_targets_in_shared_vocab": in_shared,
-        "steps": config.steps, "train_seconds": round(train_s, 1),
+        "steps": config.steps, "train_seconds": round(train_s, 1), "algorithm": config.algorithm.name,
+        "model_teacher": config.model.teacher, "model_student": config.model.student,
         "total_seconds": round(time.perf_counter() - started, 1),
         "run_dir": str(result.run_dir), "checkpoints": str(result.checkpoint_dir),
         "hf_student": str(result.hf_dir), "plots": [str(p) for p in plots],
@@ -172,7 +173,8 @@ def _print_summary(s: dict) -> None:
     cov = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"
     print("\n".join([
         "",
-        "=== ctopd_jax demo: Qwen2/tiny_bpe teacher -> Llama/tiny_unigram student, strict top-k ===",
+        f"=== ctopd_jax demo: {s.get('model_teacher', 'demo:teacher')} -> {s.get('model_student', 'demo:student')}, "
+        f"objective {s.get('algorithm', 'topk_strict')} ===",
         f"teacher accuracy          {s['teacher_accuracy']:.3f}",
         f"student accuracy before   {s['student_accuracy_before']:.3f}",
         f"student accuracy after    {s['student_accuracy_after']:.3f}   ({closed})",
