@@ -228,8 +228,8 @@ def export_student(student, s_tok, out_dir: Path, is_writer: bool, config=None) 
     if config is not None and config.lora.rank > 0:
         from ctopd_jax.models.lora import save_adapter
 
-        adapter = save_adapter(model, Path(out_dir).parent / "adapter", config.model.student,
-                               config.lora.dropout)
+        base = model_dir(config.model.student) or config.model.student
+        adapter = save_adapter(model, Path(out_dir).parent / "adapter", str(base), config.lora.dropout)
         if not config.checkpoint.export_merged:
             return adapter
     extra = {"eos_token_id": s_tok.eos_id, "pad_token_id": s_tok.pad_id}

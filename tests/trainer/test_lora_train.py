@@ -2,6 +2,8 @@
 optimizer state and checkpoint hold the adapter alone), and the run's adapter/ folder loads
 onto the HF student with PEFT and gives our final student's logits; export_merged writes the
 merged model, which transformers loads to the same logits."""
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -12,17 +14,22 @@ from transformers import AutoModelForCausalLM
 from conftest import tiny_tree
 from ctopd_jax.config import load_config
 from ctopd_jax.models import lora, weights
+from ctopd_jax.metrics import read_metrics
 from ctopd_jax.trainer import Trainer
+from test_wandb import _history
 
 peft = pytest.importorskip("peft", reason="pip install -e '.[test]' (peft)")
 
 
 @pytest.mark.slow
-def test_lora_run_trains_only_the_adapter_and_writes_a_peft_adapter(tmp_path):
+def test_lora_run_trains_only_the_adapter_and_writes_a_peft_adapter(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
     tree = tiny_tree(tmp_path / "run", steps=2, **{
         "lora.rank": 4, "lora.alpha": 8.0, "lora.target_modules": ["q_proj", "v_proj", "up_proj"],
         "checkpoint.every": 1, "checkpoint.export_hf": True, "checkpoint.export_merged": True,
-        "optimizer.lr": 1e-2})
+        "checkpoint.async_save": False, "optimizer.lr": 1e-2,
+        "logging.wandb": True, "logging.wandb_mode": "offline"})
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(tree))
     trainer = Trainer(load_config(path))
@@ -57,6 +64,24 @@ def test_lora_run_trains_only_the_adapter_and_writes_a_peft_adapter(tmp_path):
     scale = np.abs(theirs).max()
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * scale)
     np.testing.assert_allclose(merged_logits, theirs, rtol=0, atol=1e-5 * scale)
+
+    # Resume from the step-1 checkpoint (adapter-only parameters and optimizer state): the same
+    # adapter as the uninterrupted run, bit for bit, and the same wandb run continued.
+    final = jax_host(nnx.state(trainer.student, lora.LoraParam))
+    run_id = (run_dir / "wandb_run_id").read_text()
+    shutil.rmtree(run_dir / "checkpoints" / "2")
+    again = Trainer(load_config(path))
+    again.train(resume=True)
+    resumed = jax_host(nnx.state(again.student, lora.LoraParam))
+    for (path_, a), (_, b) in zip(nnx.to_flat_state(resumed), nnx.to_flat_state(final)):
+        np.testing.assert_array_equal(a, b, err_msg=str(path_))
+    assert (run_dir / "wandb_run_id").read_text() == run_id
+    runs = sorted((tmp_path / "wandb_dir" / "wandb").glob("offline-run-*"))
+    assert [f.name for r in runs for f in r.glob("*.wandb")] == [f"run-{run_id.strip()}.wandb"] * 2
+    logged = [h for r in runs for h in _history(next(r.glob("*.wandb")))[0]]
+    assert [h["_step"] for h in logged] == [1, 2, 2]
+    for row, history in zip(read_metrics(run_dir), logged[::2]):  # rows of steps 1 and 2
+        assert set(row) - {"step"} <= set(history)
 
 
 def jax_host(state):
