@@ -7,6 +7,7 @@ chunk = crc32 u32, length u16, type u8), and each record parsed with wandb's own
 import importlib.util
 import json
 import struct
+import time
 
 import pytest
 
@@ -33,6 +34,8 @@ def _records(path):
         if kind == 0:  # zero padding to the end of a block
             pos += left
             continue
+        if pos + 7 + length > len(data):  # still being written
+            return
         parts += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST
@@ -42,9 +45,21 @@ def _records(path):
             yield record
 
 
+def _complete_records(run_file, timeout=30.0):
+    """The file's records once its `exit` record is there: wandb's service writes the file
+    in the background and may still be flushing it when run.finish() returns."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = list(_records(run_file))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or (
+                time.monotonic() > deadline):
+            return records
+        time.sleep(0.2)
+
+
 def _history(run_file):
     rows, config = [], {}
-    for record in _records(run_file):
+    for record in _complete_records(run_file):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             row = {(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
