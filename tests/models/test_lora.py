@@ -160,3 +160,29 @@ def test_lora_config_errors_name_the_field(tmp_path):
     lora.prepare(model, config)
     reference = peft.PeftModel.from_pretrained(_base(tmp_path / "base"), tmp_path / "peft").eval()
     _close(jax_logits(model, IDS), hf_logits(reference, IDS))
+
+
+@pytest.mark.slow
+def test_adapters_on_a_sharded_model_follow_the_base_sharding_and_match_peft(tmp_path):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from ctopd_jax.mesh import make_mesh
+
+    rank, alpha, targets = CASES["llama_untied_llama3rope"]
+    save_hf(VARIANTS["llama_untied_llama3rope"](), tmp_path / "base")
+    _peft_adapter(tmp_path / "base", tmp_path / "peft", rank, alpha, targets)
+    want = hf_logits(peft.PeftModel.from_pretrained(_base(tmp_path / "base"),
+                                                    tmp_path / "peft").eval(), IDS)
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    model, _ = weights.load_hf_checkpoint(tmp_path / "base", mesh=mesh)
+    lora.attach(model, rank, alpha, targets)
+    lora.load_adapter(model, tmp_path / "peft")
+    mlp = model.layers[0].mlp
+    assert mlp.gate_proj_lora_a[...].sharding == NamedSharding(mesh, P("fsdp", None))
+    assert mlp.gate_proj_lora_b[...].sharding == NamedSharding(mesh, P(None, "tensor"))
+    graphdef, state = nnx.split(model)
+    ids = jnp.asarray(IDS, jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda s: nnx.merge(graphdef, s)(ids, pos))(state)
+    _close(np.asarray(got), want)
