@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ctopd_jax.models.config import ModelConfigError
+
 # projection name -> (sub-module of DecoderLayer, number of leading input dims of the kernel)
 TARGETS = {"q_proj": ("attn", 1), "k_proj": ("attn", 1), "v_proj": ("attn", 1),
            "o_proj": ("attn", 2), "gate_proj": ("mlp", 1), "up_proj": ("mlp", 1),
@@ -47,8 +49,9 @@ class LoraScale(nnx.Variable):
     travels with the state into a Decoder built afresh and updated from it."""
 
 
-class LoraError(ValueError):
-    """An adapter folder that does not fit the model or the `lora:` settings (message names it)."""
+class LoraError(ModelConfigError):
+    """An adapter folder that does not fit the model or the `lora:` settings (message names it;
+    a ModelConfigError, so the command line shows it as one line)."""
 
 
 def lora_weight(module, name: str, dtype) -> jax.Array:
