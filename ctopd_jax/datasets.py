@@ -189,13 +189,14 @@ def _load_champ(numeric_only: bool) -> EvalDataset:
     return EvalDataset("champ:numeric" if numeric_only else "champ", problems)
 
 
-def _load_demo() -> EvalDataset:
-    from ctopd_jax.demo import task  # lazy: the demo package is optional at evaluation time
+def _load_named(name: str) -> EvalDataset:
+    """A set registered by its owner (ctopd_jax.sources), e.g. `demo` (the demo's held-out split)."""
+    from ctopd_jax import sources
 
-    problems = [EvalProblem(f"demo:{i}", p.prompt, str(p.answer), None, "demo held_out")
-                for i, p in enumerate(task.split("held_out"))]
-    return EvalDataset("demo", problems, answer_fallbacks=True, system_prompt=None,
-                       grade_fn=lambda response, answer: task.grade(response, answer))
+    try:
+        return sources.resolve("dataset", f"{name}:held_out", "--dataset")
+    except (sources.SourceError, ValueError) as err:
+        raise DatasetError(str(err)) from None
 
 
 def load_dataset(name_or_path: str | os.PathLike, *, limit: int | None = None,
@@ -210,7 +211,7 @@ def load_dataset(name_or_path: str | os.PathLike, *, limit: int | None = None,
     elif name in ("champ", "champ:numeric"):
         dataset = _load_champ(name == "champ:numeric")
     elif name == "demo":
-        dataset = _load_demo()
+        dataset = _load_named(name)
     else:
         path = Path(name)
         if path.is_dir():

@@ -272,9 +272,9 @@ def main(argv: Sequence[str] | None = None) -> EvalReport:
     try:
         if args.grade_only:
             grade_fn = None
-            if args.task_grader == "demo":
-                from ctopd_jax.demo import task
-                grade_fn = task.grade
+            if args.task_grader == "demo":  # the grader the demo registered with its data set
+                from ctopd_jax.datasets import load_dataset
+                grade_fn = load_dataset("demo").grade_fn
             report = grade_file(args.grade_only, answer_fallbacks=args.answer_fallbacks,
                                 grade_fn=grade_fn, k=args.samples, grader=grader)
         else:

@@ -7,7 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from ctopd_jax import sources
-from ctopd_jax.demo import data
+from ctopd_jax.demo import data, task
+
+
+def evaluation_set(split: str):
+    """The demo's split as an evaluation set, graded by the task's own grader."""
+    from ctopd_jax.datasets import EvalDataset, EvalProblem
+
+    problems = [EvalProblem(f"demo:{i}", p.prompt, str(p.answer), None, f"demo {split}")
+                for i, p in enumerate(task.split(split))]
+    return EvalDataset("demo", problems, answer_fallbacks=True, system_prompt=None,
+                       grade_fn=lambda response, answer: task.grade(response, answer))
+
 
 CHAR_ROLES = ("teacher", "student", "teacher_base")
 
@@ -32,3 +43,4 @@ def model_dir(name: str) -> Path:
 
 sources.register("model", "demo", model_dir)
 sources.register("prompts", "demo", data.prompt_file)
+sources.register("dataset", "demo", evaluation_set)
