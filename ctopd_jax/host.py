@@ -24,6 +24,8 @@ class HostBatch:
     responses: list[str]
     finish_reasons: list[str]
     shard_samples: int = 0           # samples this process generated itself (its shard)
+    turns: Any = None                # turns.TurnRows of turn-structured episodes (host_episodes)
+    turn_stats: dict | None = None   # their per-iteration metrics (reward, turns, curriculum)
 
     @property
     def size(self) -> int:
@@ -96,7 +98,7 @@ class Collector:
         self.s_tok, self.t_tok, self.engine, self.rollout = student_tok, teacher_tok, engine, rollout_section
         self.group = group
 
-    def collect(self, prompts, seed: int, timer) -> HostBatch:
+    def collect(self, prompts, seed: int, timer, rollout_index: int = 0) -> HostBatch:
         from ctopd_jax.align import strict_align
         from ctopd_jax.tokenization.retokenize import retokenize_pair
 
@@ -214,11 +216,9 @@ def load_response_prompts(path, prompt_key: str = "prompt", system_prompt: str =
 def same_tokenizer_batch(side, prompt_ids, sampled, logprobs, eos_ids, pad_to_multiple: int = 64):
     """A RetokenizedBatch (tokenization.retokenize layout) of the reused sampled ids, and the
     rollout log-probs per response row (values, weights); see the decisions above."""
-    from ctopd_jax.tokenization.retokenize import IGNORE_INDEX, RetokenizedBatch
-
     eos = set(int(e) for e in eos_ids) | {side.eos_id}
-    seqs, plens, bodies, values, weights = [], [], [], [], []
-    for p, ids, lps in zip(prompt_ids, sampled, logprobs):
+    responses, values, weights = [], [], []
+    for ids, lps in zip(sampled, logprobs):
         ids = [int(t) for t in ids]
         lps = list(lps) if lps is not None else [0.0] * len(ids)
         cut = next((i for i, t in enumerate(ids) if t in eos), None)
@@ -230,35 +230,61 @@ def same_tokenizer_batch(side, prompt_ids, sampled, logprobs, eos_ids, pad_to_mu
             v[:len(body)], w[:len(body)] = lps[:len(body)], 1.0
             if cut is not None:
                 v[-1], w[-1] = lps[cut], 1.0
-        seqs.append(list(p) + body + [final])
-        plens.append(len(p))
-        bodies.append(np.asarray(body, np.int32))
+        responses.append(body + [final])
         values.append(v)
         weights.append(w)
+    trained = [np.ones(len(r), bool) for r in responses]
+    return token_batch(side, prompt_ids, responses, trained, pad_to_multiple), \
+        (np.concatenate(values), np.concatenate(weights))
+
+
+def token_batch(side, prompt_ids, responses, trained, pad_to_multiple: int = 64):
+    """A RetokenizedBatch of prompt + response ids whose loss covers the response tokens where
+    `trained` is True (the rest, e.g. environment observations, is context only). Each response
+    ends with its trained EOS; `resp_*` describe the trained tokens before it."""
+    from ctopd_jax.tokenization.retokenize import IGNORE_INDEX, RetokenizedBatch
+
+    seqs = [list(p) + list(r) for p, r in zip(prompt_ids, responses)]
     lengths = np.array([len(s) for s in seqs])
     seq_len = -(-int(lengths.max()) // pad_to_multiple) * pad_to_multiple
     batch = len(seqs)
     input_ids = np.full((batch, seq_len), side.pad_id, np.int32)
-    for b, s in enumerate(seqs):
+    loss_mask = np.zeros((batch, seq_len), bool)
+    prompt_lens = np.asarray([len(p) for p in prompt_ids], np.int32)
+    bodies = []
+    for b, (s, r, t) in enumerate(zip(seqs, responses, trained)):
         input_ids[b, :len(s)] = s
-    prompt_lens = np.asarray(plens, np.int32)
-    response_lens = np.array([len(x) + 1 for x in bodies], np.int32)
+        loss_mask[b, prompt_lens[b] - 1 + np.flatnonzero(t)] = True   # row p predicts token p + 1
+        bodies.append(np.asarray(r, np.int32)[np.asarray(t, bool)][:-1])
     pos = np.arange(seq_len)[None, :]
-    first = prompt_lens[:, None] - 1
-    loss_mask = (pos >= first) & (pos < first + response_lens[:, None])
     labels = np.full((batch, seq_len), IGNORE_INDEX, np.int32)
     labels[:, :-1] = np.where(loss_mask[:, :-1], input_ids[:, 1:], IGNORE_INDEX)
     flat = np.concatenate(bodies) if bodies else np.zeros(0, np.int32)
     table = side.token_bytes
-    resp_bytes = [b"".join(table[i] for i in x.tolist()) for x in bodies]
-    rt = RetokenizedBatch(
+    return RetokenizedBatch(
         input_ids=input_ids, loss_mask=loss_mask, labels=labels, attention_mask=pos < lengths[:, None],
-        prompt_lens=prompt_lens, response_lens=response_lens,
+        prompt_lens=prompt_lens, response_lens=np.array([int(np.sum(t)) for t in trained], np.int32),
         resp_offsets=np.concatenate([[0], np.cumsum([len(x) for x in bodies])]).astype(np.int64),
         resp_ids=flat, resp_byte_len=side.token_byte_len[flat], resp_pairable=~side.is_added[flat],
-        resp_stripped=np.zeros(len(flat), bool), resp_bytes=resp_bytes,
-        responses=[side.decode(x) for x in bodies], eos_id=side.eos_id)
-    return rt, (np.concatenate(values), np.concatenate(weights))
+        resp_stripped=np.zeros(len(flat), bool),
+        resp_bytes=[b"".join(table[i] for i in x.tolist()) for x in bodies],
+        responses=[side.decode(r) for r in responses], eos_id=side.eos_id)
+
+
+def identity_alignment(batch):
+    """The alignment of a same-tokenizer batch with itself: every trained row pairs with
+    itself (the same ids on both sides), in loss-mask order, the last row of a sample its EOS."""
+    from ctopd_jax.align.strict import StrictAlignment
+
+    rows = np.flatnonzero(batch.loss_mask.reshape(-1)).astype(np.int32)
+    sample = (rows // batch.seq_len).astype(np.int32)
+    is_eos = np.r_[sample[1:] != sample[:-1], True] if len(rows) else np.zeros(0, bool)
+    counts = batch.response_lens.astype(np.int32)
+    return StrictAlignment(teacher_rows=rows, student_rows=rows, pair_sample=sample, pair_is_eos=is_eos,
+                           mismatch_groups=np.zeros((0, 5), np.int32),
+                           byte_mismatch=np.zeros(batch.batch_size, bool), teacher_pairs=counts,
+                           teacher_response_tokens=counts, student_response_tokens=counts,
+                           group_source=(batch, batch))
 
 
 class SameTokenizerCollector:
@@ -288,9 +314,7 @@ class SameTokenizerCollector:
         result = engine.generate(prompt_ids, params)
         return result.prompt_index, result.token_ids, result.logprobs, list(result.finish_reasons)
 
-    def collect(self, prompts, seed: int, timer) -> HostBatch:
-        from ctopd_jax.align import strict_align
-
+    def collect(self, prompts, seed: int, timer, rollout_index: int = 0) -> HostBatch:
         n = self.rollout.n_samples_per_prompt
         total = len(prompts) * n
         sources = self.sample_sources(total)
@@ -327,7 +351,7 @@ class SameTokenizerCollector:
                 if s[2] is None:
                     lo, hi = int(batch.response_lens[:b].sum()), int(batch.response_lens[:b + 1].sum())
                     weights[lo:hi] = 0.0
-            alignment = strict_align(batch, batch)
+            alignment = identity_alignment(batch)
         host = HostBatch(batch, batch, alignment, (values, weights), list(batch.responses),
                          [s[3] for s in slots])
         host.sources = sources

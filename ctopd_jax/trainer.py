@@ -153,11 +153,12 @@ class Trainer:
                               np.float32(total_tokens), grads, graphdef=self.graphdef,
                               accumulation=accumulation, objective=self.objective, mesh=mesh)
 
-    def iteration(self, timer: StepTimer) -> tuple[dict[str, Any], list[dict]]:
+    def iteration(self, timer: StepTimer, rollout_index: int = 0) -> tuple[dict[str, Any], list[dict]]:
+        """`rollout_index`: the rollout batch's index n (TCOD's curriculum reads it)."""
         o = self.config.optimizer
         self.rng, sub = jax.random.split(self.rng)
         seed = int(jax.random.randint(sub, (), 0, 2 ** 31 - 1))
-        host = self.collector.collect(self.stream.next_batch(), seed, timer)
+        host = self.collector.collect(self.stream.next_batch(), seed, timer, rollout_index=rollout_index)
         coverage = self.coverage.update(host.alignment)
         accumulation = o.train_batch_size // o.micro_batch_size
         sums: dict[str, float] = {}
@@ -203,6 +204,7 @@ class Trainer:
             "truncated_samples": sum(r == "length" for r in host.finish_reasons),
             "rollout_shard_samples": host.shard_samples,
             "student_response_tokens": int(tokens), "strict_pairs": host.alignment.num_pairs, **coverage})
+        metrics.update({k: v for k, v in (host.turn_stats or {}).items() if v is not None})
         return metrics
 
     # -- the loop ---------------------------------------------------------------------------
@@ -287,7 +289,7 @@ class Trainer:
         if self.diagnostics is not None and self.diagnostics.due(step - 1):
             with timer("diagnostics"):
                 diagnostics = self.diagnostics.run()
-        metrics, samples = self.iteration(timer)
+        metrics, samples = self.iteration(timer, step - 1)
         metrics.update(diagnostics)
         metrics["tokens_per_s"] = metrics["student_response_tokens"] / max(time.perf_counter() - began, 1e-9)
         with timer("eval"):

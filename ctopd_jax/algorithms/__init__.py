@@ -7,6 +7,7 @@ from __future__ import annotations
 from ctopd_jax.algorithms.base import Needs, Objective, StepInputs, register, registry
 from ctopd_jax.algorithms import strict, span, simct, mp_opd  # noqa: F401,E402  (register the objectives)
 from ctopd_jax.algorithms import gkd, opd, opd_full, vopd, opd2  # noqa: F401,E402  (same-tokenizer family)
+from ctopd_jax.algorithms import tcod, sod, sage_opd  # noqa: F401,E402  (turn-structured family)
 
 
 def get_objective(settings) -> Objective:

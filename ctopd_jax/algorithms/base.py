@@ -58,6 +58,7 @@ class Needs:
     teacher_base: bool = False           # a third model: the teacher's pre-tuning base
     rollout_logprobs: bool = False       # engine log-probs of the sampled tokens (π_old)
     reuse_sampled_ids: bool = False      # same tokenizer: sampled ids reused, no re-tokenization
+    turns: bool = False                  # turn-structured episodes (host_episodes.EpisodeCollector)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,10 @@ class Objective:
     # -- host side ---------------------------------------------------------------------------
     def check(self, overlap) -> None:
         """Raise one clear ValueError for settings that cannot work with this tokenizer pair."""
+
+    def check_run(self, config) -> None:
+        """Raise one clear ValueError for settings that cannot work with the rest of the run
+        config (before any model loads)."""
 
     def prepare(self, host, start: int, stop: int) -> dict:
         raise NotImplementedError

@@ -90,10 +90,11 @@ def old_logprobs(x, s, logp):
     return jnp.where(have, x.batch["rollout_logprobs"], recomputed)
 
 
-def full_vocab_sum(x, s, divergence: str, temperature: float, jsd_beta: float = 0.5):
+def full_vocab_sum(x, s, divergence: str, temperature: float, jsd_beta: float = 0.5, weights=None):
     """(Σ_r w_r D_r, per-row D_r) of a SPEC §5 divergence over the full vocabulary at the
     response rows, chunked from hidden rows with the recomputing gradient (s_ids = t_ids =
-    arange(V): the shared-vocabulary kernel with every column shared)."""
+    arange(V): the shared-vocabulary kernel with every column shared). w_r: `weights`, by
+    default the response rows' own weights."""
     vocab = x.lm_head.shape[1]
     if x.teacher_lm_head.shape[1] != vocab:
         raise ValueError(f"student lm_head has {vocab} columns, the teacher's "
@@ -101,7 +102,8 @@ def full_vocab_sum(x, s, divergence: str, temperature: float, jsd_beta: float = 
     ids = jnp.arange(vocab, dtype=jnp.int32)
     rows = jnp.take(x.hidden, x.batch["response_rows"], axis=0)
     return strict_kd_rows((rows, x.lm_head), (x.teacher_hidden, x.teacher_lm_head), ids,
-                          x.batch["response_weight"], t_ids=ids, divergence=divergence,
+                          x.batch["response_weight"] if weights is None else weights, t_ids=ids,
+                          divergence=divergence,
                           temperature=temperature, implementation=s.implementation,
                           chunk_rows=s.chunked_loss_size, jsd_beta=jsd_beta)
 

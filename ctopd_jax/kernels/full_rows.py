@@ -16,7 +16,8 @@ Statistics provided here (each a `fn`):
 - `topk_reverse_kl(k)`: the same on the top-k columns of p_0, both rows renormalised there
   (vOPD's top-k baseline);
 - `topk_centres(k)`: OPD²'s E_{p̃_S}[log p_T − log p_S] and E_{p̃_S}[log p_T − log p_B] over
-  the top-k columns of p_S (models = student, teacher, base), p̃_S renormalised there.
+  the top-k columns of p_S (models = student, teacher, base), p̃_S renormalised there;
+- `top1_stats`: the teacher's top-1 probability and student/teacher argmax agreement (SAGE-OPD).
 """
 from __future__ import annotations
 
@@ -100,3 +101,11 @@ def topk_centres(k: int):
         q = jax.nn.softmax(s_k, axis=-1)
         return jnp.stack([jnp.sum(q * (t_k - s_k), -1), jnp.sum(q * (t_k - b_k), -1)], axis=-1)
     return fn
+
+
+def top1_stats(log_probs):
+    """[c, 2]: model 1's top-1 probability, and 1 where models 0 and 1 have the same argmax
+    (SAGE-OPD's confidence and its proxy judge's agreement; models = student, teacher)."""
+    s, t = log_probs
+    agree = (jnp.argmax(s, axis=-1) == jnp.argmax(t, axis=-1)).astype(jnp.float32)
+    return jnp.stack([jnp.exp(jnp.max(t, axis=-1)), agree], axis=-1)

@@ -1,0 +1,75 @@
+"""Shared ground of the turn-structured objectives (SPEC §9): tcod, sod, sage_opd.
+
+They train on episodes (host_episodes.EpisodeCollector: multi-turn with an environment, or one
+response split into paragraph turns), reuse the sampled ids like the rest of the same-tokenizer
+family, and see each response row's TURN: `prepare` adds, per response row,
+
+- `turn_segment`: a dense id of the row's (sample, turn) in the micro-batch (segment sums);
+- `first_segment`: the id of the first turn of the row's sample (SOD's d_1);
+- `outcome_advantage`: the sample's group-normalised outcome advantage (SOD's Â);
+- `turn_judgment`: a judge's weight of the row's turn (SAGE-OPD; -1 where the judge is the
+  on-device proxy).
+
+Padding rows take segment 0 with weight 0, so every weighted segment sum ignores them.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ctopd_jax.algorithms import pack
+from ctopd_jax.algorithms.base import Needs
+from ctopd_jax.algorithms.opd import OpdSampled
+from ctopd_jax.algorithms.same_tokenizer import same_inputs
+
+
+def turn_arrays(host, start: int, stop: int, size: int) -> dict[str, np.ndarray]:
+    lens = host.student.response_lens
+    lo, hi = int(lens[:start].sum()), int(lens[:stop].sum())
+    turn = host.turns.turn[lo:hi]
+    sample = np.repeat(np.arange(start, stop), lens[start:stop])
+    new = np.r_[True, (turn[1:] != turn[:-1]) | (sample[1:] != sample[:-1])] if len(turn) else np.zeros(0, bool)
+    seg = np.cumsum(new) - 1
+    opens = np.r_[True, sample[1:] != sample[:-1]] if len(turn) else np.zeros(0, bool)
+    first = seg[opens][np.cumsum(opens) - 1]
+    judgment = host.turns.judgment[lo:hi] if host.turns.judgment is not None else np.full(hi - lo, -1.0)
+    return {"turn_segment": pack.padded(seg, size)[0], "first_segment": pack.padded(first, size)[0],
+            "outcome_advantage": pack.padded(host.turns.outcome[sample], size, np.float32)[0],
+            "turn_judgment": pack.padded(judgment, size, np.float32)[0]}
+
+
+def segment_means(values, x):
+    """[rows] → [segments]: the weighted mean of `values` over each turn of the micro-batch."""
+    w = x.batch["response_weight"]
+    seg = x.batch["turn_segment"]
+    n = w.shape[0]
+    total = jax.ops.segment_sum(values * w, seg, num_segments=n)
+    count = jax.ops.segment_sum(w, seg, num_segments=n)
+    return total / jnp.maximum(count, 1e-9)
+
+
+class TurnObjective(OpdSampled):
+    """OPD's sampled surrogate over turn-structured episodes; subclasses shape the advantage,
+    the weights or the curriculum."""
+    needs = Needs(responses="student", teacher=True, rollout_logprobs=True, reuse_sampled_ids=True,
+                  turns=True)
+
+    def prepare(self, host, start, stop):
+        arrays = same_inputs(host, start, stop)
+        arrays.update(turn_arrays(host, start, stop, arrays["response_weight"].shape[0]))
+        return arrays
+
+    # -- host-side hooks (host_episodes.EpisodeCollector) --------------------------------------
+    uses_expert = False   # B2F curricula replay an expert path first
+
+    def turn_limit(self, rollout_index: int) -> int | None:
+        """How many turns the student plays in rollout batch `rollout_index` (None: no limit)."""
+        return None
+
+    def expert_prefix(self, rollout_index: int, length: int) -> int:
+        """How many of an expert path's `length` turns are replayed before the student starts."""
+        return 0
+
+    def annotate(self, turns, episodes, samples, collector) -> None:
+        """Add host-side labels to `turns` (turns.TurnRows) after collection."""

@@ -1,0 +1,143 @@
+"""Turn-structured rollouts (rollout/episodes.py, turns.py, host.token_batch): turns, masks,
+the tool-stop cut, the budget and the turn cap, on a scripted engine and the real calculator."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ctopd_jax.data import Prompt
+from ctopd_jax.envs import make_environment
+from ctopd_jax.host import token_batch
+from ctopd_jax.rollout.base import RolloutResult, SamplingParams
+from ctopd_jax.rollout.episodes import play
+from ctopd_jax.tokenization import load_tokenizer_side
+from ctopd_jax.turns import CONTEXT, STUDENT, Episode, episode_arrays, paragraph_turns
+
+EOS = "<|end|>"
+
+
+@pytest.fixture(scope="module")
+def side():
+    return load_tokenizer_side("char")
+
+
+class ScriptedEngine:
+    """Answers call c, active sample j with script[j][c] (EOS written as <|end|>); log-prob of
+    the i-th token of a turn: -(i + 1) / 100. Records the contexts it was given."""
+
+    def __init__(self, side, script):
+        self.side, self.script, self.calls = side, script, []
+        self.eos_ids = (side.eos_id,)
+
+    def generate(self, prompts, params):
+        self.calls.append([list(p) for p in prompts])
+        c = len(self.calls) - 1
+        active = [j for j, turns in enumerate(self.script) if len(turns) > c][:len(prompts)]
+        toks = []
+        for j in active:
+            text = self.script[j][c]
+            body = text.replace(EOS, "")
+            ids = self.side.encode(body) + ([self.side.eos_id] if text.endswith(EOS) else [])
+            toks.append(ids[:params.max_new_tokens])
+        return RolloutResult([list(p) for p in prompts], toks, [[-(i + 1) / 100 for i in range(len(t))] for t in toks],
+                             ["stop"] * len(toks), list(range(len(toks))))
+
+
+def prompt(answer="408"):
+    return Prompt(({"role": "user", "content": "Compute 12 * 34."},), "test:1", {"answer": answer})
+
+
+def text(side, ids):
+    return side.decode(ids, skip_special_tokens=False)
+
+
+def test_calculator_episode_masks_the_observation_and_cuts_at_the_tool_tag(side):
+    engine = ScriptedEngine(side, [["<calc>12*34</calc> ignored tail", "The answer is 408." + EOS]])
+    ep = play(engine, side, [prompt()], [[1, 2]], SamplingParams(max_new_tokens=200),
+              environment=lambda: make_environment("calculator"), max_turns=4)[0]
+    roles = [(s.role, text(side, s.ids)) for s in ep.segments]
+    assert roles == [(STUDENT, "<calc>12*34</calc>"), (CONTEXT, "<result>408</result>"),
+                     (STUDENT, "The answer is 408." + EOS)]
+    assert ep.reward == 1.0 and ep.finish_reason == "stop"
+    # the second turn saw the first turn (cut at the tag) and the observation as its context
+    assert text(side, engine.calls[1][0][2:]) == "<calc>12*34</calc><result>408</result>"
+    ids, trained, lps, known, turn = episode_arrays(ep)
+    assert text(side, ids[~trained]) == "<result>408</result>"
+    assert list(turn[trained]) == [0] * 18 + [1] * 19
+    # rollout log-probs of the kept tokens are the engine's (the cut keeps their order)
+    np.testing.assert_allclose(lps[:18], -(np.arange(18) + 1) / 100)
+    assert known[trained].all()
+
+
+def test_turn_cap_and_budget_end_the_episode_with_an_appended_eos(side):
+    engine = ScriptedEngine(side, [["<calc>1+1</calc>", "<calc>2+2</calc>", "never"],
+                                   ["The answer is" + " 1" * 50]])
+    eps = play(engine, side, [prompt(), prompt()], [[1], [1]], SamplingParams(max_new_tokens=80),
+               environment=lambda: make_environment("calculator"), max_turns=2)
+    capped, cut = eps
+    assert capped.finish_reason == "turns" and len(engine.calls) == 2
+    assert [s.role for s in capped.segments] == [STUDENT, CONTEXT, STUDENT, CONTEXT, STUDENT]
+    assert capped.segments[-1].ids == [side.eos_id]          # a turn of its own after the observation
+    assert cut.finish_reason == "length"
+    ids, trained, _, known, _ = episode_arrays(cut)
+    assert len(ids) == 81 and ids[-1] == side.eos_id and not known[-1] and known[:-1].all()
+
+
+def test_single_turn_paragraphs_and_the_f2b_turn_limit(side):
+    engine = ScriptedEngine(side, [["First step.\n\nSecond step.\n\nThe answer is 3." + EOS]])
+    full = play(engine, side, [prompt("3")], [[1]], SamplingParams(max_new_tokens=100))[0]
+    assert [text(side, s.ids) for s in full.segments] == ["First step.\n\n", "Second step.\n\n",
+                                                          "The answer is 3." + EOS]
+    limited = play(ScriptedEngine(side, engine.script), side, [prompt("3")], [[1]],
+                   SamplingParams(max_new_tokens=100), turn_limit=2)[0]
+    assert [text(side, s.ids) for s in limited.segments] == ["First step.\n\n", "Second step.\n\n" + EOS]
+    assert limited.finish_reason == "turns"
+
+
+def test_b2f_expert_turns_are_replayed_as_context(side):
+    engine = ScriptedEngine(side, [["The answer is 408." + EOS]])
+    ep = play(engine, side, [prompt()], [[1]], SamplingParams(max_new_tokens=100),
+              environment=lambda: make_environment("calculator"), expert_turns=[["<calc>12*34</calc>"]])[0]
+    assert [(s.role, text(side, s.ids)) for s in ep.segments] == [
+        (CONTEXT, "<calc>12*34</calc>"), (CONTEXT, "<result>408</result>"), (STUDENT, "The answer is 408." + EOS)]
+    assert ep.reward == 1.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.text(alphabet="ab \n", min_size=0, max_size=12), min_size=1, max_size=6))
+def test_paragraph_turns_partition_the_tokens(pieces):
+    """Every token has one turn; turns start at 0, never decrease, step by at most 1, and a new
+    turn starts exactly after a blank line (brute force over the joined text)."""
+    tokens = [p.encode() for p in pieces]
+    turns = paragraph_turns(tokens)
+    assert len(turns) == len(tokens) and (len(turns) == 0 or turns[0] == 0)
+    assert np.all(np.diff(turns) >= 0) and np.all(np.diff(turns) <= 1)
+    for i in range(1, len(tokens)):
+        before = b"".join(tokens[:i]) + tokens[i][:len(tokens[i]) - len(tokens[i].lstrip())]
+        opens = bool(tokens[i].strip()) and before.replace(b" ", b"").endswith(b"\n\n")
+        assert (turns[i] == turns[i - 1] + 1) == opens
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([STUDENT, CONTEXT]), st.integers(1, 6)), min_size=1, max_size=7),
+       st.integers(1, 5))
+def test_no_context_token_is_ever_in_the_loss_mask(segments, prompt_len):
+    """token_batch over random episodes: the loss rows predict exactly the student tokens, and
+    the turns of the trained rows are consecutive student segments."""
+    eos = 2
+    ep = Episode(list(range(10, 10 + prompt_len)))
+    next_id = 20
+    for role, n in segments:
+        ep.add(list(range(next_id, next_id + n)), role, [0.0] * n if role == STUDENT else None)
+        next_id += n
+    ep.add([eos], STUDENT, [0.0])
+    ids, trained, _, _, turn = episode_arrays(ep)
+    batch = token_batch(load_tokenizer_side("char"), [ep.prompt_ids], [ids], [trained], pad_to_multiple=8)
+    predicted = batch.labels[0][batch.loss_mask[0]]
+    student_ids = [t for s in ep.segments if s.role == STUDENT for t in s.ids]
+    assert list(predicted) == student_ids
+    assert batch.response_lens[0] == len(student_ids)
+    assert list(turn[trained]) == [k for k, s in enumerate([s for s in ep.segments if s.role == STUDENT])
+                                   for _ in s.ids]
