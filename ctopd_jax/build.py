@@ -63,8 +63,10 @@ def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, ro
     param_dtype = model_section.param_dtype
     if role == "teacher" and model_section.teacher_param_dtype:
         param_dtype = model_section.teacher_param_dtype
+    # The execution options (attention and mlp_chunk for every side; remat, remat_policy and
+    # scan_layers for the student only) go into its ModelConfig, checkpoint or preset alike.
     kwargs = dict(dtype=model_section.dtype, param_dtype=param_dtype,
-                  remat=model_section.remat if role == "student" else False)
+                  **model_section.execution_options(role))
     if directory is not None:
         from ctopd_jax.models.weights import load_hf_checkpoint
         model, _ = load_hf_checkpoint(directory, mesh=mesh, **kwargs)  # placed on its shardings

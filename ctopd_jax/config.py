@@ -66,6 +66,47 @@ class ModelSection:
     # OPD² (algorithm.name=opd2): the teacher's own pre-tuning base π_B, same tokenizer as the
     # teacher (a checkpoint directory or named source); "" = none.
     teacher_base: str = ""
+    # Execution options of the decoder (ModelConfig in models/config.py, which decoder.py and
+    # attention.py read): they change memory and speed, not the numbers beyond float rounding.
+    # The defaults are the unrolled, unchunked path with the `auto` attention.
+    # remat_policy: "" follows `remat` (true = "full"); a non-empty value wins over `remat`.
+    # remat, remat_policy and scan_layers apply to the student only: they shape the backward
+    # pass, which the frozen teacher never runs (for a forward alone the scan only adds its
+    # stacked copy of the layer weights). attention and mlp_chunk apply to every model.
+    remat_policy: str = ""
+    scan_layers: bool = False     # layers under lax.scan: where XLA honours remat (decoder.py)
+    mlp_chunk: int = 0            # tokens per rematerialised MLP chunk; 0 = the whole sequence
+    # auto (cuDNN for bf16 on a GPU without a KV cache, else blockwise) | einsum (reference)
+    # | blockwise | cudnn (bf16 and rollout.engine=vllm only: it cannot decode with a KV cache)
+    attention: str = "auto"
+
+    def validate(self) -> None:
+        """Impossible execution options, one ConfigError naming the field; the allowed values
+        are ModelConfig's own (models/config.py), so the two lists cannot drift apart."""
+        from ctopd_jax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+
+        policies = ("",) + REMAT_POLICIES
+        _require(self.remat_policy in policies, "model.remat_policy",
+                 f"{self.remat_policy!r} is not one of {', '.join(repr(p) for p in policies)} "
+                 "(\"\" = follow model.remat)")
+        _require(self.attention in ATTENTION_IMPLEMENTATIONS, "model.attention",
+                 f"{self.attention!r} is not one of "
+                 f"{', '.join(repr(a) for a in ATTENTION_IMPLEMENTATIONS)}")
+        _require(self.mlp_chunk >= 0, "model.mlp_chunk",
+                 f"{self.mlp_chunk} must be >= 0 (0 = no chunking)")
+        _require(self.attention != "cudnn" or self.dtype == "bfloat16", "model.attention",
+                 "'cudnn' needs model.dtype: bfloat16; use 'auto' (it picks cuDNN when it can)")
+
+    def execution_options(self, role: str) -> dict[str, Any]:
+        """The ModelConfig execution fields of one side (`build.load_side`, role "student" or
+        "teacher", which model.teacher_base also loads as): every side gets the attention and
+        the MLP chunking; the backward-pass options (remat, remat_policy, scan_layers) only the
+        student, as `remat` always did."""
+        options = dict(attention=self.attention, mlp_chunk=self.mlp_chunk)
+        if role == "student":
+            options.update(remat=self.remat, remat_policy=self.remat_policy,
+                           scan_layers=self.scan_layers)
+        return options
 
 
 @dataclass(frozen=True)
@@ -137,6 +178,45 @@ def algorithm_class(name: Any) -> type:
         raise ConfigError(f"algorithm.name: {name!r} is not a registered objective; choose one of "
                           f"{', '.join(sorted(table))}")
     return table[name].settings_class
+
+
+def objectives_defining(key: str) -> list[str]:
+    """The registered objectives whose config section has the field `key` (sorted)."""
+    from ctopd_jax.algorithms import registry
+
+    return sorted(name for name, cls in registry().items()
+                  if key in {f.name for f in dataclasses.fields(cls.settings_class)})
+
+
+def _drop_other_objectives_keys(tree: dict, file_algorithm: Mapping[str, Any],
+                                set_keys: set[str]) -> None:
+    """Switching the objective on the command line (`--set algorithm.name=X` over a file that
+    names another one) drops the FILE's algorithm keys that X does not define but another
+    registered objective does, e.g. tiny_cpu.yaml's `ctkd_topk` (topk_strict's k) under
+    `--set algorithm.name=simct`: those keys were written for the file's objective.
+
+    The rule a user sees: the keys of the objective a config file names must belong to it, and
+    so must every `--set algorithm.*` key; only the base file's keys for the objective it named
+    give way when the command line picks another one. A key no objective defines is still
+    refused (a typo), and so is another objective's key in a file that names the objective
+    itself or given with `--set` (`_build` then says which objectives the key belongs to).
+    (Chosen over moving `ctkd_topk` out of tiny_cpu.yaml, the demo's own top-k config, and over
+    ignoring every foreign key, which would hide a `--set` that does nothing.)"""
+    section = tree.get("algorithm")
+    if not isinstance(section, dict):
+        return
+    name = section.get("name", AlgorithmSection.name)
+    if name == file_algorithm.get("name", AlgorithmSection.name):
+        return
+    from ctopd_jax.algorithms import registry
+
+    table = registry()
+    if name not in table:
+        return  # `_build` reports the unknown algorithm.name
+    own = {f.name for f in dataclasses.fields(table[name].settings_class)}
+    for key in file_algorithm:
+        if key not in own and key not in set_keys and key in section and objectives_defining(key):
+            del section[key]
 
 
 @dataclass(frozen=True)
@@ -321,6 +401,13 @@ def _build(cls: type, values: Any, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
+    if unknown and issubclass(cls, AlgorithmSection):
+        owned = {k: objectives_defining(k) for k in unknown}
+        if all(owned.values()):  # keys of other objectives: say whose they are
+            name = values.get("name", AlgorithmSection.name)
+            raise ConfigError("; ".join(
+                f"algorithm.{k} belongs to {', '.join(owners)}; remove it when "
+                f"algorithm.name={name}" for k, owners in owned.items()))
     if unknown:
         dotted = ", ".join(f"{prefix + '.' if prefix else ''}{k}" for k in unknown)
         raise ConfigError(f"unknown config key(s) {dotted}; known keys of {where}: "
@@ -370,9 +457,14 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
             raise ConfigError(f"--config {path}: not a UTF-8 text file; pass a YAML file") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
+    file_algorithm = dict(tree["algorithm"]) if isinstance(tree.get("algorithm"), dict) else {}
+    set_algorithm_keys = set()
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
+        if key.startswith("algorithm."):
+            set_algorithm_keys.add(key.split(".", 2)[1])
+    _drop_other_objectives_keys(tree, file_algorithm, set_algorithm_keys)
     if mesh:
         from ctopd_jax.mesh import MeshError, parse_mesh
         try:
@@ -412,6 +504,10 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     _require(r.max_prompt_len >= 1, "rollout.max_prompt_len", "must be >= 1")
     _require(r.jax_decode_slots >= 1, "rollout.jax_decode_slots", "must be >= 1")
     _require(r.jax_kv_cache_budget_gb > 0, "rollout.jax_kv_cache_budget_gb", "must be > 0 (GB)")
+    config.model.validate()
+    _require(config.model.attention != "cudnn" or r.engine != "jax", "model.attention",
+             "'cudnn' cannot decode with a KV cache, which rollout.engine=jax does with the same "
+             "model; use 'auto' (cuDNN where it can, blockwise for decoding)")
     a.validate()
     _require(o.lr > 0, "optimizer.lr", "must be > 0")
     _require(all(0 <= b < 1 for b in o.betas), "optimizer.betas", "each must be in [0, 1)")

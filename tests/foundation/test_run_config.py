@@ -1,8 +1,9 @@
 import dataclasses
+from pathlib import Path
 
 import pytest
 
-from ctopd_jax.config import ConfigError, TrainConfig, load_config, validate
+from ctopd_jax.config import ConfigError, TrainConfig, from_dict, load_config, validate
 
 
 def write(tmp_path, text):
@@ -60,3 +61,50 @@ def test_mesh_must_match_device_count():
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="--config"):
         load_config(tmp_path / "nope.yaml")
+
+
+# -- keys of another objective (algorithm.name picks the settings class) ---------------------------
+
+TINY_CPU = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
+
+@pytest.mark.parametrize("name, cls", [("simct", "SimCTSettings"), ("mp_opd", "MpOpdSettings")])
+def test_switching_the_objective_drops_the_files_keys_of_another(name, cls):
+    """tiny_cpu.yaml sets ctkd_topk for its topk_strict; `--set algorithm.name=X` takes the
+    file's other settings and drops the keys only other objectives define."""
+    cfg = load_config(TINY_CPU, [f"algorithm.name={name}"])
+    assert type(cfg.algorithm).__name__ == cls and cfg.algorithm.name == name
+    assert not hasattr(cfg.algorithm, "ctkd_topk")
+    assert cfg.algorithm.kd_loss_fn == "rkl" and cfg.algorithm.chunked_loss_size == 2048
+    assert "ctkd_topk" not in cfg.to_dict()["algorithm"]
+
+
+def test_the_files_own_objective_keeps_its_keys():
+    assert load_config(TINY_CPU).algorithm.ctkd_topk == 16
+    assert load_config(TINY_CPU, ["algorithm.name=strict"]).algorithm.ctkd_topk == 16
+    assert load_config(TINY_CPU,
+                       ["algorithm.name=span"]).algorithm.ctkd_topk == 16
+
+
+@pytest.mark.parametrize("overrides", [
+    ["algorithm.name=simct", "algorithm.ctkd_topk=16"],   # given explicitly: it would do nothing
+    ["algorithm.ctkd_topk=16", "algorithm.name=simct"],
+])
+def test_another_objectives_key_on_the_command_line_is_refused(overrides):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY_CPU, overrides)
+    assert str(err.value) == ("algorithm.ctkd_topk belongs to span, strict, topk_strict; "
+                              "remove it when algorithm.name=simct")
+
+
+def test_another_objectives_key_in_a_file_naming_the_objective_is_refused(tmp_path):
+    path = write(tmp_path, "algorithm:\n  name: mp_opd\n  ctkd_topk: 16\n")
+    with pytest.raises(ConfigError, match=r"^algorithm\.ctkd_topk belongs to span, strict, "
+                                          r"topk_strict; remove it when algorithm\.name=mp_opd$"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"algorithm\.span_lambda belongs to span;"):
+        from_dict({"algorithm": {"name": "simct", "span_lambda": 1.0}})
+
+
+def test_a_key_no_objective_defines_is_still_unknown():
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) algorithm\.ctkd_topkk"):
+        load_config(TINY_CPU, ["algorithm.name=simct", "algorithm.ctkd_topkk=3"])
