@@ -10,6 +10,8 @@ Decisions where SPEC is silent:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import json
 import warnings
@@ -170,8 +172,20 @@ class ProcessShardedEngine:
         self.engine.update_weights(local_copy(model))
 
 
-def make_engine(student, s_tok, rollout, mesh):
-    """The rollout engine of `rollout.engine` over the student policy."""
+def context_room(objective, rollout, side) -> int:
+    """Prompt tokens an engine must accept beyond rollout.max_prompt_len: the later turns of an
+    episode read the response so far, and SAGE-OPD's judge prompt wraps a turn and its feedback."""
+    if not objective.needs.turns:
+        return 0
+    return rollout.generate_max_len + objective.judge_prompt_tokens(side, rollout)
+
+
+def make_engine(student, s_tok, rollout, mesh, extra_context: int = 0):
+    """The rollout engine of `rollout.engine` over the student policy; it accepts prompts of
+    rollout.max_prompt_len + `extra_context` tokens."""
+    if extra_context:
+        rollout = dataclasses.replace(rollout, max_prompt_len=rollout.max_prompt_len + extra_context)
+
     def make(model):
         if rollout.engine == "vllm":
             from ctopd_jax.rollout.vllm_engine import VllmEngine
@@ -259,6 +273,10 @@ def check_objective_inputs(config, objective) -> None:
     from ctopd_jax.host import check_same_tokenizer
 
     needs, m, name = objective.needs, config.model, config.algorithm.name
+    try:
+        objective.check_run(config)
+    except ValueError as err:
+        raise TrainerSetupError(str(err)) from None
     if needs.teacher_base and not m.teacher_base:
         raise TrainerSetupError(f"model.teacher_base: algorithm.name={name} needs the teacher's pre-tuning "
                                 "base model; set model.teacher_base (e.g. demo_char:teacher_base)")
@@ -327,8 +345,24 @@ def make_collector(config, objective, s_tok, t_tok, engine, teacher, mesh):
         return Collector(s_tok, t_tok, engine, config.rollout)
     s = objective.settings
     teacher_engine = None
-    if objective.needs.responses == "teacher" or getattr(s, "seq_kd", False):
-        teacher_engine = make_engine(teacher, t_tok, config.rollout, mesh)
+    if (objective.needs.responses == "teacher" or getattr(s, "seq_kd", False)
+            or getattr(objective, "needs_teacher_engine", False) or getattr(objective, "uses_expert", False)):
+        room = context_room(objective, config.rollout, t_tok)
+        longest = config.rollout.max_prompt_len + room + config.rollout.generate_max_len
+        if getattr(objective, "needs_teacher_engine", False) and longest > teacher.cfg.max_position_embeddings:
+            raise TrainerSetupError(
+                f"algorithm.sage_judge=teacher: a judge call needs up to {longest} positions but the teacher's "
+                f"max_position_embeddings is {teacher.cfg.max_position_embeddings}; use sage_judge=proxy for a "
+                "small model, or shorter rollout.max_prompt_len / generate_max_len")
+        teacher_engine = make_engine(teacher, t_tok, config.rollout, mesh, room)
+    if objective.needs.turns:
+        from functools import partial
+
+        from ctopd_jax.envs import make_environment
+        from ctopd_jax.host_episodes import EpisodeCollector
+        env = config.rollout.environment
+        return EpisodeCollector(s_tok, engine, config.rollout, objective, teacher_engine=teacher_engine,
+                                environment=partial(make_environment, env) if env else None)
     o = config.optimizer
     return SameTokenizerCollector(s_tok, engine, config.rollout, objective, teacher_engine=teacher_engine,
                                   train_batch_size=o.train_batch_size, micro_batch_size=o.micro_batch_size)

@@ -131,6 +131,11 @@ class RolloutSection:
     vllm_sleep_between_rollouts: bool = False  # GPU: free vLLM memory while the student trains
     jax_decode_slots: int = 256          # JaxSampler: samples decoded together (refilled)
     jax_kv_cache_budget_gb: float = 8.0  # JaxSampler: KV cache limit; over it = one-line error
+    # turn-structured objectives (tcod, sod, sage_opd): "" = single-turn responses split into
+    # paragraph turns; "calculator" / "text_world" = multi-turn episodes with that environment
+    environment: str = ""
+    max_turns: int = 8                   # student turns per episode (with an environment)
+    step_timeout_s: float = 10.0         # one environment step's time limit (then the episode ends)
 
 
 @dataclass(frozen=True)
@@ -504,6 +509,11 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     _require(r.max_prompt_len >= 1, "rollout.max_prompt_len", "must be >= 1")
     _require(r.jax_decode_slots >= 1, "rollout.jax_decode_slots", "must be >= 1")
     _require(r.jax_kv_cache_budget_gb > 0, "rollout.jax_kv_cache_budget_gb", "must be > 0 (GB)")
+    from ctopd_jax.envs import ENVIRONMENTS
+    _require(r.environment in ("",) + ENVIRONMENTS, "rollout.environment",
+             f"{r.environment!r} is unknown; use one of {ENVIRONMENTS} or '' (single-turn)")
+    _require(r.max_turns >= 1, "rollout.max_turns", "must be >= 1 turn")
+    _require(r.step_timeout_s > 0, "rollout.step_timeout_s", "must be > 0 seconds")
     config.model.validate()
     _require(config.model.attention != "cudnn" or r.engine != "jax", "model.attention",
              "'cudnn' cannot decode with a KV cache, which rollout.engine=jax does with the same "

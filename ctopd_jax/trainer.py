@@ -94,8 +94,8 @@ class Trainer:
         self.overlap_arrays = {"s_ids": build.replicated(self.overlap.s_ids.astype(np.int32), self.mesh),
                                "t_ids": build.replicated(self.overlap.t_ids.astype(np.int32), self.mesh)}
         self.stream = build.prompt_stream(c, self.s_tok, preflight.prompts if preflight is not None else None)
-        self.engine = engine if engine is not None else build.make_engine(self.student, self.s_tok,
-                                                                          c.rollout, self.mesh)
+        self.engine = engine if engine is not None else build.make_engine(
+            self.student, self.s_tok, c.rollout, self.mesh, build.context_room(self.objective, c.rollout, self.s_tok))
         self.collector = build.make_collector(c, self.objective, self.s_tok, self.t_tok, self.engine,
                                               self.teacher, self.mesh)
         self.base = build.load_teacher_base(c, self.mesh)   # OPD²'s third model, or None

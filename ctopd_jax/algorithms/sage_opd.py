@@ -78,6 +78,13 @@ class SageOpd(TurnObjective):
     def judgment_weight(self, label: str) -> float:
         return {"skip": 0.0, "weak": self.settings.sage_alpha, "strong": 1.0}[label]
 
+    def judge_prompt_tokens(self, side, rollout) -> int:
+        """The judge template around a turn (≤ the response budget) and its feedback (too)."""
+        if self.settings.sage_judge != "teacher":
+            return 0
+        empty = JUDGE_PROMPT.format(task="", step="", feedback="(none)")
+        return len(side.encode(side.render_chat([{"role": "user", "content": empty}]))) + rollout.generate_max_len
+
     def annotate(self, turns, episodes, samples, collector) -> None:
         """The teacher judges every student turn (one batched greedy generate call)."""
         if self.settings.sage_judge != "teacher":

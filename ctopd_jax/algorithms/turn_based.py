@@ -71,5 +71,9 @@ class TurnObjective(OpdSampled):
         """How many of an expert path's `length` turns are replayed before the student starts."""
         return 0
 
+    def judge_prompt_tokens(self, side, rollout) -> int:
+        """Prompt tokens a judge call adds beyond an episode's context (0: no judge)."""
+        return 0
+
     def annotate(self, turns, episodes, samples, collector) -> None:
         """Add host-side labels to `turns` (turns.TurnRows) after collection."""
