@@ -25,9 +25,9 @@ def side():
     return load_tokenizer_side("char")
 
 
-def collector(side, name, script, *, environment="calculator", judge_script=None, n=1, **settings):
+def collector(side, name, script, *, environment="calculator", judge_script=None, n=1, budget=80, **settings):
     config = from_dict({"algorithm": {"name": name, **settings},
-                        "rollout": {"environment": environment, "generate_max_len": 80, "n_samples_per_prompt": n}})
+                        "rollout": {"environment": environment, "generate_max_len": budget, "n_samples_per_prompt": n}})
     obj = get_objective(config.algorithm)
     env = (lambda: make_environment(environment)) if environment else None
     judge = ScriptedEngine(side, judge_script) if judge_script is not None else None
@@ -96,3 +96,19 @@ def test_sage_teacher_judge_labels_each_turn(side):
     assert "Student step: The answer is 408." in prompt and "Feedback after the step: (none)" in prompt
     first = side.decode(c.teacher_engine.calls[0][0], skip_special_tokens=False)
     assert "Student step: <calc>12*34</calc>" in first and "Feedback after the step: <result>408</result>" in first
+
+
+def test_text_world_episode_with_expert_prefix(side):
+    """B2F over the text world: the first expert actions are replayed through the environment,
+    the student plays the rest; the reward comes from the environment."""
+    from ctopd_jax.envs.text_world import task_rows
+
+    row = task_rows()[0]                      # take apple, go hall, drop apple
+    prompt = Prompt(({"role": "user", "content": row["prompt"]},), "tw:1", dict(row))
+    c, _ = collector(side, "tcod", [["drop apple" + EOS]], environment="text_world", tcod_mode="b2f",
+                     tcod_period=5, budget=400)
+    host = c.collect([prompt], 0, StepTimer(), rollout_index=0)     # c(0) = 3 − 1 = 2 actions replayed
+    context = side.decode(c.engine.calls[0][0], skip_special_tokens=False)
+    assert "take apple" in context and "go hall" in context and "drop apple" not in context
+    np.testing.assert_array_equal(host.turns.rewards, [1.0])
+    assert list(host.student.response_lens) == [len("drop apple") + 1]

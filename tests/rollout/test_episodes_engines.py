@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ctopd_jax.data import Prompt
 from ctopd_jax.envs import StepResult
 from ctopd_jax.rollout import SamplingParams, make_rollout_engine
 from ctopd_jax.rollout.episodes import play
@@ -46,8 +45,8 @@ def prompt_ids():
 
 
 def episodes(engine, side, stop):
-    prompts = [Prompt(({"role": "user", "content": "x"},), "t:1", {}) for _ in range(4)]
-    return play(engine, side, prompts, prompt_ids(), SamplingParams(temperature=0.0, max_new_tokens=BUDGET),
+    return play(engine, side, [None] * 4, prompt_ids(),   # Echo reads no prompt
+                SamplingParams(temperature=0.0, max_new_tokens=BUDGET),
                 environment=lambda: Echo(stop), max_turns=MAX_TURNS)
 
 
