@@ -302,7 +302,7 @@ class LoraSection:
     """LoRA on the student (ctopd_jax/models/lora.py); rank 0 = full fine-tuning."""
     rank: int = 0
     alpha: float = 16.0                  # the update is scaled by alpha / rank (as PEFT)
-    dropout: float = 0.0                 # only 0 for now
+    dropout: float = 0.0                 # on the adapters' input, training forwards only
     target_modules: tuple[str, ...] = LORA_TARGETS
     init_adapter: str = ""               # a PEFT adapter folder to start from
 
@@ -541,8 +541,8 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     _require(lo.rank >= 0, "lora.rank", f"{lo.rank} must be >= 0 (0 = full fine-tuning)")
     _require(lo.alpha > 0, "lora.alpha", f"{lo.alpha} must be > 0")
     _require(0 <= lo.dropout < 1, "lora.dropout", f"{lo.dropout} must be in [0, 1)")
-    _require(lo.dropout == 0, "lora.dropout", "only 0.0 is supported (the adapter is folded "
-             "into the weight in the forward); set lora.dropout: 0.0")
+    _require(lo.dropout == 0 or lo.rank > 0, "lora.dropout", f"{lo.dropout} applies to the "
+             "adapters only: set lora.rank > 0 or lora.dropout: 0.0")
     _require(bool(lo.target_modules) and set(lo.target_modules) <= set(LORA_TARGETS),
              "lora.target_modules", f"{list(lo.target_modules)} must be a non-empty subset of "
              f"{list(LORA_TARGETS)}")

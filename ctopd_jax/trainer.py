@@ -130,9 +130,10 @@ class Trainer:
         nnx.update(self.student, self.params)
 
     # -- one iteration --------------------------------------------------------------------
-    def micro_batch(self, host, start: int, stop: int, total_tokens: float, accumulation: int, grads, timer):
+    def micro_batch(self, host, start: int, stop: int, total_tokens: float, accumulation: int, grads, timer,
+                    dropout=None):
         """(loss, sums, metrics, grads + its gradient) of samples [start, stop) of a collected batch
-        (`grads` is donated to the step).
+        (`grads` is donated to the step; `dropout`: its LoRA dropout, lora.train_dropout).
 
         When the micro-batch divides over the batch shards (data × fsdp), each shard's samples
         are prepared on their own and the loss and teacher rows run per shard (no row moves
@@ -151,13 +152,14 @@ class Trainer:
         with timer("student"), jax.set_mesh(self.mesh):
             return micro_grad(self.params, self.rest, batch, t_hidden, self.t_lm_head, overlap,
                               np.float32(total_tokens), grads, graphdef=self.graphdef,
-                              accumulation=accumulation, objective=self.objective, mesh=mesh)
+                              accumulation=accumulation, objective=self.objective, mesh=mesh, dropout=dropout)
 
     def iteration(self, timer: StepTimer, rollout_index: int = 0) -> tuple[dict[str, Any], list[dict]]:
         """`rollout_index`: the rollout batch's index n (TCOD's curriculum reads it)."""
         o = self.config.optimizer
         self.rng, sub = jax.random.split(self.rng)
         seed = int(jax.random.randint(sub, (), 0, 2 ** 31 - 1))
+        dropout_key = jax.random.fold_in(sub, 1)  # LoRA dropout masks of this iteration's micro-batches
         host = self.collector.collect(self.stream.next_batch(), seed, timer, rollout_index=rollout_index)
         coverage = self.coverage.update(host.alignment)
         accumulation = o.train_batch_size // o.micro_batch_size
@@ -170,7 +172,7 @@ class Trainer:
             grads, loss = zero_grads(self.params), 0.0
             for start in range(first, first + o.train_batch_size, o.micro_batch_size):
                 l, s, m, grads = self.micro_batch(host, start, start + o.micro_batch_size, total, accumulation,
-                                                  grads, timer)
+                                                  grads, timer, lora.train_dropout(self.config, dropout_key, start))
                 loss = loss + l
                 for k, v in s.items():
                     sums[k] = sums.get(k, 0.0) + scalar(v)

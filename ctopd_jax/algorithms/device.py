@@ -46,15 +46,16 @@ def per_shard(fn, mesh, n_sharded: int, n_replicated: int):
 
 
 def objective_sums(params, rest, batch, teacher_hidden, teacher_lm_head, overlap, *, graphdef, objective,
-                   mesh=None):
+                   mesh=None, dropout=None):
     """(sums, metrics) of the objective on one micro-batch (differentiable in params).
+    `dropout` (lora.Dropout): LoRA dropout in the student forward (training steps only).
 
     The student forward runs on the whole (batch-sharded) micro-batch; with a mesh the
     objective then runs per batch shard on that shard's rows, so no row of hidden states,
     logits or teacher columns moves between devices: only the lm_heads are gathered."""
     model = nnx.merge(graphdef, params, rest)
     mask = batch["student_mask"]
-    hidden = model.hidden_states(batch["student_ids"], prefill_positions(mask), mask)
+    hidden = model.hidden_states(batch["student_ids"], prefill_positions(mask), mask, lora_dropout=dropout)
 
     def local(hidden, teacher_hidden, batch, lm_head, teacher_lm_head, overlap):
         flat = hidden.reshape(-1, hidden.shape[-1])
@@ -71,16 +72,18 @@ def weighted_sum(sums: dict, weights: dict):
 
 
 def _micro_grad(params, rest, batch, teacher_hidden, teacher_lm_head, overlap, total_tokens, grads_sum, *,
-                graphdef, accumulation: int, objective, mesh=None):
+                graphdef, accumulation: int, objective, mesh=None, dropout=None):
     """(loss, sums, metrics, grads_sum + d loss / d params) of one micro-batch.
 
     `grads_sum` is the running gradient of the optimizer batch: it is added inside the step
     and DONATED, so accumulation keeps one gradient buffer (no host-side tree additions, no
     second copy). Start it with `zero_grads(params)`. `mesh`: given when the micro-batch arrays
-    are stacked per batch shard (pack.stack_shards)."""
+    are stacked per batch shard (pack.stack_shards). `dropout` (lora.Dropout, from
+    lora.train_dropout): LoRA dropout of this micro-batch; its rate is static (pytree aux data),
+    its key an ordinary argument."""
     def loss_fn(p):
         sums, metrics = objective_sums(p, rest, batch, teacher_hidden, teacher_lm_head, overlap,
-                                       graphdef=graphdef, objective=objective, mesh=mesh)
+                                       graphdef=graphdef, objective=objective, mesh=mesh, dropout=dropout)
         loss_sum = weighted_sum(sums, objective.loss_weights())
         loss = losses.normalized_loss(loss_sum, total_tokens, accumulation, accumulation)
         return loss, (jax.lax.stop_gradient(sums), jax.lax.stop_gradient(metrics))

@@ -45,7 +45,7 @@ from ctopd_jax.mesh import LOGICAL_RULES, logical_spec
 from ctopd_jax.models.attention import AttentionMask, attend, resolve_implementation
 from ctopd_jax.models.config import ModelConfig
 from ctopd_jax.models.kv_cache import KVCache, init_cache  # noqa: F401  (re-exported)
-from ctopd_jax.models.lora import lora_weight
+from ctopd_jax.models.lora import TARGETS, add_lora_path, lora_weight
 
 _INIT_STD = 0.02
 
@@ -136,11 +136,15 @@ class Attention(nnx.Module):
         self.block = cfg.attention_block
 
     def __call__(self, x, cos, sin, mask: AttentionMask, cache: KVCache | None = None,
-                 layer: int = 0):
-        dt = self.dtype
-        q = jnp.einsum("bth,hnd->btnd", x, lora_weight(self, "q_proj", dt))
-        k = jnp.einsum("bth,hnd->btnd", x, lora_weight(self, "k_proj", dt))
-        v = jnp.einsum("bth,hnd->btnd", x, lora_weight(self, "v_proj", dt))
+                 layer: int = 0, dropout=None):
+        """`dropout`: the layer's LoRA dropout (lora.Dropout) in a training forward, else None."""
+        dt, dr = self.dtype, dropout
+        q = add_lora_path(self, "q_proj", x,
+                          jnp.einsum("bth,hnd->btnd", x, lora_weight(self, "q_proj", dt, dr)), dr)
+        k = add_lora_path(self, "k_proj", x,
+                          jnp.einsum("bth,hnd->btnd", x, lora_weight(self, "k_proj", dt, dr)), dr)
+        v = add_lora_path(self, "v_proj", x,
+                          jnp.einsum("bth,hnd->btnd", x, lora_weight(self, "v_proj", dt, dr)), dr)
         if self.qkv_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -158,7 +162,8 @@ class Attention(nnx.Module):
             k, v = k_all[layer].astype(dt), v_all[layer].astype(dt)
         implementation = resolve_implementation(self.implementation, dt, cache is not None)
         out = attend(q, k, v, mask, implementation, self.block, self.block)
-        return jnp.einsum("btnd,ndh->bth", out, lora_weight(self, "o_proj", dt)), cache
+        o = jnp.einsum("btnd,ndh->bth", out, lora_weight(self, "o_proj", dt, dr))
+        return add_lora_path(self, "o_proj", out, o, dr), cache
 
 
 class MLP(nnx.Module):
@@ -170,14 +175,18 @@ class MLP(nnx.Module):
         self.dtype = cfg.compute_dtype
         self.chunk = cfg.mlp_chunk
 
-    def __call__(self, x):
+    def __call__(self, x, dropout=None):
+        """`dropout`: the layer's LoRA dropout (lora.Dropout) in a training forward, else None."""
         dt = self.dtype
-        gate_w, up_w = lora_weight(self, "gate_proj", dt), lora_weight(self, "up_proj", dt)
-        down_w = lora_weight(self, "down_proj", dt)
+        gate_w = lora_weight(self, "gate_proj", dt, dropout)
+        up_w = lora_weight(self, "up_proj", dt, dropout)
+        down_w = lora_weight(self, "down_proj", dt, dropout)
 
-        def mlp(x):
-            hidden = constrain(jax.nn.silu(x @ gate_w) * (x @ up_w), ("batch", None, "mlp"))
-            return hidden @ down_w
+        def mlp(x, dr=dropout):
+            gate = add_lora_path(self, "gate_proj", x, x @ gate_w, dr)
+            up = add_lora_path(self, "up_proj", x, x @ up_w, dr)
+            hidden = constrain(jax.nn.silu(gate) * up, ("batch", None, "mlp"))
+            return add_lora_path(self, "down_proj", hidden, hidden @ down_w, dr)
 
         b, t, h = x.shape
         if not self.chunk or t <= self.chunk:
@@ -188,7 +197,12 @@ class MLP(nnx.Module):
         n = -(-t // self.chunk)
         xs = jnp.pad(x, ((0, 0), (0, n * self.chunk - t), (0, 0)))
         xs = xs.reshape(b, n, self.chunk, h).swapaxes(0, 1)
-        ys = jax.lax.map(jax.checkpoint(mlp, prevent_cse=False), xs)
+        if dropout is None:
+            ys = jax.lax.map(jax.checkpoint(mlp, prevent_cse=False), xs)
+        else:  # chunk c's masks: the layer's dropout folded with len(TARGETS) + c
+            chunk = lambda xc: mlp(xc[0], dropout.fold(len(TARGETS) + xc[1]))  # noqa: E731
+            ys = jax.lax.map(jax.checkpoint(chunk, prevent_cse=False),
+                             (xs, jnp.arange(n, dtype=jnp.int32)))
         return ys.swapaxes(0, 1).reshape(b, n * self.chunk, h)[:, :t]
 
 
@@ -201,31 +215,31 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs)
         self.remat_blocks = cfg.layer_remat_policy == "blocks"
 
-    def __call__(self, x, cos, sin, mask, cache=None, layer=0):
+    def __call__(self, x, cos, sin, mask, cache=None, layer=0, dropout=None):
         if self.remat_blocks and cache is None:
-            return self._remat_blocks(x, cos, sin, mask), None
-        attn_out, cache = self.attn(self.input_norm(x), cos, sin, mask, cache, layer)
+            return self._remat_blocks(x, cos, sin, mask, dropout), None
+        attn_out, cache = self.attn(self.input_norm(x), cos, sin, mask, cache, layer, dropout)
         x = constrain(x + attn_out, ("batch", None, None))
-        x = constrain(x + self.mlp(self.post_attn_norm(x)), ("batch", None, None))
+        x = constrain(x + self.mlp(self.post_attn_norm(x), dropout), ("batch", None, None))
         return x, cache
 
-    def _remat_blocks(self, x, cos, sin, mask):
+    def _remat_blocks(self, x, cos, sin, mask, dropout=None):
         """The same layer with the attention and MLP halves each rematerialised, so the layer's
         backward holds one half's intermediates at a time, not both halves'."""
-        def attn_half(norm, attn, x):
-            return attn(norm(x), cos, sin, mask)[0]
+        def attn_half(norm, attn, x, dropout):
+            return attn(norm(x), cos, sin, mask, dropout=dropout)[0]
 
-        def mlp_half(norm, mlp, x):
-            return mlp(norm(x))
+        def mlp_half(norm, mlp, x, dropout):
+            return mlp(norm(x), dropout)
 
-        x = constrain(x + nnx.remat(attn_half)(self.input_norm, self.attn, x),
+        x = constrain(x + nnx.remat(attn_half)(self.input_norm, self.attn, x, dropout),
                       ("batch", None, None))
-        return constrain(x + nnx.remat(mlp_half)(self.post_attn_norm, self.mlp, x),
+        return constrain(x + nnx.remat(mlp_half)(self.post_attn_norm, self.mlp, x, dropout),
                          ("batch", None, None))
 
 
-def _layer_no_cache(layer: DecoderLayer, x, cos, sin, mask):
-    return layer(x, cos, sin, mask)[0]
+def _layer_no_cache(layer: DecoderLayer, x, cos, sin, mask, dropout=None):
+    return layer(x, cos, sin, mask, dropout=dropout)[0]
 
 
 def checkpoint_policy(name: str):
@@ -262,8 +276,13 @@ class Decoder(nnx.Module):
             return self.embed[...].T
         return self.lm_head[...]
 
-    def hidden_states(self, input_ids, positions, attention_mask=None, cache=None):
+    def hidden_states(self, input_ids, positions, attention_mask=None, cache=None,
+                      lora_dropout=None):
+        """`lora_dropout` (lora.Dropout): LoRA dropout, given by the student's training forward
+        only (algorithms.device); layer i uses it folded with i.  Not with a cache."""
         cfg = self.cfg
+        if lora_dropout is not None and cache is not None:
+            raise ValueError("hidden_states: lora_dropout is for the training forward (no cache)")
         b, t = input_ids.shape
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), jnp.bool_)
@@ -279,12 +298,13 @@ class Decoder(nnx.Module):
             mask = AttentionMask(jnp.arange(t, dtype=jnp.int32), attention_mask)
             policy = cfg.layer_remat_policy
             if cfg.scan_layers:
-                x = self._scan_layers(x, cos, sin, mask, policy)
+                x = self._scan_layers(x, cos, sin, mask, policy, lora_dropout)
             else:
                 step = (_layer_no_cache if policy == "none" else
                         nnx.remat(_layer_no_cache, policy=checkpoint_policy(policy)))
-                for layer in self.layers:
-                    x = step(layer, x, cos, sin, mask)
+                for i, layer in enumerate(self.layers):
+                    x = step(layer, x, cos, sin, mask,
+                             None if lora_dropout is None else lora_dropout.fold(i))
             return self.final_norm(x)
 
         slots = cache.index + jnp.arange(t, dtype=jnp.int32)  # [T] slot of each new token
@@ -298,18 +318,25 @@ class Decoder(nnx.Module):
             index=cache.index + t)
         return self.final_norm(x), cache
 
-    def _scan_layers(self, x, cos, sin, mask, policy: str):
+    def _scan_layers(self, x, cos, sin, mask, policy: str, dropout=None):
         """All layers under one lax.scan over parameters stacked here (see module docstring)."""
         graphdef = nnx.graphdef(self.layers[0])
         states = [nnx.state(layer) for layer in self.layers]
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
 
         def body(h, layer_state):
-            return _layer_no_cache(nnx.merge(graphdef, layer_state), h, cos, sin, mask), None
+            drop = None
+            if dropout is not None:  # layer i's dropout, as in the unrolled loop
+                layer_state, i = layer_state
+                drop = dropout.fold(i)
+            layer = nnx.merge(graphdef, layer_state)
+            return _layer_no_cache(layer, h, cos, sin, mask, drop), None
 
         if policy != "none":
             # Inside scan the recomputation cannot be CSE'd away, so no barrier is needed.
             body = jax.checkpoint(body, policy=checkpoint_policy(policy), prevent_cse=False)
+        if dropout is not None:
+            stacked = (stacked, jnp.arange(len(self.layers), dtype=jnp.int32))
         x, _ = jax.lax.scan(body, x, stacked)
         return x
 

@@ -6,10 +6,21 @@ two factors ``A [in dims..., r]`` and ``B [r, out dims...]`` stored next to it a
 uses ``W + (alpha / r) * A @ B`` (`lora_weight`).
 
 Decisions:
-- PEFT computes ``W x + s * B(A(dropout(x)))``; we fold the delta into the weight inside the
-  forward (same function, same gradients up to float rounding, one [in, out] temporary per
-  projection like the cast of W itself).  Because of that fold, `lora.dropout` > 0 is
-  refused by config validation for now.
+- PEFT computes ``W x + s * B(A(dropout(x)))``.  Without dropout (every forward but the
+  training one, and all of them at `lora.dropout` 0) we fold the delta into the weight inside
+  the forward (same function, same gradients up to float rounding, one [in, out] temporary per
+  projection like the cast of W itself).
+- Dropout (`lora.dropout` > 0) exists only in the student's training forward
+  (algorithms.device.micro_grad): a `Dropout` (key + rate) handed to
+  ``Decoder.hidden_states(..., lora_dropout=)``; the adapted projections then compute
+  ``x W + s * (dropout(x) A) B`` (`lora_weight` leaves the delta out of W and
+  `add_lora_path` adds it on the output).  Rollouts, teacher scoring, evaluation, diagnostics
+  and log-prob recomputation never pass one.  Masks: inverted dropout as torch's
+  (kept entries scaled by 1 / (1 - p)); one independent mask per (micro-batch, layer,
+  projection) from the key folded with the layer index and the projection's index in
+  TARGETS (with `mlp_chunk`, MLP masks are drawn per sequence chunk).  The trainer derives the
+  key of each micro-batch from the iteration's split of its checkpointed RNG key and the
+  micro-batch's first sample index (`train_dropout`), so a resumed run stays bit-exact.
 - Initialisation as PEFT's default: A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (kaiming-uniform
   with a = sqrt(5)), B = 0, so a fresh adapter leaves the model unchanged.
 - The trainable split is `trainable_filter(config)`: with rank > 0 only LoraParam variables
@@ -54,15 +65,73 @@ class LoraError(ModelConfigError):
     a ModelConfigError, so the command line shows it as one line)."""
 
 
-def lora_weight(module, name: str, dtype) -> jax.Array:
-    """The projection `name` of `module` in `dtype`, with its adapter delta when it has one."""
+@jax.tree_util.register_pytree_node_class
+class Dropout:
+    """LoRA dropout of one training forward: `key` (raw uint32 key data, a pytree leaf, so it
+    may be a numpy array or a tracer) and `rate` (static: the pytree's aux data)."""
+
+    def __init__(self, key, rate: float):
+        self.key, self.rate = key, float(rate)
+
+    def tree_flatten(self):
+        return (self.key,), self.rate
+
+    @classmethod
+    def tree_unflatten(cls, rate, children):
+        return cls(children[0], rate)
+
+    def fold(self, index) -> "Dropout":
+        """The Dropout of a sub-part (a layer, a projection, a chunk) numbered `index`."""
+        key = jax.random.fold_in(jax.random.wrap_key_data(self.key), index)
+        return Dropout(jax.random.key_data(key), self.rate)
+
+    def keep_mask(self, shape) -> jax.Array:
+        """bool mask of the kept entries (each kept with probability 1 - rate)."""
+        return jax.random.bernoulli(jax.random.wrap_key_data(self.key), 1.0 - self.rate, shape)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x with the dropped entries zeroed and the kept ones scaled by 1 / (1 - rate)."""
+        scaled = x * jnp.asarray(1.0 / (1.0 - self.rate), x.dtype)
+        return jnp.where(self.keep_mask(x.shape), scaled, jnp.zeros_like(x))
+
+
+def train_dropout(config, key, index: int) -> Dropout | None:
+    """The Dropout of micro-batch `index` of a training iteration whose dropout key is `key`
+    (a typed key), or None without LoRA or at `lora.dropout` 0 (the folded forward)."""
+    lo = config.lora
+    if lo.rank == 0 or lo.dropout == 0:
+        return None
+    return Dropout(np.asarray(jax.random.key_data(jax.random.fold_in(key, index))), lo.dropout)
+
+
+TARGET_INDEX = {name: i for i, name in enumerate(TARGETS)}
+
+
+def lora_weight(module, name: str, dtype, dropout: Dropout | None = None) -> jax.Array:
+    """The projection `name` of `module` in `dtype`, with its adapter delta when it has one
+    (left out when `dropout` is given: `add_lora_path` then adds the adapter's path)."""
     w = getattr(module, name)[...].astype(dtype)
     a = getattr(module, name + "_lora_a", None)
-    if a is None:
+    if a is None or dropout is not None:
         return w
     b = getattr(module, name + "_lora_b")
     delta = jnp.tensordot(a[...].astype(dtype), b[...].astype(dtype), axes=1)
     return w + (module.lora_scale[...] * delta).astype(dtype)
+
+
+def add_lora_path(module, name: str, x: jax.Array, y: jax.Array,
+                  dropout: Dropout | None) -> jax.Array:
+    """`y` (= x W of projection `name`) plus the adapter's path s * (dropout(x) A) B when
+    `dropout` is given and the projection has an adapter; `y` itself otherwise.  `dropout` is
+    the layer's: the projection's own mask comes from folding in its TARGETS index."""
+    a = getattr(module, name + "_lora_a", None)
+    if a is None or dropout is None:
+        return y
+    in_dims = TARGETS[name][1]
+    dropped = dropout.fold(TARGET_INDEX[name])(x)
+    low = jnp.tensordot(dropped, a[...].astype(y.dtype), axes=in_dims)
+    delta = jnp.tensordot(low, getattr(module, name + "_lora_b")[...].astype(y.dtype), axes=1)
+    return y + (module.lora_scale[...] * delta).astype(y.dtype)
 
 
 def trainable_filter(config):

@@ -140,11 +140,12 @@ def test_lora_config_errors_name_the_field(tmp_path):
     assert TrainConfig().lora.rank == 0 and TrainConfig().lora.alpha == 16
     for override, field in (("lora.rank=-1", "lora.rank"), ("lora.alpha=0", "lora.alpha"),
                             ("lora.dropout=1.0", "lora.dropout"),
-                            ("lora.dropout=0.1", "lora.dropout"),
+                            ("lora.dropout=0.1", "lora.dropout"),  # without lora.rank
                             ("lora.target_modules=[qkv]", "lora.target_modules"),
                             ("lora.target_modules=q_proj", "lora.target_modules")):
         with pytest.raises(ConfigError, match=f"^{field}"):
             load_config(None, [override])
+    assert load_config(None, ["lora.rank=4", "lora.dropout=0.1"]).lora.dropout == 0.1
     # an adapter folder that does not match the settings names the mismatching field
     save_hf(VARIANTS["llama_tied"](), tmp_path / "base")
     _peft_adapter(tmp_path / "base", tmp_path / "peft", 2, 4.0, ["q_proj"])
@@ -186,3 +187,96 @@ def test_adapters_on_a_sharded_model_follow_the_base_sharding_and_match_peft(tmp
     with jax.set_mesh(mesh):
         got = jax.jit(lambda s: nnx.merge(graphdef, s)(ids, pos))(state)
     _close(np.asarray(got), want)
+
+
+def _dropout_model():
+    """A tiny Llama with adapters on every projection and random non-zero A and B."""
+    from ctopd_jax.models.decoder import Decoder
+
+    model = Decoder(VARIANTS["llama_untied_llama3rope"](), rngs=nnx.Rngs(0))
+    lora.attach(model, 4, 8.0, ALL)
+    rs = np.random.RandomState(1)
+    state = nnx.state(model, lora.LoraParam)
+    nnx.update(model, jax.tree.map(
+        lambda x: jnp.asarray(rs.randn(*x.shape).astype(np.float32) * 0.1), state))
+    return model
+
+
+def _mask(key_data, indices, p, shape):
+    """The documented mask: the key folded with each index in turn, kept with prob. 1 - p."""
+    key = jax.random.wrap_key_data(jnp.asarray(key_data))
+    for i in indices:
+        key = jax.random.fold_in(key, i)
+    return np.asarray(jax.random.bernoulli(key, 1.0 - p, shape))
+
+
+def test_lora_dropout_path_equals_a_numpy_reference_with_the_same_mask():
+    model = _dropout_model()
+    p, key = 0.3, np.asarray(jax.random.key_data(jax.random.key(7)))
+    drop = lora.Dropout(key, p)
+    rs = np.random.RandomState(2)
+    layer = model.layers[1]
+    for module, name, x_shape in ((layer.attn, "q_proj", (2, 5, 128)),
+                                  (layer.attn, "o_proj", (2, 5, 4, 32)),
+                                  (layer.mlp, "down_proj", (2, 5, 256))):
+        x = rs.randn(*x_shape).astype(np.float32)
+        y = rs.randn(*(x_shape[:2] + getattr(module, name).shape[TARGETS_IN[name]:]))
+        y = y.astype(np.float32)
+        got = np.asarray(lora.add_lora_path(module, name, jnp.asarray(x), jnp.asarray(y), drop))
+        mask = _mask(key, [lora.TARGET_INDEX[name]], p, x.shape)
+        a = np.asarray(getattr(module, name + "_lora_a")[...], np.float64)
+        b = np.asarray(getattr(module, name + "_lora_b")[...], np.float64)
+        r = a.shape[-1]
+        dropped = (mask * x / (1 - p)).reshape(2, 5, -1).astype(np.float64)
+        want = y + (8.0 / 4) * (dropped @ a.reshape(-1, r) @ b.reshape(r, -1)).reshape(y.shape)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=name)
+        # and without dropout the adapter's path is left to the folded weight
+        assert lora.add_lora_path(module, name, x, y, None) is y
+    # keep rate over many elements
+    for rate in (0.1, 0.5):
+        kept = np.asarray(lora.Dropout(key, rate).keep_mask((1000, 1000))).mean()
+        assert abs(kept - (1 - rate)) < 3e-3, (rate, kept)
+
+
+def test_lora_dropout_only_in_the_training_forward():
+    model = _dropout_model()
+    ids = jnp.asarray(IDS, jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+    key = np.asarray(jax.random.key_data(jax.random.key(7)))
+    logits = np.asarray(model(ids, pos))
+    plain = np.asarray(model.hidden_states(ids, pos))
+    dropped = np.asarray(model.hidden_states(ids, pos, lora_dropout=lora.Dropout(key, 0.3)))
+    assert np.abs(dropped - plain).max() > 1e-2  # dropout acts in the training forward
+    again = np.asarray(model.hidden_states(ids, pos, lora_dropout=lora.Dropout(key, 0.3)))
+    np.testing.assert_array_equal(again, dropped)  # the same key, the same masks
+    other = lora.Dropout(np.asarray(jax.random.key_data(jax.random.key(8))), 0.3)
+    assert np.abs(np.asarray(model.hidden_states(ids, pos, lora_dropout=other)) - dropped).max() > 0
+    # rate 0 through the unfolded path: W x + s (x A) B equals the folded forward
+    unfolded = np.asarray(model.hidden_states(ids, pos, lora_dropout=lora.Dropout(key, 0.0)))
+    np.testing.assert_allclose(unfolded, plain, rtol=0, atol=1e-5 * np.abs(plain).max())
+    # layer i's masks do not depend on how the layers run (scan, remat)
+    for options in ({"scan_layers": True}, {"remat_policy": "blocks"}):
+        other_run = with_options(model, **options).hidden_states(
+            ids, pos, lora_dropout=lora.Dropout(key, 0.3))
+        np.testing.assert_allclose(np.asarray(other_run), dropped, rtol=0,
+                                   atol=1e-5 * np.abs(dropped).max(), err_msg=str(options))
+    # the forward of rollouts, teacher scoring, evaluation and log-prob recomputation takes no
+    # dropout and is unchanged by training forwards with dropout
+    np.testing.assert_array_equal(np.asarray(model(ids, pos)), logits)
+    with pytest.raises(ValueError, match="lora_dropout"):
+        from ctopd_jax.models.kv_cache import init_cache
+        model.hidden_states(ids, pos, cache=init_cache(model.cfg, 2, 16),
+                            lora_dropout=lora.Dropout(key, 0.3))
+    # the trainer's micro-batch dropouts: none at lora.dropout 0 (today's folded forward),
+    # else deterministic in (iteration key, micro-batch index)
+    base = jax.random.key(0)
+    assert lora.train_dropout(load_config(None, ["lora.rank=4"]), base, 0) is None
+    config = load_config(None, ["lora.rank=4", "lora.dropout=0.1"])
+    first = lora.train_dropout(config, base, 0)
+    assert first.rate == 0.1
+    np.testing.assert_array_equal(first.key, lora.train_dropout(config, base, 0).key)
+    assert not np.array_equal(first.key, lora.train_dropout(config, base, 4).key)
+
+
+TARGETS_IN = {name: in_dims for name, (_, in_dims) in lora.TARGETS.items()}

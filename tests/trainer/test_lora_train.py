@@ -94,3 +94,36 @@ def jax_leaves(tree):
     import jax
 
     return jax.tree.leaves(tree)
+
+
+def _dropout_run(tmp_path, name, *overrides):
+    """configs/tiny_cpu_same_lora.yaml for 2 small steps (2 micro-batches each); the adapter."""
+    from pathlib import Path
+
+    config = load_config(Path(__file__).parents[2] / "configs" / "tiny_cpu_same_lora.yaml", [
+        f"output_dir={tmp_path / name}", "steps=2", "rollout.rollout_batch_size=8",
+        "optimizer.train_batch_size=8", "optimizer.micro_batch_size=4", "optimizer.lr=1e-2",
+        "checkpoint.every=0", "checkpoint.export_hf=false", "checkpoint.export_merged=false",
+        "checkpoint.async_save=false", "logging.tensorboard=false", "logging.progress=false",
+        *overrides])
+    trainer = Trainer(config)
+    trainer.train()
+    return jax_host(nnx.state(trainer.student, lora.LoraParam)), read_metrics(tmp_path / name)
+
+
+@pytest.mark.slow
+def test_lora_dropout_run_is_deterministic_in_the_seed(tmp_path):
+    first, metrics = _dropout_run(tmp_path, "a", "lora.dropout=0.1")
+    assert [row["step"] for row in metrics] == [1, 2]
+    assert all(np.isfinite(row["loss"]) and row["update_applied"] for row in metrics)
+    again, _ = _dropout_run(tmp_path, "b", "lora.dropout=0.1")
+    no_dropout, plain = _dropout_run(tmp_path, "c", "lora.dropout=0.0")
+    other_seed, _ = _dropout_run(tmp_path, "d", "lora.dropout=0.1", "seed=1")
+    flat = lambda s: [np.asarray(v) for _, v in nnx.to_flat_state(s)]  # noqa: E731
+    for a, b in zip(flat(first), flat(again)):
+        np.testing.assert_array_equal(a, b)  # same seed: the same masks, the same adapter
+    assert any(not np.array_equal(a, b) for a, b in zip(flat(first), flat(other_seed)))
+    # dropout acts on training only: step 1's rollout (B = 0) is the same with and without it,
+    # the update is not
+    assert metrics[0]["response_length"] == plain[0]["response_length"]
+    assert any(not np.array_equal(a, b) for a, b in zip(flat(first), flat(no_dropout)))
