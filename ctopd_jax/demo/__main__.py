@@ -121,6 +121,12 @@ def run(argv=None) -> dict:
     dataset = load_dataset("demo")
 
     def accuracy(model, side, who, engine=None) -> float:
+        if config.rollout.environment:   # a tool task: the reward of greedy episodes
+            from ctopd_jax.demo.compare import episode_accuracy
+            value = episode_accuracy(model, side, config, engine=engine)
+            print(f"[demo] {who:15s} held-out accuracy {value:.3f} (greedy {config.rollout.environment} "
+                  "episodes)", flush=True)
+            return value
         report = evaluate_model(model, side, dataset, engine=engine, greedy=True,
                                 max_new_tokens=max_new, out_dir=out / "eval" / who)
         print(f"[demo] {who:15s} held-out accuracy {report.mean_at_k:.3f} "

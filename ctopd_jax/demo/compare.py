@@ -7,12 +7,18 @@ the demo task.
   objective whose `needs.reuse_sampled_ids`) run on the character pair
   (configs/tiny_cpu_same.yaml, ctopd_jax/assets/demo_char/). opd2 samples at
   rollout.temperature 0.7 (the paper's recipe; SPEC §9).
+- Turn-structured objectives (tcod, sod, sage_opd: `needs.turns`) run on the tool-use task
+  (configs/tiny_cpu_tools.yaml, ctopd_jax/assets/demo_char_tools/) with the calculator
+  environment, and so does a reference `opd` row for their time ratio; their accuracy is the
+  mean reward of greedy episodes on the task's held-out prompts. sage_opd judges with the
+  labelled proxy (the tiny teacher cannot read a judge prompt).
 
 `--compare` trains every registered objective for the same number of steps (`--steps`, from the
 same starting student of its pair, same seed and prompts) and writes `<out>/compare.md` (a
 Markdown table), `<out>/compare.png` and `<out>/compare.json`: greedy held-out accuracy of the
 teacher and of the student before and after, the share of the teacher-student gap closed, and
-seconds per iteration as a ratio to `strict` measured in the same run.
+seconds per iteration as a ratio to `strict` and to `opd` on the same pair, measured in the
+same run.
 
 Decisions: seconds per iteration is the median of the per-step wall time (differences of the
 cumulative `elapsed_s` of metrics.jsonl: rollout, alignment, teacher, student step, sync,
@@ -33,10 +39,15 @@ import ctopd_jax
 CONFIGS = Path(ctopd_jax.__file__).resolve().parent.parent / "configs"
 CROSS_CONFIG = CONFIGS / "tiny_cpu.yaml"
 SAME_CONFIG = CONFIGS / "tiny_cpu_same.yaml"
+TOOLS_CONFIG = CONFIGS / "tiny_cpu_tools.yaml"
+PAIRS = {"cross": (CROSS_CONFIG, "cross (tiny_bpe → tiny_unigram)"),
+         "char": (SAME_CONFIG, "char (same tokenizer)"),
+         "tools": (TOOLS_CONFIG, "char tools (calculator episodes)")}
 REFERENCE = "strict"
+SAME_REFERENCE = "opd"
 
 
-def is_same_tokenizer(name: str) -> bool:
+def _needs(name: str):
     from ctopd_jax.algorithms import registry
 
     table = registry()
@@ -46,10 +57,20 @@ def is_same_tokenizer(name: str) -> bool:
     needs = cls.needs if not isinstance(cls.needs, property) else None
     if needs is None:   # declared per instance (gkd): build one with its defaults
         needs = cls(cls.settings_class(name=name)).needs
-    return bool(needs.reuse_sampled_ids)
+    return needs
 
 
-def config_tree(name: str, base: Path | None = None) -> dict:
+def is_same_tokenizer(name: str) -> bool:
+    return bool(_needs(name).reuse_sampled_ids)
+
+
+def pair_of(name: str) -> str:
+    """The demo pair objective `name` runs on: cross, char or tools."""
+    needs = _needs(name)
+    return "tools" if needs.turns else ("char" if needs.reuse_sampled_ids else "cross")
+
+
+def config_tree(name: str, base: Path | None = None, pair: str | None = None) -> dict:
     """The demo config of objective `name` as a tree: its pair's YAML, algorithm.name = name,
     algorithm keys the objective does not know dropped."""
     import dataclasses
@@ -57,25 +78,27 @@ def config_tree(name: str, base: Path | None = None) -> dict:
     from ctopd_jax.algorithms import registry
     from ctopd_jax.config import load_yaml
 
-    same = is_same_tokenizer(name)
-    path = base or (SAME_CONFIG if same else CROSS_CONFIG)
+    pair = pair or pair_of(name)
+    path = base or PAIRS[pair][0]
     tree = load_yaml(path.read_text(encoding="utf-8")) or {}
     known = {f.name for f in dataclasses.fields(registry()[name].settings_class)}
     algo = {k: v for k, v in (tree.get("algorithm") or {}).items() if k in known}
     algo["name"] = name
+    if name == "sage_opd" and pair == "tools":
+        algo["sage_judge"] = "proxy"
     tree["algorithm"] = algo
     if name == "opd2":
         tree.setdefault("rollout", {})["temperature"] = 0.7
     return tree
 
 
-def write_config(name: str, out_dir: Path, base: Path | None = None) -> Path:
+def write_config(name: str, out_dir: Path, base: Path | None = None, pair: str | None = None) -> Path:
     """`config_tree(name)` written as YAML under out_dir (what --algorithm runs)."""
     import yaml
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"config_{name}.yaml"
-    path.write_text(yaml.safe_dump(config_tree(name, base), sort_keys=False))
+    path = out_dir / f"config_{name}{'_' + pair if pair else ''}.yaml"
+    path.write_text(yaml.safe_dump(config_tree(name, base, pair), sort_keys=False))
     return path
 
 
@@ -93,6 +116,38 @@ def _accuracy(model, side, problems, max_new, out_dir, engine=None) -> float:
                           out_dir=out_dir).mean_at_k
 
 
+def episode_accuracy(model, side, config, limit: int = 0, engine=None) -> float:
+    """Mean reward of greedy episodes with the config's environment on the tool task's
+    held-out prompts (the first `limit` of them when set)."""
+    from ctopd_jax.data import load_prompts, resolve_named_source
+    from ctopd_jax.envs import make_environment
+    from ctopd_jax.rollout import make_rollout_engine
+    from ctopd_jax.rollout.episodes import greedy_reward
+
+    r = config.rollout
+    prompts = load_prompts(resolve_named_source("demo:tools_held_out"))
+    prompts = prompts[:limit] if limit else prompts
+    engine = engine or make_rollout_engine("jax", model, eos_ids=[side.eos_id], pad_id=side.pad_id,
+                                           max_prompt_len=r.max_prompt_len + r.generate_max_len)
+    return greedy_reward(engine, side, prompts, lambda: make_environment(r.environment),
+                         max_new_tokens=r.generate_max_len, max_turns=r.max_turns,
+                         step_timeout_s=r.step_timeout_s)[0]
+
+
+def jobs(names: list[str]) -> list[tuple[str, str]]:
+    """(objective, pair) runs: each objective on its pair; `strict` first as the reference, and
+    `opd` on the tool task too when a turn objective runs (their time reference)."""
+    from ctopd_jax.algorithms import registry
+
+    runs = [(n, pair_of(n)) for n in names]
+    if REFERENCE in registry() and (REFERENCE, "cross") not in runs:
+        runs.insert(0, (REFERENCE, "cross"))
+    if any(p == "tools" for _, p in runs) and (SAME_REFERENCE, "tools") not in runs:
+        first = next(i for i, (_, p) in enumerate(runs) if p == "tools")
+        runs.insert(first, (SAME_REFERENCE, "tools"))
+    return runs
+
+
 def compare(out: Path, steps: int, names: list[str] | None = None, problems: int = 0,
             overrides: tuple[str, ...] = (), log=print) -> list[dict]:
     """Train every objective in `names` (default: all registered) for `steps` steps; write the
@@ -104,32 +159,33 @@ def compare(out: Path, steps: int, names: list[str] | None = None, problems: int
     from ctopd_jax.trainer import Trainer
 
     names = names or sorted(registry())
-    if REFERENCE in registry() and REFERENCE not in names:
-        names = [REFERENCE, *names]
     dataset = load_dataset("demo", limit=problems or None)
-    baselines: dict[bool, tuple[float, float]] = {}
+    baselines: dict[str, tuple[float, float]] = {}
     rows = []
-    for name in names:
+    for name, pair in jobs(names):
         started = time.perf_counter()
-        row = {"algorithm": name}
+        row = {"algorithm": name, "pair": PAIRS[pair][1]}
+        run_dir = out / (name if pair == pair_of(name) else f"{name}_{pair}")
         try:
-            same = is_same_tokenizer(name)
-            row["pair"] = "char (same tokenizer)" if same else "cross (tiny_bpe → tiny_unigram)"
-            cfg_path = write_config(name, out / "configs")
-            config = load_config(cfg_path, [*overrides, f"steps={steps}", f"output_dir={out / name}",
+            cfg_path = write_config(name, out / "configs", pair=pair)
+            config = load_config(cfg_path, [*overrides, f"steps={steps}", f"output_dir={run_dir}",
                                             "evaluation.dataset=''", "logging.progress=false",
                                             "logging.tensorboard=false", "checkpoint.export_hf=false",
                                             "checkpoint.every=0"])
             trainer = Trainer(config)
             max_new = config.rollout.generate_max_len
-            if same not in baselines:
-                baselines[same] = (
-                    _accuracy(trainer.teacher, trainer.t_tok, dataset, max_new, None),
-                    _accuracy(trainer.student, trainer.s_tok, dataset, max_new, None, engine=trainer.engine))
-            teacher_acc, before = baselines[same]
+
+            def accuracy(model, side, out_dir=None, engine=None):
+                if pair == "tools":
+                    return episode_accuracy(model, side, config, problems, engine)
+                return _accuracy(model, side, dataset, max_new, out_dir, engine=engine)
+
+            if pair not in baselines:
+                baselines[pair] = (accuracy(trainer.teacher, trainer.t_tok),
+                                   accuracy(trainer.student, trainer.s_tok, engine=trainer.engine))
+            teacher_acc, before = baselines[pair]
             result = trainer.train()
-            after = _accuracy(trainer.student, trainer.s_tok, dataset, max_new, out / name / "eval_after",
-                              engine=trainer.engine)
+            after = accuracy(trainer.student, trainer.s_tok, run_dir / "eval_after", engine=trainer.engine)
             row.update(teacher=teacher_acc, before=before, after=after,
                        gap_closed=gap_closed(before, after, teacher_acc),
                        seconds_per_iteration=iteration_seconds(result.run_dir),
@@ -140,9 +196,11 @@ def compare(out: Path, steps: int, names: list[str] | None = None, problems: int
         log(f"[compare] {json.dumps(row)}")
         rows.append(row)
     ref = next((r.get("seconds_per_iteration") for r in rows if r["algorithm"] == REFERENCE), None)
+    same_ref = {r["pair"]: r.get("seconds_per_iteration") for r in rows if r["algorithm"] == SAME_REFERENCE}
     for r in rows:
         t = r.get("seconds_per_iteration")
         r["time_vs_strict"] = (t / ref) if (t and ref) else None
+        r["time_vs_opd"] = (t / same_ref[r["pair"]]) if (t and same_ref.get(r["pair"])) else None
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
     (out / "compare.md").write_text(markdown_table(rows, steps))
@@ -153,15 +211,16 @@ def compare(out: Path, steps: int, names: list[str] | None = None, problems: int
 def markdown_table(rows: list[dict], steps: int) -> str:
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"
     num = lambda v, f="{:.3f}": "n/a" if v is None else f.format(v)
-    lines = [f"| objective | pair | teacher | before | after ({steps} steps) | gap closed | s / iteration | × strict |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| objective | pair | teacher | before | after ({steps} steps) | gap closed | s / iteration | "
+             "× strict | × opd (same pair) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['algorithm']} | {r.get('pair', '')} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {r['algorithm']} | {r.get('pair', '')} | failed: {r['error']} | | | | | | |")
             continue
         lines.append(f"| {r['algorithm']} | {r['pair']} | {num(r['teacher'])} | {num(r['before'])} | "
                      f"{num(r['after'])} | {pct(r['gap_closed'])} | {num(r['seconds_per_iteration'], '{:.2f}')} | "
-                     f"{num(r['time_vs_strict'], '{:.2f}')} |")
+                     f"{num(r['time_vs_strict'], '{:.2f}')} | {num(r.get('time_vs_opd'), '{:.2f}')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -138,3 +138,15 @@ def play(engine, side, prompts: Sequence, prompt_ids: Sequence[Sequence[int]], p
     for ep in episodes:
         _close(ep, side, eos_ids)
     return episodes
+
+
+def greedy_reward(engine, side, prompts, environment, *, max_new_tokens: int, max_turns: int = 8,
+                  step_timeout_s: float = 10.0) -> tuple[float, list[Episode]]:
+    """Mean environment reward of greedy episodes over `prompts` (data.Prompt rows): the
+    held-out accuracy of a tool task whose environment rewards a correct final answer."""
+    from ctopd_jax.rollout.base import SamplingParams
+
+    encoded = [side.encode(side.render_chat(list(p.messages), add_generation_prompt=True)) for p in prompts]
+    episodes = play(engine, side, prompts, encoded, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
+                    environment=environment, max_turns=max_turns, step_timeout_s=step_timeout_s)
+    return sum(ep.reward for ep in episodes) / max(len(episodes), 1), episodes

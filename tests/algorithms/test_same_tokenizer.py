@@ -227,6 +227,12 @@ def test_demo_picks_the_pair_and_times_iterations(tmp_path):
     assert opd["model"]["student"] == "demo:char_student" and "ctkd_topk" not in opd["algorithm"]
     assert compare.config_tree("opd2")["rollout"]["temperature"] == 0.7
     assert compare.config_tree("topk_strict")["algorithm"]["ctkd_topk"] == 16
+    assert {n: compare.pair_of(n) for n in ("strict", "opd", "tcod", "sod", "sage_opd")} == {
+        "strict": "cross", "opd": "char", "tcod": "tools", "sod": "tools", "sage_opd": "tools"}
+    sage = compare.config_tree("sage_opd")
+    assert sage["algorithm"]["sage_judge"] == "proxy" and sage["rollout"]["environment"] == "calculator"
+    assert compare.jobs(["opd", "sod", "tcod"]) == [("strict", "cross"), ("opd", "char"), ("opd", "tools"),
+                                                    ("sod", "tools"), ("tcod", "tools")]
     (tmp_path / "metrics.jsonl").write_text("\n".join(
         json.dumps({"step": s, "elapsed_s": e}) for s, e in ((1, 30.0), (2, 32.0), (3, 35.0), (4, 37.5))))
     assert compare.iteration_seconds(tmp_path) == 2.5   # median of 2, 3, 2.5; step 1 (compile) left out
