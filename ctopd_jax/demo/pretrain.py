@@ -3,6 +3,7 @@
     python -m ctopd_jax.demo.pretrain                 # both, into ctopd_jax/assets/demo/
     python -m ctopd_jax.demo.pretrain --role student --out /tmp/x --eval-every 100
     python -m ctopd_jax.demo.pretrain --pair char     # the same-tokenizer pair, assets/demo_char/
+    python -m ctopd_jax.demo.pretrain --pair char_tools   # tool-use char pair, assets/demo_char_tools/
 
 The committed checkpoints under ``ctopd_jax/assets/demo/{teacher,student}`` are exactly what
 this command writes (fixed seeds; float32 on CPU). Each directory holds ``config.json`` +
@@ -24,6 +25,14 @@ Recipe decisions (SPEC is silent; this is demo scaffolding, not the method under
   fixed length so one program is compiled.
 - Optimizer: the trainer's AdamW (``ctopd_jax.optimizer``; SPEC §1 betas, clipping, cosine
   with min lr and warmup) with a demo-sized learning rate.
+
+``--pair char_tools`` (the tool-use task, ``tools_task.py``): the char pair's architectures and
+vocabulary, trained on the two-turn transcripts laid out exactly as the multi-turn rollout lays
+them out (``tools_sft_batch``): chat prompt, turn 1 (``<calc>A*B</calc>``), the observation
+(``<result>N</result>``), turn 2 (``The answer is N.``) and the EOS, each part encoded on its own;
+the loss covers turn 1, turn 2 and the EOS only (prompt and observation masked). Held-out
+accuracy runs the tool loop (``tools_rollout``): greedy turn 1 cut after ``</calc>``, the true
+result of what the model wrote computed by ``tools_task.calculate``, greedy turn 2 until the EOS.
 """
 from __future__ import annotations
 
@@ -42,7 +51,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from ctopd_jax.demo import task
+from ctopd_jax.demo import task, tools_task
 from ctopd_jax.demo.data import ASSET_DIR
 from ctopd_jax.models import Decoder, ModelConfig, tiny_llama, tiny_qwen2
 from ctopd_jax.models.weights import export_hf_checkpoint
@@ -99,6 +108,26 @@ CHAR_SPECS = {
                             lr=3e-3, seed=12, schedule="constant"),
 }
 
+CHAR_TOOLS_ASSET_DIR = ASSET_DIR.parent / "demo_char_tools"
+TOOLS_SEQ_LEN = 80      # longest transcript: 20 prompt + 18 + 21 + 19 + EOS = 79 tokens
+TOOLS_TURN_TOKENS = 24  # per generated turn (turn 1 is 18 tokens, turn 2 at most 19 + EOS)
+
+# The tool-use character pair (`--pair char_tools`): the char pair's model configs, vocabulary
+# and lr. Both models first learn the format with the wrong operands and results (loss ~0.45),
+# then learn to copy them within a few dozen steps. Teacher: 400 cosine steps (measured held-out
+# 0.945 at step 300 of that run, 1.0 at 400; a 300-step cosine run was still at 0.015 at step
+# 250, and constant lr had not started copying by step 150). Student: constant lr, whose copy
+# emerges between steps 120 (0.045) and 130; measured held-out at steps 123..130: 0.11, 0.125,
+# 0.175, 0.17, 0.33, 0.315, 0.6, 0.445; 128 steps it is (format right, copies often wrong).
+# Measured on the shared 2-core CPU: teacher 344 s (with 4 evaluations) at a light load, 537 s
+# and 10.4 min for both roles at load average ~6; the student's 128 steps take ~40-60 s.
+CHAR_TOOLS_SPECS = {
+    "teacher": PretrainSpec("teacher", "char", teacher_config, steps=400, batch_size=64,
+                            lr=3e-3, seed=21),
+    "student": PretrainSpec("student", "char", char_student_config, steps=128, batch_size=64,
+                            lr=3e-3, seed=22, schedule="constant"),
+}
+
 SPECS = {
     "teacher": PretrainSpec("teacher", "tiny_bpe", teacher_config, steps=400, batch_size=64,
                             lr=3e-3, seed=1),
@@ -118,6 +147,83 @@ def sft_batch(side: TokenizerSide, problems: list[task.Problem]):
     labels = np.pad(batch.labels, ((0, 0), (0, pad)), constant_values=IGNORE_INDEX)
     mask = np.pad(batch.attention_mask, ((0, 0), (0, pad)), constant_values=False)
     return ids, labels, mask
+
+
+def tools_prompt_ids(side: TokenizerSide, problem: tools_task.Problem) -> list[int]:
+    return side.encode(side.render_chat([{"role": "user", "content": problem.prompt}],
+                                        add_generation_prompt=True))
+
+
+def tools_sft_batch(side: TokenizerSide, problems: list[tools_task.Problem]):
+    """(input_ids, labels, attention_mask) of one tool-transcript SFT batch, [B, TOOLS_SEQ_LEN]:
+    prompt + turn 1 + observation + turn 2 + EOS, each encoded separately (as the multi-turn
+    rollout concatenates them); labels (next-token, as retokenize) on turn 1, turn 2 and EOS."""
+    batch = len(problems)
+    ids = np.full((batch, TOOLS_SEQ_LEN), side.pad_id, dtype=np.int32)
+    labels = np.full((batch, TOOLS_SEQ_LEN), IGNORE_INDEX, dtype=np.int32)
+    mask = np.zeros((batch, TOOLS_SEQ_LEN), dtype=bool)
+    for b, p in enumerate(problems):
+        first, second = p.expert_turns
+        parts = [(tools_prompt_ids(side, p), False), (side.encode(first), True),
+                 (side.encode(p.observation), False), (side.encode(second), True),
+                 ([side.eos_id], True)]
+        row = np.concatenate([np.asarray(t, dtype=np.int32) for t, _ in parts])
+        supervised = np.concatenate([np.full(len(t), s) for t, s in parts])
+        if len(row) > TOOLS_SEQ_LEN:
+            raise ValueError(f"{p.prompt!r}: transcript needs {len(row)} tokens > {TOOLS_SEQ_LEN}")
+        ids[b, :len(row)] = row
+        mask[b, :len(row)] = True
+        labels[b, :len(row) - 1] = np.where(supervised[1:], row[1:], IGNORE_INDEX)
+    return ids, labels, mask
+
+
+def tools_rollout(model: Decoder, side: TokenizerSide, problems: list[tools_task.Problem],
+                  max_turn_tokens: int = TOOLS_TURN_TOKENS) -> list[dict]:
+    """Greedy two-turn episodes with the calculator simulated here: turn 1 until ``</calc>``
+    (generated to ``max_turn_tokens`` and cut, the same as stopping there under greedy decoding),
+    the observation of what the model wrote (tools_task.respond), turn 2 until the EOS. A turn 1
+    without a complete call ends the episode. One dict per problem: turn1, observation, turn2,
+    response (the full transcript), correct."""
+    from ctopd_jax.evaluate import stop_ids
+    from ctopd_jax.rollout import SamplingParams, make_rollout_engine
+
+    engine = make_rollout_engine("jax", model, stop_ids(side), side.pad_id)
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_turn_tokens)
+    prompts = [tools_prompt_ids(side, p) for p in problems]
+    first = engine.generate(prompts, params)
+    episodes, contexts = [], []
+    for i, tokens in enumerate(first.token_ids):
+        text = side.decode(tokens, skip_special_tokens=False)
+        turn1 = tools_task.cut_after_call(text)
+        obs = None if turn1 is None else tools_task.respond(turn1)
+        if obs is None:     # no tool call: the episode ends with this turn
+            turn1 = side.decode(tokens)
+        else:
+            contexts.append((i, prompts[i] + side.encode(turn1) + side.encode(obs)))
+        episodes.append({"turn1": turn1, "observation": obs, "turn2": ""})
+    if contexts:
+        second = engine.generate([c for _, c in contexts], params)
+        for (i, _), tokens in zip(contexts, second.token_ids):
+            episodes[i]["turn2"] = side.decode(tokens)
+    for p, e in zip(problems, episodes):
+        e["response"] = e["turn1"] + (e["observation"] or "") + e["turn2"]
+        e["correct"] = tools_task.grade(e["response"], p.answer)
+    return episodes
+
+
+def tools_held_out_metrics(model: Decoder, side: TokenizerSide) -> dict:
+    """Held-out accuracy through the tool loop, and where the misses come from."""
+    problems = tools_task.split("held_out")
+    episodes = tools_rollout(model, side, problems)
+    n = len(problems)
+    return {"held_out_accuracy": sum(e["correct"] for e in episodes) / n,
+            "tool_call_exact": sum(e["turn1"] == p.expert_turns[0]
+                                   for p, e in zip(problems, episodes)) / n,
+            "tool_call_made": sum(e["observation"] is not None for e in episodes) / n,
+            "answer_copies_observation": sum(
+                e["observation"] is not None and e["turn2"] == f"The answer is "
+                f"{e['observation'][len(tools_task.RESULT_OPEN):-len(tools_task.RESULT_CLOSE)]}."
+                for e in episodes) / n}
 
 
 def sft_loss(model: Decoder, input_ids, labels, attention_mask):
@@ -147,9 +253,10 @@ def held_out_accuracy(model: Decoder, side: TokenizerSide, out_dir: Path | None 
 
 
 def train(spec: PretrainSpec, steps: int | None = None, eval_every: int = 0, log=print,
-          snapshot: tuple[int, Callable] | None = None):
+          snapshot: tuple[int, Callable] | None = None, pair: str = "cross"):
     """SFT ``spec`` from its seed; returns (model, side, history). ``snapshot = (n, fn)`` calls
-    ``fn(model, side, history)`` after step n (the char teacher's base)."""
+    ``fn(model, side, history)`` after step n (the char teacher's base). ``pair="char_tools"``
+    trains on the tool-use transcripts and evaluates through the tool loop."""
     steps = steps or spec.steps
     side = load_tokenizer_side(spec.tokenizer)
     cfg = spec.make_config(side.vocab_size)
@@ -159,15 +266,19 @@ def train(spec: PretrainSpec, steps: int | None = None, eval_every: int = 0, log
                                              warmup_ratio=spec.warmup_ratio,
                                              min_lr=spec.lr / 10, weight_decay=0.0))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    train_problems = task.split("train")
+    tools = pair == "char_tools"
+    train_problems = (tools_task if tools else task).split("train")
+    make_batch = tools_sft_batch if tools else sft_batch
+    evaluate = ((lambda m, s: tools_held_out_metrics(m, s)["held_out_accuracy"]) if tools
+                else held_out_accuracy)
     rng = np.random.default_rng(spec.seed)
     history, start = [], time.perf_counter()
     for step in range(1, steps + 1):
-        batch = sft_batch(side, task.sample(train_problems, spec.batch_size, rng))
+        batch = make_batch(side, task.sample(train_problems, spec.batch_size, rng))
         loss = float(_train_step(model, optimizer, *map(jnp.asarray, batch)))
         row = {"step": step, "loss": loss, "time_s": round(time.perf_counter() - start, 1)}
         if eval_every and (step % eval_every == 0 or step == steps):
-            row["held_out_accuracy"] = held_out_accuracy(model, side)
+            row["held_out_accuracy"] = evaluate(model, side)
         if step % 10 == 0 or "held_out_accuracy" in row or step == steps:
             log(f"[{spec.role}] " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else
                                               f"{k}={v}" for k, v in row.items()))
@@ -191,8 +302,9 @@ def save(model: Decoder, side: TokenizerSide, out_dir: Path, meta: dict) -> Path
 
 def pretrain(role: str, out_root: Path, steps: int | None = None, eval_every: int = 0,
              log=print, pair: str = "cross") -> dict:
-    spec = (CHAR_SPECS if pair == "char" else SPECS)[role]
-    command = "python -m ctopd_jax.demo.pretrain --role " + role + (" --pair char" if pair == "char" else "")
+    spec = {"char": CHAR_SPECS, "char_tools": CHAR_TOOLS_SPECS}.get(pair, SPECS)[role]
+    command = "python -m ctopd_jax.demo.pretrain --role " + role + (
+        f" --pair {pair}" if pair != "cross" else "")
     start = time.perf_counter()
     snapshot = None
     if pair == "char" and role == "teacher":
@@ -205,14 +317,21 @@ def pretrain(role: str, out_root: Path, steps: int | None = None, eval_every: in
                   "snapshot_of": "teacher", "command": command})
             log(f"[teacher_base] held-out accuracy {acc:.3f} after {CHAR_BASE_STEPS} steps")
         snapshot = (CHAR_BASE_STEPS, save_base)
-    model, side, history = train(spec, steps, eval_every, log, snapshot=snapshot)
+    model, side, history = train(spec, steps, eval_every, log, snapshot=snapshot, pair=pair)
     train_s = time.perf_counter() - start
-    accuracy = held_out_accuracy(model, side)
+    extra = {}
+    if pair == "char_tools":
+        extra = tools_held_out_metrics(model, side)
+        accuracy = extra.pop("held_out_accuracy")
+        extra = {"task": "demo tools_task (tool loop simulated, greedy)", "schedule": spec.schedule,
+                 "seq_len": TOOLS_SEQ_LEN, **extra}
+    else:
+        accuracy = held_out_accuracy(model, side)
     meta = {"role": role, "tokenizer": spec.tokenizer, "family": model.cfg.family,
             "steps": steps or spec.steps, "batch_size": spec.batch_size, "lr": spec.lr,
             "seed": spec.seed, "final_loss": history[-1]["loss"],
             "held_out_accuracy": accuracy, "train_seconds": round(train_s, 1),
-            "command": command}
+            "command": command, **extra}
     save(model, side, out_root / role, meta)
     log(f"[{role}] held-out accuracy {accuracy:.3f} after {meta['steps']} steps "
         f"({train_s:.0f} s) -> {out_root / role}")
@@ -222,16 +341,20 @@ def pretrain(role: str, out_root: Path, steps: int | None = None, eval_every: in
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--role", choices=sorted(SPECS), nargs="*", default=["teacher", "student"])
-    parser.add_argument("--pair", choices=("cross", "char"), default="cross",
+    parser.add_argument("--pair", choices=("cross", "char", "char_tools"), default="cross",
                         help="cross: the tiny_bpe/tiny_unigram pair (assets/demo); char: the "
-                             "same-tokenizer character pair (assets/demo_char, teacher_base too)")
+                             "same-tokenizer character pair (assets/demo_char, teacher_base too); "
+                             "char_tools: the character pair on the tool-use task "
+                             "(assets/demo_char_tools)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="default: ctopd_jax/assets/demo (cross) or assets/demo_char (char)")
+                        help="default: ctopd_jax/assets/demo (cross), assets/demo_char (char) or "
+                             "assets/demo_char_tools (char_tools)")
     parser.add_argument("--steps", type=int, default=None, help="override the recipe's steps")
     parser.add_argument("--eval-every", type=int, default=0,
                         help="also report held-out accuracy every N steps (for tuning)")
     args = parser.parse_args(argv)
-    out = args.out or (CHAR_ASSET_DIR if args.pair == "char" else ASSET_DIR)
+    out = args.out or {"char": CHAR_ASSET_DIR, "char_tools": CHAR_TOOLS_ASSET_DIR}.get(
+        args.pair, ASSET_DIR)
     return [pretrain(r, out, args.steps, args.eval_every, pair=args.pair) for r in args.role]
 
 
