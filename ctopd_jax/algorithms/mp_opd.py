@@ -277,11 +277,13 @@ def atom_arrays(settings, host, start: int, stop: int, student_len: int, teacher
         "atom_teacher_targets": pack.padded(t_targets, t_size)[0],
         "atom_teacher_atom": pack.padded(t_atom, t_size)[0],
         "atom_teacher_weight": pack.padded(t_rows, t_size)[1],
-        "mp_opd_samples": np.float32(stop - start),
-        "mp_opd_valid_samples": np.float32(atoms.sample_valid[start:stop].sum()),
+        # counts are [1] arrays, not 0-d: per-shard parts are stacked along a leading axis
+        # (pack.stack_shards) and summed on the device
+        "mp_opd_samples": np.float32([stop - start]),
+        "mp_opd_valid_samples": np.float32([atoms.sample_valid[start:stop].sum()]),
     }
     for k, name in enumerate(FAIL_REASONS):
-        out[f"mp_opd_fail_{name}"] = np.float32(counts[name])
+        out[f"mp_opd_fail_{name}"] = np.float32([counts[name]])
     if s.mp_opd_mode in ("grass_chunk", "align"):
         # chunk token layout for the Gram pass: [chunks, K] student rows, target, atom position
         tok_span = span_id[s_atom]
@@ -415,9 +417,10 @@ class MpOpd(Objective):
         live = bt["atom_weight"]
         b = jax.lax.stop_gradient(l_t + h) * live      # lT − lS
         w = jnp.where(live > 0, bt["atom_w"], 1.0)
-        metrics = {f"mp_opd_fail_{k[len('mp_opd_fail_'):]}": (bt[k], bt["mp_opd_samples"])
+        samples, valid = jnp.sum(bt["mp_opd_samples"]), jnp.sum(bt["mp_opd_valid_samples"])
+        metrics = {f"mp_opd_fail_{k[len('mp_opd_fail_'):]}": (jnp.sum(bt[k]), samples)
                    for k in bt if k.startswith("mp_opd_fail_")}
-        metrics["mp_opd_atoms_per_sample"] = (jnp.sum(live), bt["mp_opd_valid_samples"])
+        metrics["mp_opd_atoms_per_sample"] = (jnp.sum(live), valid)
         if self.uses_host_credits:
             grams = lm_head_gram(x.hidden, x.lm_head, bt["gram_rows"], bt["gram_targets"], bt["gram_pos"],
                                  bt["gram_valid"], s.grass_chunk_atoms, s.chunked_loss_size)
@@ -425,7 +428,7 @@ class MpOpd(Objective):
                 self.credits_on_host,
                 (jax.ShapeDtypeStruct((num,), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32)),
                 b, w, bt["atom_span"], bt["atom_pos"], bt["atom_sample"], live, grams, ordered=False)
-            metrics["mp_opd_fallback_fraction"] = (stats[0], bt["mp_opd_valid_samples"])
+            metrics["mp_opd_fallback_fraction"] = (stats[0], valid)
             if s.mp_opd_mode == "grass_chunk":
                 metrics["mp_opd_grass_alpha"] = (stats[1], stats[2])
                 metrics["mp_opd_grass_noise_var"] = (stats[3], None)

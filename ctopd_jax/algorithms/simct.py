@@ -28,8 +28,9 @@ come from kernels.token_rows (chunked, recomputing backward).
 
 Decisions: with τ ≠ 1 the whole row (V∩ columns and the extra column) is divided by τ before
 the divergence's log-softmax, as every §5 divergence does with logits; in `mean_logprob` the
-row values themselves are log-probs at τ = 1. `align_ratio` is reported per micro-batch and
-averaged over micro-batches (the trainer's (value, None) metric form).
+row values themselves are log-probs at τ = 1. `align_ratio` is a ratio of sums over the whole
+batch (Σ aligned tokens / Σ sample tokens, as a (num, den) metric), so it does not depend on how
+the batch is cut into micro-batches and batch shards.
 """
 from __future__ import annotations
 
@@ -109,10 +110,12 @@ def segment_arrays(host, start: int, stop: int, student_len: int, teacher_len: i
         "simct_teacher_targets": pack.padded(host.teacher.labels.reshape(-1)[t_rows], t_size)[0],
         "simct_teacher_group": pack.padded(tg[t_group] if len(t_group) else t_group, t_size)[0],
         "simct_teacher_token_weight": pack.padded(t_rows, t_size)[1],
-        # align_ratio parts (SPEC §7): Σ_segments max(lengths) and Σ_samples max(lengths)
-        "simct_aligned_tokens": np.float32(np.maximum(s_len, t_len).sum()),
-        "simct_sample_tokens": np.float32(np.maximum(resp_s, resp_t).sum()),
-        "simct_samples": np.float32(stop - start),
+        # align_ratio parts (SPEC §7): Σ_segments max(lengths) and Σ_samples max(lengths).
+        # Counts are [1] arrays, not 0-d: per-shard parts are stacked along a leading axis
+        # (pack.stack_shards) and summed on the device (psum over shards, sums over micro-batches).
+        "simct_aligned_tokens": np.float32([np.maximum(s_len, t_len).sum()]),
+        "simct_sample_tokens": np.float32([np.maximum(resp_s, resp_t).sum()]),
+        "simct_samples": np.float32([stop - start]),
     }
 
 
@@ -243,8 +246,8 @@ class SimCT(Objective):
                                      x.overlap["s_ids"], x.overlap["t_ids"], b["simct_weight"], t_span_mean)
         rows = jnp.sum(b["simct_weight"])
         metrics = {
-            "align_ratio": (b["simct_aligned_tokens"] / jnp.maximum(b["simct_sample_tokens"], 1.0), None),
-            "simct_segments_per_sample": (rows, b["simct_samples"]),
+            "align_ratio": (jnp.sum(b["simct_aligned_tokens"]), jnp.sum(b["simct_sample_tokens"])),
+            "simct_segments_per_sample": (rows, jnp.sum(b["simct_samples"])),
             "simct_span_row_fraction": (jnp.sum(is_span * b["simct_weight"]), rows),
             "simct_kept_row_fraction": (kept, rows),
         }

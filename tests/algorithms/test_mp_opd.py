@@ -235,6 +235,25 @@ def test_matches_torch_reference(demo, mode):
         assert fresh.state_dict() == state
 
 
+def test_per_shard_arrays_stack_and_sum_to_the_whole(demo):
+    """The trainer prepares each batch shard on its own and stacks the parts (pack.stack_shards):
+    the sample and fail-closed counts are [1] arrays (0-d scalars made stack_shards raise: a
+    crash of every sharded MP-OPD step) whose per-shard sums equal the whole micro-batch's."""
+    from ctopd_jax.algorithms.pack import stack_shards
+
+    host = demo[0]
+    for mode in ("atomic", "grass_chunk"):
+        obj = objective(mp_opd_mode=mode)
+        whole = obj.prepare(host, 0, host.size)
+        stacked = stack_shards([obj.prepare(host, i, i + 1) for i in range(host.size)])
+        counts = [k for k in whole if k.startswith("mp_opd_")]
+        assert "mp_opd_fail_empty_response" in counts and "mp_opd_valid_samples" in counts
+        for key in counts:
+            assert whole[key].shape == (1,) and stacked[key].shape == (host.size,)
+            assert stacked[key].sum() == whole[key].sum()
+        assert whole["mp_opd_samples"][0] == host.size
+
+
 def test_bad_settings_name_the_field():
     with pytest.raises(ConfigError, match="algorithm.mp_opd_mode"):
         from_dict({"algorithm": {"name": "mp_opd", "mp_opd_mode": "fixed6"}})
