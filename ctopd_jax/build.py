@@ -277,6 +277,12 @@ def check_objective_inputs(config, objective) -> None:
         objective.check_run(config)
     except ValueError as err:
         raise TrainerSetupError(str(err)) from None
+    if config.rollout.environment and (not needs.reuse_sampled_ids or needs.responses != "student"
+                                       or uses_dataset_responses(objective) or getattr(objective.settings, "seq_kd", False)):
+        raise TrainerSetupError(
+            f"rollout.environment={config.rollout.environment}: episodes are sampled by the student and their ids "
+            f"reused, which algorithm.name={name} cannot train on; use opd, opd_full, vopd, opd2, tcod, sod or "
+            "sage_opd, or set rollout.environment=''")
     if needs.teacher_base and not m.teacher_base:
         raise TrainerSetupError(f"model.teacher_base: algorithm.name={name} needs the teacher's pre-tuning "
                                 "base model; set model.teacher_base (e.g. demo_char:teacher_base)")
@@ -355,7 +361,7 @@ def make_collector(config, objective, s_tok, t_tok, engine, teacher, mesh):
                 f"max_position_embeddings is {teacher.cfg.max_position_embeddings}; use sage_judge=proxy for a "
                 "small model, or shorter rollout.max_prompt_len / generate_max_len")
         teacher_engine = make_engine(teacher, t_tok, config.rollout, mesh, room)
-    if objective.needs.turns:
+    if objective.needs.turns or config.rollout.environment:
         from functools import partial
 
         from ctopd_jax.envs import make_environment

@@ -1,4 +1,6 @@
-"""Host collection for the turn-structured objectives (tcod, sod, sage_opd; SPEC §9).
+"""Host collection of episodes: the turn-structured objectives (tcod, sod, sage_opd; SPEC §9),
+and any student-sampled same-tokenizer objective (opd, opd_full, vopd, opd2) when
+`rollout.environment` is set.
 
 `EpisodeCollector.collect` expands the prompts n times (prompt-major), asks the objective for
 its curriculum (TCOD: the turn limit, the expert prefix), plays the episodes with the student
@@ -85,9 +87,11 @@ class EpisodeCollector:
         samples = [p for p in prompts for _ in range(n)]
         encoded = [self.side.encode(render(self.side, p)) for p in samples]
         obj = self.objective
-        plan = {"turn_limit": obj.turn_limit(rollout_index)}
+        turn_based = obj.needs.turns   # other same-tokenizer objectives (opd, ...) train on plain episodes
+        plan = {"turn_limit": obj.turn_limit(rollout_index) if turn_based else None}
+        uses_expert = turn_based and obj.uses_expert
         with timer("rollout"):
-            if obj.uses_expert:
+            if uses_expert:
                 paths = self._experts(samples, encoded, seed)
                 plan["expert_turns"] = [x[:obj.expert_prefix(rollout_index, len(x))] for x in paths]
             params = sampling_params(self.rollout, seed).replace(n=1)
@@ -102,13 +106,14 @@ class EpisodeCollector:
             rewards = self.rewards(samples, episodes) if uses_rewards else np.zeros(len(samples), np.float32)
             turns = TurnRows(turn=np.concatenate([a[4][a[1]] for a in laid]), rewards=rewards,
                              outcome=group_advantage(rewards, n))
-            obj.annotate(turns, episodes, samples, self)
+            if turn_based:
+                obj.annotate(turns, episodes, samples, self)
         stats = {"reward": float(rewards.mean()) if uses_rewards else None,
                  "student_turns": float(np.mean([ep.student_turns for ep in episodes])),
                  "tcod_turn_limit": plan["turn_limit"],
                  "tcod_prefix_turns": float(np.mean([len(x) for x in plan["expert_turns"]]))
                  if "expert_turns" in plan else None,
-                 "tcod_teacher_expert": self.notes.get("teacher_expert_samples") if obj.uses_expert else None}
+                 "tcod_teacher_expert": self.notes.get("teacher_expert_samples") if uses_expert else None}
         return HostBatch(batch, batch, identity_alignment(batch), (values, weights),
                          [self.side.decode(a[0]) for a in laid], [ep.finish_reason for ep in episodes],
                          turns=turns, turn_stats=stats)

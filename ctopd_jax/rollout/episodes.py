@@ -131,10 +131,10 @@ def play(engine, side, prompts: Sequence, prompt_ids: Sequence[Sequence[int]], p
             ep.reward += step.reward
             if step.done:
                 ep.done, ep.finish_reason = True, FINISH_STOP
+            elif turn + 1 == cap:      # nobody reads the observation: the episode ends on the turn
+                ep.done, ep.finish_reason = True, FINISH_TURNS
             else:
                 ep.add(side.encode(step.observation), CONTEXT)
-                if turn + 1 == cap:
-                    ep.done, ep.finish_reason = True, FINISH_TURNS
     for ep in episodes:
         _close(ep, side, eos_ids)
     return episodes

@@ -78,8 +78,10 @@ def test_turn_cap_and_budget_end_the_episode_with_an_appended_eos(side):
                environment=lambda: make_environment("calculator"), max_turns=2)
     capped, cut = eps
     assert capped.finish_reason == "turns" and len(engine.calls) == 2
-    assert [s.role for s in capped.segments] == [STUDENT, CONTEXT, STUDENT, CONTEXT, STUDENT]
-    assert capped.segments[-1].ids == [side.eos_id]          # a turn of its own after the observation
+    # the cap ends the episode on its last turn (no observation nobody reads), closed by an EOS
+    assert [(s.role, text(side, s.ids)) for s in capped.segments] == [
+        (STUDENT, "<calc>1+1</calc>"), (CONTEXT, "<result>2</result>"), (STUDENT, "<calc>2+2</calc>" + EOS)]
+    assert np.isnan(capped.segments[-1].logprobs[-1])
     assert cut.finish_reason == "length"
     ids, trained, _, known, _ = episode_arrays(cut)
     assert len(ids) == 81 and ids[-1] == side.eos_id and not known[-1] and known[:-1].all()

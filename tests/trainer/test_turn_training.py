@@ -57,3 +57,19 @@ def test_sod_outcome_needs_several_samples(tmp_path):
     config = load_config(SAME, [f"output_dir={tmp_path}", "algorithm.name=sod", "algorithm.sod_outcome=true"])
     with pytest.raises(TrainerSetupError, match=r"^algorithm.sod_outcome: true needs rollout.n_samples_per_prompt > 1"):
         Trainer(config)
+
+
+@pytest.mark.slow
+def test_opd_trains_on_episodes_when_an_environment_is_set(tmp_path):
+    metrics = run(tmp_path, "opd")
+    check_self_distillation(metrics, "opd_loss")
+
+
+@pytest.mark.parametrize("config,name", [("tiny_cpu.yaml", "topk_strict"), ("tiny_cpu_same.yaml", "gkd")])
+def test_environment_with_an_objective_that_cannot_use_episodes(tmp_path, config, name):
+    from ctopd_jax.trainer import Trainer, TrainerSetupError
+
+    config = load_config(ROOT / "configs" / config, [f"output_dir={tmp_path}", f"algorithm.name={name}",
+                                                      "rollout.environment=calculator"])
+    with pytest.raises(TrainerSetupError, match=rf"^rollout.environment=calculator: .* algorithm.name={name} cannot"):
+        Trainer(config)
