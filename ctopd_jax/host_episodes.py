@@ -98,13 +98,13 @@ class EpisodeCollector:
             episodes = self._play(self.engine, samples, encoded, params, **plan)
         with timer("align"):
             laid = [episode_arrays(ep) for ep in episodes]
-            batch = token_batch(self.side, encoded, [a[0] for a in laid], [a[1] for a in laid])
-            values = np.concatenate([a[2][a[1]] for a in laid])
-            weights = np.concatenate([a[3][a[1]] for a in laid]).astype(np.float32)
+            batch = token_batch(self.side, encoded, [a.ids for a in laid], [a.trained for a in laid])
+            values = np.concatenate([a.logprobs[a.trained] for a in laid])
+            weights = np.concatenate([a.known[a.trained] for a in laid]).astype(np.float32)
             uses_rewards = self.environment is not None or (
                 getattr(obj.settings, "sod_outcome", False) is not False and n > 1)
             rewards = self.rewards(samples, episodes) if uses_rewards else np.zeros(len(samples), np.float32)
-            turns = TurnRows(turn=np.concatenate([a[4][a[1]] for a in laid]), rewards=rewards,
+            turns = TurnRows(turn=np.concatenate([a.turn[a.trained] for a in laid]), rewards=rewards,
                              outcome=group_advantage(rewards, n))
             if turn_based:
                 obj.annotate(turns, episodes, samples, self)
@@ -115,5 +115,5 @@ class EpisodeCollector:
                  if "expert_turns" in plan else None,
                  "tcod_teacher_expert": self.notes.get("teacher_expert_samples") if uses_expert else None}
         return HostBatch(batch, batch, identity_alignment(batch), (values, weights),
-                         [self.side.decode(a[0]) for a in laid], [ep.finish_reason for ep in episodes],
+                         [self.side.decode(a.ids) for a in laid], [ep.finish_reason for ep in episodes],
                          turns=turns, turn_stats=stats)

@@ -19,6 +19,7 @@ Decisions where SPEC is silent:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -75,9 +76,16 @@ class Episode:
                                          None if logprobs is None else [float(x) for x in logprobs]))
 
 
-def episode_arrays(episode: Episode) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(ids, trained, logprobs, logprob_known, turn) over the response tokens; `turn` is the
-    index of the student turn a token belongs to (-1 on context tokens)."""
+class EpisodeTokens(NamedTuple):
+    ids: np.ndarray        # int32 response tokens (student and context)
+    trained: np.ndarray    # bool: a student token (in the loss)
+    logprobs: np.ndarray   # float32 rollout-time log-prob (0 where unknown)
+    known: np.ndarray      # bool: the engine gave that log-prob
+    turn: np.ndarray       # int32 index of the student turn of the token (-1 on context)
+
+
+def episode_arrays(episode: Episode) -> EpisodeTokens:
+    """The episode's response as token arrays."""
     ids, trained, lps, known, turn = [], [], [], [], []
     k = -1
     for seg in episode.segments:
@@ -90,8 +98,8 @@ def episode_arrays(episode: Episode) -> tuple[np.ndarray, np.ndarray, np.ndarray
         lps += [0.0 if np.isnan(v) else v for v in values]
         known += [not np.isnan(v) for v in values]
         turn += [k if student else -1] * n
-    return (np.asarray(ids, np.int32), np.asarray(trained, bool), np.asarray(lps, np.float32),
-            np.asarray(known, bool), np.asarray(turn, np.int32))
+    return EpisodeTokens(np.asarray(ids, np.int32), np.asarray(trained, bool), np.asarray(lps, np.float32),
+                         np.asarray(known, bool), np.asarray(turn, np.int32))
 
 
 @dataclass

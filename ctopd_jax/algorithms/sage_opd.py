@@ -108,11 +108,11 @@ class SageOpd(TurnObjective):
         collector.note("sage_judge_labels", labels)
         per_row, j = [], 0
         for ep in episodes:
-            _, trained, _, _, turn = episode_arrays(ep)
+            tokens = episode_arrays(ep)
             n = ep.student_turns
             weights = np.array([self.judgment_weight(x) for x in labels[j:j + n]], np.float32)
             j += n
-            per_row.append(weights[turn[trained]])
+            per_row.append(weights[tokens.turn[tokens.trained]])
         turns.judgment = np.concatenate(per_row)
 
     def kd_weights(self):
