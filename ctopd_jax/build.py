@@ -175,9 +175,10 @@ class ProcessShardedEngine:
 def context_room(objective, rollout, side) -> int:
     """Prompt tokens an engine must accept beyond rollout.max_prompt_len: the later turns of an
     episode read the response so far, and SAGE-OPD's judge prompt wraps a turn and its feedback."""
-    if not objective.needs.turns:
+    if not (objective.needs.turns or rollout.environment):
         return 0
-    return rollout.generate_max_len + objective.judge_prompt_tokens(side, rollout)
+    judge = getattr(objective, "judge_prompt_tokens", None)
+    return rollout.generate_max_len + (judge(side, rollout) if judge else 0)
 
 
 def make_engine(student, s_tok, rollout, mesh, extra_context: int = 0):
