@@ -94,6 +94,7 @@ class Trainer:
         self.overlap_arrays = {"s_ids": build.replicated(self.overlap.s_ids.astype(np.int32), self.mesh),
                                "t_ids": build.replicated(self.overlap.t_ids.astype(np.int32), self.mesh)}
         self.stream = build.prompt_stream(c, self.s_tok, preflight.prompts if preflight is not None else None)
+        lora.prepare(self.student, c)  # adapters attached before the engine starts (vLLM serves them)
         self.engine = engine if engine is not None else build.make_engine(
             self.student, self.s_tok, c.rollout, self.mesh, build.context_room(self.objective, c.rollout, self.s_tok))
         self.collector = build.make_collector(c, self.objective, self.s_tok, self.t_tok, self.engine,
@@ -270,6 +271,8 @@ class Trainer:
                 if checkpointer.should_save(step, c.steps) or stopping:
                     with timer("checkpoint"):
                         checkpointer.save(step, self._state(), self._checkpoint_meta())
+                        if c.lora.rank > 0:  # <run_dir>/adapter/ of this step too
+                            checkpointer.save_adapter(self.student, c, self.run_dir, self.is_writer)
                     saved = step
                 metrics.update(timer.as_metrics())
                 if step % lg.log_every == 0 or step == c.steps or stopping:

@@ -220,7 +220,32 @@ def adapter_settings(model) -> dict:
 
 
 def save_adapter(model, out_dir, base_model: str = "", dropout: float = 0.0) -> Path:
-    """``adapter_config.json`` + ``adapter_model.safetensors`` that PEFT loads."""
+    """``adapter_config.json`` + ``adapter_model.safetensors`` that PEFT loads.  Written to a
+    sibling temporary folder and renamed into place, so `out_dir` never holds half an adapter
+    (a crash between moving an older `out_dir` aside and the rename leaves that older one
+    complete as ``.<name>.old``; the next save clears it)."""
+    import os
+    import shutil
+    import tempfile
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would follow the folder into place
+        _write_adapter(model, tmp, base_model, dropout)
+        old = out.parent / f".{out.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_adapter(model, out: Path, base_model: str, dropout: float) -> None:
     from safetensors.numpy import save_file
 
     s = adapter_settings(model)
@@ -234,8 +259,6 @@ def save_adapter(model, out_dir, base_model: str = "", dropout: float = 0.0) -> 
         b_host = np.asarray(jax.device_get(getattr(module, name + "_lora_b")[...]))
         tensors[prefix + ".lora_A.weight"] = np.ascontiguousarray(a_host.reshape(-1, s["rank"]).T)
         tensors[prefix + ".lora_B.weight"] = np.ascontiguousarray(b_host.reshape(s["rank"], -1).T)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": s["rank"],
               "lora_alpha": s["alpha"], "lora_dropout": dropout,
@@ -244,7 +267,6 @@ def save_adapter(model, out_dir, base_model: str = "", dropout: float = 0.0) -> 
               "use_rslora": False, "use_dora": False, "modules_to_save": None,
               "base_model_name_or_path": str(base_model) or None}
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
 
 
 def load_adapter(model, folder, expect=None):

@@ -127,3 +127,53 @@ def test_lora_dropout_run_is_deterministic_in_the_seed(tmp_path):
     # the update is not
     assert metrics[0]["response_length"] == plain[0]["response_length"]
     assert any(not np.array_equal(a, b) for a, b in zip(flat(first), flat(no_dropout)))
+
+
+@pytest.mark.slow
+def test_each_checkpoint_rewrites_the_peft_adapter_atomically(tmp_path, monkeypatch):
+    """checkpoint.every=1 without export_hf: <run_dir>/adapter/ comes from the checkpoint saves
+    alone, holds the last checkpointed step's adapter (PEFT loads it to our logits), and a save that
+    fails half-way leaves the previous adapter in place, whole."""
+    tree = tiny_tree(tmp_path / "run", steps=2, **{  # step 1's update is lr 0 (warmup)
+        "lora.rank": 4, "lora.alpha": 8.0, "checkpoint.every": 1, "checkpoint.export_hf": False,
+        "checkpoint.async_save": False, "optimizer.lr": 1e-2})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    trainer = Trainer(load_config(path))
+    weights.export_hf_checkpoint(trainer.student, trainer.student.cfg, tmp_path / "base")
+    result = trainer.train()
+    assert result.hf_dir is None
+    adapter = result.run_dir / "adapter"
+    assert sorted(p.name for p in adapter.iterdir()) == [lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS]
+    assert [p.name for p in result.run_dir.iterdir() if p.name.startswith(".adapter")] == []
+
+    # the folder holds the step-2 adapter: the one in the student the checkpoint was taken from
+    step2 = jax_host(nnx.state(trainer.student, lora.LoraParam))
+    assert np.abs(np.asarray(trainer.student.layers[0].attn.q_proj_lora_b[...])).max() > 0
+    copy = nnx.clone(trainer.student)
+    for _, var in nnx.to_flat_state(nnx.state(copy, lora.LoraParam)):
+        var[...] = var[...] * 0
+    lora.load_adapter(copy, adapter)
+    for (p_, a), (_, b) in zip(nnx.to_flat_state(jax_host(nnx.state(copy, lora.LoraParam))),
+                               nnx.to_flat_state(step2)):
+        np.testing.assert_array_equal(a, b, err_msg=str(p_))
+    ids = np.random.RandomState(0).randint(3, 200, (2, 9))
+    ours = np.asarray(trainer.student(ids.astype(np.int32), np.broadcast_to(
+        np.arange(9, dtype=np.int32), ids.shape)))
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(base, adapter).eval()(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * np.abs(theirs).max())
+
+    # a crash in the middle of the next save: the step-2 adapter stays, whole
+    before = {p.name: p.read_bytes() for p in adapter.iterdir()}
+
+    def half_written(model, out, *args):
+        (out / lora.ADAPTER_WEIGHTS).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(lora, "_write_adapter", half_written)
+    with pytest.raises(OSError, match="disk full"):
+        lora.save_adapter(copy, adapter)
+    assert {p.name: p.read_bytes() for p in adapter.iterdir()} == before
+    assert [p.name for p in result.run_dir.iterdir() if p.name.startswith(".adapter")] == []
