@@ -358,9 +358,9 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
                         f"rank {lo.rank}: {trained / 1e6:.2f} M x {pbytes} B / {shard}",
                         "lora.rank or lora.target_modules"))
         notes.append(f"LoRA rank {lo.rank}: {trained / 1e6:.2f} M trained parameters = "
-                     f"{trained / ps:.4f} x full fine-tuning (gradients, optimizer state); the "
-                     f"adapter is {trained * pbytes / 1e6:.1f} MB, but vLLM sync still sends the "
-                     f"merged weights ({ps * 2 / GB:.2f} GB bf16)")
+                     f"{trained / ps:.4f} x full fine-tuning (gradients, optimizer state); vLLM "
+                     f"sync sends the {trained * pbytes / 1e6:.1f} MB adapter where vLLM serves LoRA, "
+                     f"else the merged weights ({ps * 2 / GB:.2f} GB bf16)")
     rows += [
         Row("student parameters", ps * pbytes / shard,
             f"{ps / 1e9:.2f} B x {pbytes} B ({m.param_dtype}) / fsdp x tensor {shard}",
