@@ -72,6 +72,33 @@ def test_the_shipped_configs_fit_where_their_headers_say(capsys):
         assert capsys.readouterr().out.strip().splitlines()[-1].startswith("FITS")
 
 
+# Qwen/Qwen2.5-1.5B-Instruct's published config.json (no preset: the planner reads it from the
+# checkpoint directory, as a user's run would).
+QWEN2_5_1_5B = {"architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 1536,
+                "intermediate_size": 8960, "max_position_embeddings": 32768, "model_type": "qwen2",
+                "num_attention_heads": 12, "num_hidden_layers": 28, "num_key_value_heads": 2,
+                "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+                "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936,
+                "bos_token_id": 151643, "eos_token_id": 151645}
+
+
+def test_the_gsm8k_lora_config_loads_and_fits_one_h100(tmp_path, capsys):
+    from ctopd_jax.config import load_config, validate
+
+    config = load_config("configs/gsm8k_lora_opd.yaml")
+    validate(config, device_count=1)
+    assert (config.algorithm.name, config.lora.rank, config.mesh.data) == ("opd", 16, 1)
+    assert config.data.path != config.evaluation.dataset   # evaluation on the held-out split
+    student = tmp_path / "Qwen2.5-1.5B-Instruct"
+    student.mkdir()
+    (student / "config.json").write_text(json.dumps(QWEN2_5_1_5B))
+    assert _cli(["--config", "configs/gsm8k_lora_opd.yaml", "--device", "h100",
+                 "--set", f"model.student={student}"]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA rank 16" in out
+    assert out.strip().splitlines()[-1].startswith("FITS")
+
+
 def test_too_large_a_micro_batch_names_the_item_and_the_setting(capsys):
     code = _cli(["--config", "configs/paper_8gpu_strict_full.yaml", "--device", "h100",
                  "--attention", "blockwise", "--set", "optimizer.micro_batch_size=128"])

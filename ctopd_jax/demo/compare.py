@@ -7,6 +7,12 @@ the demo task.
   objective whose `needs.reuse_sampled_ids`) run on the character pair
   (configs/tiny_cpu_same.yaml, ctopd_jax/assets/demo_char/). opd2 samples at
   rollout.temperature 0.7 (the paper's recipe; SPEC §9).
+- LoRA row: whenever `opd` runs on the character pair it runs there a second time with a LoRA
+  student (pair `char_lora`, configs/tiny_cpu_same_lora.yaml: rank-8 adapters on every
+  projection, base weights frozen; the seed runner's recipe). Its accuracy is measured like the
+  char pair's (the same teacher and starting student: a fresh adapter leaves the model
+  unchanged, so it shares the char pair's teacher / before figures), and its "× opd" is the
+  ratio to full fine-tuning `opd` on the char pair.
 - Turn-structured objectives (tcod, sod, sage_opd: `needs.turns`) run on the tool-use task
   (configs/tiny_cpu_tools.yaml, ctopd_jax/assets/demo_char_tools/) with the calculator
   environment, and so does a reference `opd` row for their time ratio; their accuracy is the
@@ -40,11 +46,16 @@ CONFIGS = Path(ctopd_jax.__file__).resolve().parent.parent / "configs"
 CROSS_CONFIG = CONFIGS / "tiny_cpu.yaml"
 SAME_CONFIG = CONFIGS / "tiny_cpu_same.yaml"
 TOOLS_CONFIG = CONFIGS / "tiny_cpu_tools.yaml"
+LORA_CONFIG = CONFIGS / "tiny_cpu_same_lora.yaml"
 PAIRS = {"cross": (CROSS_CONFIG, "cross (tiny_bpe → tiny_unigram)"),
          "char": (SAME_CONFIG, "char (same tokenizer)"),
+         "char_lora": (LORA_CONFIG, "char + LoRA student (rank 8)"),
          "tools": (TOOLS_CONFIG, "char tools (calculator episodes)")}
 REFERENCE = "strict"
 SAME_REFERENCE = "opd"
+# Pairs whose teacher and starting student are another pair's (baselines and the × opd reference
+# come from that pair): the LoRA student starts as the char student (B = 0).
+BASE_PAIR = {"char_lora": "char"}
 
 
 def _needs(name: str):
@@ -136,7 +147,8 @@ def episode_accuracy(model, side, config, limit: int = 0, engine=None) -> float:
 
 def jobs(names: list[str]) -> list[tuple[str, str]]:
     """(objective, pair) runs: each objective on its pair; `strict` first as the reference, and
-    `opd` on the tool task too when a turn objective runs (their time reference)."""
+    `opd` on the tool task too when a turn objective runs (their time reference), and `opd`
+    with a LoRA student (`char_lora`) right after `opd` on the char pair."""
     from ctopd_jax.algorithms import registry
 
     runs = [(n, pair_of(n)) for n in names]
@@ -145,6 +157,8 @@ def jobs(names: list[str]) -> list[tuple[str, str]]:
     if any(p == "tools" for _, p in runs) and (SAME_REFERENCE, "tools") not in runs:
         first = next(i for i, (_, p) in enumerate(runs) if p == "tools")
         runs.insert(first, (SAME_REFERENCE, "tools"))
+    if (SAME_REFERENCE, "char") in runs and (SAME_REFERENCE, "char_lora") not in runs:
+        runs.insert(runs.index((SAME_REFERENCE, "char")) + 1, (SAME_REFERENCE, "char_lora"))
     return runs
 
 
@@ -164,7 +178,7 @@ def compare(out: Path, steps: int, names: list[str] | None = None, problems: int
     rows = []
     for name, pair in jobs(names):
         started = time.perf_counter()
-        row = {"algorithm": name, "pair": PAIRS[pair][1]}
+        row = {"algorithm": name, "pair": PAIRS[pair][1], "pair_key": pair}
         run_dir = out / (name if pair == pair_of(name) else f"{name}_{pair}")
         try:
             cfg_path = write_config(name, out / "configs", pair=pair)
@@ -180,10 +194,11 @@ def compare(out: Path, steps: int, names: list[str] | None = None, problems: int
                     return episode_accuracy(model, side, config, problems, engine)
                 return _accuracy(model, side, dataset, max_new, out_dir, engine=engine)
 
-            if pair not in baselines:
-                baselines[pair] = (accuracy(trainer.teacher, trainer.t_tok),
+            base = BASE_PAIR.get(pair, pair)
+            if base not in baselines:
+                baselines[base] = (accuracy(trainer.teacher, trainer.t_tok),
                                    accuracy(trainer.student, trainer.s_tok, engine=trainer.engine))
-            teacher_acc, before = baselines[pair]
+            teacher_acc, before = baselines[base]
             result = trainer.train()
             after = accuracy(trainer.student, trainer.s_tok, run_dir / "eval_after", engine=trainer.engine)
             row.update(teacher=teacher_acc, before=before, after=after,
@@ -196,11 +211,12 @@ def compare(out: Path, steps: int, names: list[str] | None = None, problems: int
         log(f"[compare] {json.dumps(row)}")
         rows.append(row)
     ref = next((r.get("seconds_per_iteration") for r in rows if r["algorithm"] == REFERENCE), None)
-    same_ref = {r["pair"]: r.get("seconds_per_iteration") for r in rows if r["algorithm"] == SAME_REFERENCE}
+    same_ref = {r["pair_key"]: r.get("seconds_per_iteration") for r in rows if r["algorithm"] == SAME_REFERENCE}
     for r in rows:
         t = r.get("seconds_per_iteration")
+        t_opd = same_ref.get(BASE_PAIR.get(r["pair_key"], r["pair_key"]))
         r["time_vs_strict"] = (t / ref) if (t and ref) else None
-        r["time_vs_opd"] = (t / same_ref[r["pair"]]) if (t and same_ref.get(r["pair"])) else None
+        r["time_vs_opd"] = (t / t_opd) if (t and t_opd) else None
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
     (out / "compare.md").write_text(markdown_table(rows, steps))
@@ -234,16 +250,17 @@ def plot(rows: list[dict], path: Path) -> Path | None:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     x = range(len(ok))
+    labels = [r["algorithm"] + ("+LoRA" if r.get("pair_key") == "char_lora" else "") for r in ok]
     a.bar([i - 0.2 for i in x], [r["before"] for r in ok], 0.4, label="before")
     a.bar([i + 0.2 for i in x], [r["after"] for r in ok], 0.4, label="after")
     a.scatter(list(x), [r["teacher"] for r in ok], color="k", marker="_", s=300, label="teacher", zorder=3)
-    a.set_xticks(list(x), [r["algorithm"] for r in ok], rotation=45, ha="right")
+    a.set_xticks(list(x), labels, rotation=45, ha="right")
     a.set_ylabel("held-out accuracy (greedy)")
     a.set_title("accuracy before / after")
     a.legend()
     b.bar(list(x), [r["time_vs_strict"] or 0 for r in ok])
     b.axhline(1.0, color="k", lw=0.8)
-    b.set_xticks(list(x), [r["algorithm"] for r in ok], rotation=45, ha="right")
+    b.set_xticks(list(x), labels, rotation=45, ha="right")
     b.set_ylabel("seconds per iteration / strict")
     b.set_title("time per iteration (ratio to strict)")
     fig.tight_layout()

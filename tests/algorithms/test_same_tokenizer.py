@@ -231,8 +231,11 @@ def test_demo_picks_the_pair_and_times_iterations(tmp_path):
         "strict": "cross", "opd": "char", "tcod": "tools", "sod": "tools", "sage_opd": "tools"}
     sage = compare.config_tree("sage_opd")
     assert sage["algorithm"]["sage_judge"] == "proxy" and sage["rollout"]["environment"] == "calculator"
-    assert compare.jobs(["opd", "sod", "tcod"]) == [("strict", "cross"), ("opd", "char"), ("opd", "tools"),
-                                                    ("sod", "tools"), ("tcod", "tools")]
+    assert compare.jobs(["opd", "sod", "tcod"]) == [("strict", "cross"), ("opd", "char"), ("opd", "char_lora"),
+                                                    ("opd", "tools"), ("sod", "tools"), ("tcod", "tools")]
+    assert compare.jobs(["gkd"]) == [("strict", "cross"), ("gkd", "char")]   # LoRA row: with opd only
+    lora = compare.config_tree("opd", pair="char_lora")
+    assert lora["lora"]["rank"] > 0 and lora["model"]["student"] == opd["model"]["student"]
     (tmp_path / "metrics.jsonl").write_text("\n".join(
         json.dumps({"step": s, "elapsed_s": e}) for s, e in ((1, 30.0), (2, 32.0), (3, 35.0), (4, 37.5))))
     assert compare.iteration_seconds(tmp_path) == 2.5   # median of 2, 3, 2.5; step 1 (compile) left out
