@@ -14,6 +14,7 @@ loss and gradient equal those of the whole batch at once: Σ / N.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 from typing import Any
 
@@ -28,6 +29,18 @@ from ctopd_jax.models.kv_cache import prefill_positions
 
 
 BATCH_AXES = ("data", "fsdp")
+_SHARD_AXES = contextvars.ContextVar("batch_shard_axes", default=None)  # set while per_shard traces
+
+
+def shard_gather(x):
+    """(x of every batch shard stacked along a new leading axis in shard order, this shard's
+    index) inside a `per_shard` function; (x[None], 0) elsewhere. Shard s holds block s of the
+    micro-batch (pack.stack_shards), so an objective can combine per-shard statistics in the
+    micro-batch's sample order (e.g. MP-OPD's sequential GRASS noise EMA)."""
+    axes = _SHARD_AXES.get()
+    if axes is None:
+        return jnp.asarray(x)[None], jnp.int32(0)
+    return jax.lax.all_gather(x, axes), jax.lax.axis_index(axes)
 
 
 def per_shard(fn, mesh, n_sharded: int, n_replicated: int):
@@ -39,7 +52,12 @@ def per_shard(fn, mesh, n_sharded: int, n_replicated: int):
         return fn
 
     def summed(*args):
-        return jax.tree.map(lambda x: jax.lax.psum(x, BATCH_AXES), fn(*args))
+        token = _SHARD_AXES.set(BATCH_AXES)
+        try:
+            out = fn(*args)
+        finally:
+            _SHARD_AXES.reset(token)
+        return jax.tree.map(lambda x: jax.lax.psum(x, BATCH_AXES), out)
 
     specs = (P(BATCH_AXES),) * n_sharded + (P(),) * n_replicated
     return jax.shard_map(summed, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
@@ -92,8 +110,21 @@ def _micro_grad(params, rest, batch, teacher_hidden, teacher_lm_head, overlap, t
     return loss, sums, metrics, jax.tree.map(jnp.add, grads_sum, grads)
 
 
-micro_grad = jax.jit(_micro_grad, static_argnames=("graphdef", "accumulation", "objective", "mesh"),
-                     donate_argnames=("grads_sum",))
+_micro_grad_jit = jax.jit(_micro_grad, static_argnames=("graphdef", "accumulation", "objective", "mesh"),
+                          donate_argnames=("grads_sum",))
+
+
+def micro_grad(*args, **kwargs):
+    """`_micro_grad` compiled; then, on the host, the objective's `after_micro_batch(metrics)`
+    where it has one: it takes its run-state statistics (already combined over the batch shards)
+    out of the metrics and updates its state once per micro-batch, in order (MP-OPD's GRASS
+    noise EMA), so no host callback runs inside the sharded loss."""
+    loss, sums, metrics, grads = _micro_grad_jit(*args, **kwargs)
+    after = getattr(kwargs.get("objective"), "after_micro_batch", None)
+    return loss, sums, (after(metrics) if after is not None else metrics), grads
+
+
+micro_grad.lower = _micro_grad_jit.lower
 
 
 @jax.jit

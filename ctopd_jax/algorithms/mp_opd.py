@@ -19,16 +19,24 @@ Design (where each quantity lives):
   response log-probs for the student, kernels.token_rows for the teacher) and, for grass/align,
   H per chunk in float32 (`lm_head_gram`: chunks of atoms padded to K tokens, [blocks, K, V]
   logits at a time, Precision.HIGHEST so no TF32, symmetrised, no gradient);
-- host again, for grass/align only, INSIDE the same step: `jax.experimental.io_callback` hands
-  (b, w, H, the chunk layout) to `credits_on_host`, which computes the rates in float64 (GRASS;
-  ALIGN in float32 as SPEC says) in sample order and updates the noise EMA, the objective's run
-  state (`state_dict` / `load_state_dict`, so a resume is bit-exact). The rates come back as a
-  constant of the loss. This keeps one device pass per micro-batch and leaves the loop alone;
-  the price is one device→host→device round trip per micro-batch for these two modes. Because
-  the callback updates this object's state, grass/align objectives hash by identity (a second
-  trainer compiles its own step instead of reusing one bound to another objective). The
-  callback runs once per step on one device; with several processes each process would keep its
-  own EMA (not supported yet: the multi-process tests use strict objectives).
+- GRASS, on device in the same pass (`grass_rates`, float32): per sample the noise statistic
+  s² = (1.4826·MAD(z))² (lower medians by sorting), then the SPEC's SEQUENTIAL EMA over the
+  micro-batch's valid samples in sample order, each sample's α using the EMA after its own
+  update. The EMA before the micro-batch comes in as an input array (`grass_noise_in`, written
+  by `prepare` from the host state); the per-sample (s², updated) of every batch shard are
+  gathered (device.shard_gather, shard s = block s of the micro-batch) so every shard runs the
+  same scan over the whole micro-batch: the result does not depend on how the micro-batch is
+  sharded. The same global (s², updated) sequence comes back as a private metric (contributed
+  by shard 0 only, so the sum over shards is the sequence itself), and `after_micro_batch`
+  (called on the host by device.micro_grad after each micro-batch, in order) applies it to the
+  float64 host EMA, the objective's run state (`state_dict` / `load_state_dict`, so a resume is
+  bit-exact). No host callback, no mutable state inside the jitted loss. The α / D / V algebra
+  runs in float32 (SPEC says float64; H itself is float32): the conservation check is evaluated
+  chunk by chunk (Σ_c (Σ_{i∈c} w_i r̃_i − B_c)), which is the same error in exact arithmetic
+  but stays at float32 rounding of the chunk terms, far below the 1e-6 threshold.
+- ALIGN, host, INSIDE the same step: `jax.experimental.io_callback` hands (b, w, H, the chunk
+  layout) to `credits_on_host` (float32 as SPEC says); it is stateless, so each batch shard may
+  call it for its own samples in any order. The rates come back as a constant of the loss.
 - fail-closed samples have no atoms: zero loss, tokens in the denominator; a GRASS/ALIGN failure
   (non-finite values; for GRASS a conservation error above 1e-6·max(Σ|w·r|, 1)) falls back to
   atomic credits for that sample, counted.
@@ -131,9 +139,12 @@ class GrassNoise:
         if len(z) < MIN_NOISE_PAIRS:
             return
         med = lower_median(z)
-        s2 = (MAD_SCALE * lower_median(np.abs(np.asarray(z, np.float64) - med))) ** 2
+        self.add((MAD_SCALE * lower_median(np.abs(np.asarray(z, np.float64) - med))) ** 2)
+
+    def add(self, s2: float) -> None:
+        """One sample's statistic s² (no update unless s² > 0)."""
         if s2 > 0:
-            self.ema = RHO * self.ema + (1.0 - RHO) * s2
+            self.ema = RHO * self.ema + (1.0 - RHO) * float(s2)
             self.updates += 1
 
     @property
@@ -305,6 +316,83 @@ def atom_arrays(settings, host, start: int, stop: int, student_len: int, teacher
 
 
 # -- device -----------------------------------------------------------------------------------------
+NOISE_KEY = "_mp_opd_grass_noise"   # private metric: the micro-batch's (s², updated) per sample
+
+
+def segment_lower_median(values, valid, segment, num_segments: int):
+    """(lower median of the valid `values` of each segment, their count); sorted by
+    (segment, value), so segment k's values sit at [start_k, start_k + count_k)."""
+    key = jnp.where(valid, segment, num_segments).astype(jnp.int32)
+    _, ordered = jax.lax.sort((key, jnp.where(valid, values, 0.0)), num_keys=2)
+    count = jax.ops.segment_sum(valid.astype(jnp.int32), segment, num_segments=num_segments)
+    start = jnp.cumsum(count) - count
+    at = jnp.clip(start + (count - 1) // 2, 0, values.shape[0] - 1)
+    return ordered[at], count
+
+
+def grass_rates(b, w, live, span, pos, sample, span_sample, span_weight, grams, num_samples: int, noise_in):
+    """GRASS on one batch shard (SPEC §8): (rates, per-sample arrays, per-chunk arrays, the
+    micro-batch's (s², updated) sequence, this shard's index). `noise_in` = [ema, t] before the
+    micro-batch; `num_samples` the shard's sample slots (atom_sample indexes them)."""
+    from ctopd_jax.algorithms.device import shard_gather
+
+    num, spans, g = b.shape[0], span_weight.shape[0], grams.shape[1]
+    seg = lambda x, ids, n: jax.ops.segment_sum(x, ids, num_segments=n)  # noqa: E731
+    on = live > 0
+    r = b / w
+    # noise: adjacent in-chunk pairs (atom i and its predecessor), z, s² per sample
+    prev = lambda x: jnp.concatenate([x[:1], x[:-1]])  # noqa: E731
+    pair = on & prev(on) & (span == prev(span)) & (pos == prev(pos) + 1) & (jnp.arange(num) > 0)
+    z = (r - prev(r)) / jnp.sqrt(1.0 / prev(w) + 1.0 / w)
+    med, count = segment_lower_median(z, pair, sample, num_samples)
+    mad, _ = segment_lower_median(jnp.abs(z - med[sample]), pair, sample, num_samples)
+    s2 = (MAD_SCALE * mad) ** 2
+    updated = (count >= MIN_NOISE_PAIRS) & (s2 > 0)
+    # the sequential EMA over the whole micro-batch in sample order (block s = shard s)
+    # one gather for both (fewer collectives in the step)
+    both, index = shard_gather(jnp.stack([jnp.where(updated, s2, 0.0), updated.astype(jnp.float32)]))
+    all_s2, all_updated = both[:, 0].reshape(-1), both[:, 1].reshape(-1) > 0
+
+    def step(carry, x):
+        ema, t = carry
+        u, v = x
+        ema = jnp.where(u, RHO * ema + (1.0 - RHO) * v, ema)
+        t = t + u.astype(jnp.float32)
+        return (ema, t), (ema, t)
+
+    _, (ema_seq, t_seq) = jax.lax.scan(step, (noise_in[0], noise_in[1]), (all_updated, all_s2))
+    ema = jax.lax.dynamic_slice(ema_seq, (index * num_samples,), (num_samples,))
+    t = jax.lax.dynamic_slice(t_seq, (index * num_samples,), (num_samples,))
+    sigma2 = jnp.where(t > 0, ema / (1.0 - jnp.power(jnp.float32(RHO), t)), 0.0)
+    # α per chunk from D_c = dᵀHd and V_c, with chunk matrices [C, g] indexed by atom position
+    n_c = seg(live, span, spans)
+    big_w = seg(w * live, span, spans)
+    big_b = seg(b * live, span, spans)
+    safe_w = jnp.where(big_w > 0, big_w, 1.0)
+    mean = big_b / safe_w
+    d = (r - mean[span]) * live
+    dm = jnp.zeros((spans, g), jnp.float32).at[span, pos].add(d)
+    wm = jnp.ones((spans, g), jnp.float32).at[span, pos].add((w - 1.0) * live)
+    hi = jax.lax.Precision.HIGHEST
+    dd = jnp.einsum("ci,ci->c", jnp.einsum("ci,cij->cj", dm, grams, precision=hi), dm, precision=hi)
+    diag = jnp.diagonal(grams, axis1=1, axis2=2)
+    vv = sigma2[span_sample] * (jnp.sum(diag / wm, axis=1) - jnp.sum(grams, axis=(1, 2)) / safe_w)
+    alpha = jnp.where(dd > 0, jnp.clip(vv / jnp.where(dd > 0, dd, 1.0), 0.0, 1.0), jnp.where(vv > 0, 1.0, 0.0))
+    alpha = jnp.where(n_c > 1, alpha, 0.0)
+    shrunk = r - alpha[span] * (r - mean[span])
+    # conservation, chunk by chunk: Σ_c (Σ_{i∈c} w_i r̃_i − B_c) per sample
+    e_c = (seg(w * shrunk * live, span, spans) - big_b) * span_weight
+    err = jnp.abs(seg(e_c, span_sample, num_samples))
+    scale = seg(jnp.abs(w * r) * live, sample, num_samples)
+    bad = seg(jnp.where(on, ~jnp.isfinite(shrunk), False).astype(jnp.float32), sample, num_samples) > 0
+    valid = seg(live, sample, num_samples) > 0
+    fell = valid & (bad | (err > 1e-6 * jnp.maximum(scale, 1.0)))
+    rates = jnp.where(fell[sample], r, shrunk)
+    multi = (n_c > 1) & (span_weight > 0)
+    return rates, {"valid": valid, "fell": fell, "sigma2": sigma2, "updated": updated}, \
+        {"alpha": alpha, "multi": multi}, (all_s2, all_updated), index
+
+
 def lm_head_gram(hidden, lm_head, rows, targets, pos, valid, atoms_per_chunk: int, chunk_rows: int):
     """H [C, g, g] per chunk: H_ij = Σ_{t∈i,u∈j} (δ_t·δ_u)(x_t·x_u), δ_t = p_t − e_{y_t} (full
     softmax, τ = 1), x_t the LM-head input; δ_t·δ_u = p_t·p_u − p_t[y_u] − p_u[y_t] + [y_t = y_u].
@@ -347,7 +435,8 @@ class MpOpd(Objective):
 
     @property
     def uses_host_credits(self) -> bool:
-        return self.settings.mp_opd_mode in ("grass_chunk", "align")
+        """ALIGN's rates come from a (stateless) host callback; GRASS runs on device."""
+        return self.settings.mp_opd_mode == "align"
 
     def __hash__(self):
         return id(self) if self.uses_host_credits else super().__hash__()
@@ -364,6 +453,21 @@ class MpOpd(Objective):
         if state:
             self.noise = GrassNoise(state.get("grass_noise_ema", 0.0), state.get("grass_noise_updates", 0))
 
+    def after_micro_batch(self, metrics: dict) -> dict:
+        """Host, after each micro-batch (device.micro_grad): the micro-batch's per-sample noise
+        statistics, in sample order and combined over the batch shards, update the EMA (one
+        update per valid sample with s² > 0, SPEC §8); returns the metrics without them."""
+        if NOISE_KEY not in metrics:
+            return metrics
+        metrics = dict(metrics)
+        s2, updated = (np.asarray(jax.device_get(x if not isinstance(x, jax.Array) or x.is_fully_addressable
+                                                 else x.addressable_data(0)))
+                       for x in metrics.pop(NOISE_KEY))
+        for v, u in zip(s2.tolist(), updated.tolist()):
+            if u > 0:
+                self.noise.add(v)
+        return metrics
+
     def prepare(self, host, start, stop):
         arrays = pack.student_arrays(host, start, stop)
         arrays.update(pack.teacher_tokens(host, start, stop))
@@ -371,18 +475,22 @@ class MpOpd(Objective):
                                   arrays["teacher_ids"].shape[1], arrays["response_rows"],
                                   arrays["response_weight"]))
         arrays["teacher_rows"] = arrays["atom_teacher_rows"]
+        if self.settings.mp_opd_mode == "grass_chunk":
+            # the EMA before this micro-batch (the same [2] on every shard) and the sample slots
+            arrays["grass_noise_in"] = np.float32([self.noise.ema, self.noise.updates])
+            arrays["grass_sample_slots"] = np.zeros(stop - start, np.float32)
         return arrays
 
     def kd_weights(self):
         return {"mp_opd": 1.0}
 
-    # host side of the grass/align step (called through io_callback, in sample order)
+    # host side of the align step (called through io_callback; stateless)
     def credits_on_host(self, b, w, span, pos, sample, weight, grams):
         b, w = np.asarray(b, np.float64), np.asarray(w, np.float64)
         span, sample = np.asarray(span), np.asarray(sample)
         live = np.flatnonzero(np.asarray(weight) > 0)
         rates = np.zeros(len(b), np.float32)
-        fallbacks, alpha_sum, alpha_count = 0, 0.0, 0
+        fallbacks = 0
         for smp in np.unique(sample[live]):
             idx = live[sample[live] == smp]
             ids = span[idx]
@@ -390,19 +498,12 @@ class MpOpd(Objective):
             for c in np.unique(ids):
                 e = s0 + int((ids == c).sum())
                 chunks.append((s0, e))
-                grams_s.append(np.asarray(grams[c], np.float64 if self.settings.mp_opd_mode == "grass_chunk"
-                                          else np.float32))
+                grams_s.append(np.asarray(grams[c], np.float32))
                 s0 = e
-            if self.settings.mp_opd_mode == "grass_chunk":
-                out, alphas, fell = grass_sample(b[idx], w[idx], chunks, grams_s, self.noise)
-                alpha_sum += sum(alphas)
-                alpha_count += len(alphas)
-            else:
-                out, fell = align_sample(b[idx], w[idx], chunks, grams_s)
+            out, fell = align_sample(b[idx], w[idx], chunks, grams_s)
             fallbacks += int(fell)
             rates[idx] = out.astype(np.float32)
-        stats = np.array([fallbacks, alpha_sum, alpha_count, self.noise.sigma2], np.float32)
-        return rates, stats
+        return rates, np.array([fallbacks], np.float32)
 
     def kd_sums(self, x):
         s, bt = self.settings, x.batch
@@ -421,17 +522,28 @@ class MpOpd(Objective):
         metrics = {f"mp_opd_fail_{k[len('mp_opd_fail_'):]}": (jnp.sum(bt[k]), samples)
                    for k in bt if k.startswith("mp_opd_fail_")}
         metrics["mp_opd_atoms_per_sample"] = (jnp.sum(live), valid)
-        if self.uses_host_credits:
+        if s.mp_opd_mode in ("grass_chunk", "align"):
             grams = lm_head_gram(x.hidden, x.lm_head, bt["gram_rows"], bt["gram_targets"], bt["gram_pos"],
                                  bt["gram_valid"], s.grass_chunk_atoms, s.chunked_loss_size)
+        if s.mp_opd_mode == "grass_chunk":
+            rates, per_sample, per_chunk, (all_s2, all_updated), index = grass_rates(
+                b, w, live, bt["atom_span"], bt["atom_pos"], bt["atom_sample"], bt["span_sample"],
+                bt["span_weight"], grams, bt["grass_sample_slots"].shape[0], bt["grass_noise_in"])
+            ok = per_sample["valid"].astype(jnp.float32)
+            metrics["mp_opd_fallback_fraction"] = (jnp.sum(per_sample["fell"].astype(jnp.float32)), valid)
+            multi = per_chunk["multi"].astype(jnp.float32)
+            metrics["mp_opd_grass_alpha"] = (jnp.sum(per_chunk["alpha"] * multi), jnp.sum(multi))
+            # the σ² the batch's valid samples used (mean over them), and the EMA updates made
+            metrics["mp_opd_grass_noise_var"] = (jnp.sum(per_sample["sigma2"] * ok), jnp.sum(ok))
+            metrics["mp_opd_grass_noise_updates"] = (jnp.sum(per_sample["updated"].astype(jnp.float32)), None)
+            first = index == 0   # every shard holds the whole sequence: shard 0 reports it
+            metrics[NOISE_KEY] = (jnp.where(first, all_s2, 0.0), jnp.where(first, all_updated, False).astype(jnp.float32))
+        elif self.uses_host_credits:
             rates, stats = io_callback(
                 self.credits_on_host,
-                (jax.ShapeDtypeStruct((num,), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32)),
+                (jax.ShapeDtypeStruct((num,), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)),
                 b, w, bt["atom_span"], bt["atom_pos"], bt["atom_sample"], live, grams, ordered=False)
             metrics["mp_opd_fallback_fraction"] = (stats[0], valid)
-            if s.mp_opd_mode == "grass_chunk":
-                metrics["mp_opd_grass_alpha"] = (stats[1], stats[2])
-                metrics["mp_opd_grass_noise_var"] = (stats[3], None)
         else:
             spans = bt["span_weight"].shape[0]
             big_b = jax.ops.segment_sum(b, bt["atom_span"], num_segments=spans)

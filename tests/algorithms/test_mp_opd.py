@@ -165,6 +165,7 @@ def run_jax(obj, host, hs, ws, ht, wt):
         return sums["mp_opd"], metrics
 
     (value, metrics), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(jnp.asarray(hs), jnp.asarray(ws))
+    metrics = obj.after_micro_batch(metrics)  # what device.micro_grad does after each micro-batch
     return float(value), jax.device_get(metrics), np.asarray(grads[0]), np.asarray(grads[1])
 
 
@@ -280,3 +281,97 @@ def test_real_pair_edge_cases_match_torch_reference(qwen, llama, mode):
     np.testing.assert_allclose(g_w, r_w, rtol=1e-3, atol=1e-4)
     for reason in ("unsupported_added_token", "replacement_character", "empty_response"):
         assert float(metrics[f"mp_opd_fail_{reason}"][0]) == 1
+
+
+# -- GRASS noise EMA: sequential per sample, independent of the sharding -----------------------------
+def test_grass_with_a_running_noise_estimate_matches_torch_reference(demo):
+    """The EMA known before the micro-batch comes in as an input array: a loaded state gives
+    the reference's loss, gradient and next state."""
+    host, t_side, s_side = demo
+    hs, ws, ht, wt = random_model(host, t_side, s_side, seed=3)
+    obj = objective(mp_opd_mode="grass_chunk")
+    obj.load_state_dict({"grass_noise_ema": 0.05, "grass_noise_updates": 3})
+    ref_noise = torch_mp_opd.Noise()
+    ref_noise.ema, ref_noise.t = 0.05, 3
+    want, _, r_h, r_w, _ = run_torch(host, t_side, s_side, hs, ws, ht, wt, "grass_chunk", noise=ref_noise)
+    got, metrics, g_h, g_w = run_jax(obj, host, hs, ws, ht, wt)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(g_h, r_h, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(g_w, r_w, rtol=1e-3, atol=1e-4)
+    state = obj.state_dict()
+    assert state["grass_noise_updates"] == ref_noise.t == 4
+    np.testing.assert_allclose(state["grass_noise_ema"], ref_noise.ema, rtol=1e-4)
+    assert "_mp_opd_grass_noise" not in metrics and float(metrics["mp_opd_grass_noise_updates"][0]) == 1
+
+
+LONG_TEXTS = [f"Tom has {a} apples and buys {b} more, so he has {a} + {b} = {a + b} apples; then he eats {c}."
+              for a, b, c in [(12, 7, 3), (40, 2, 9), (5, 18, 1), (77, 11, 6), (3, 3, 3), (21, 30, 4),
+                              (9, 64, 2), (15, 15, 8)]]
+
+
+def run_grass_loss(obj, host, hs3, ws, ht3, wt, mesh):
+    """(loss, metrics after the host update, d loss / d (hs3, ws)) of the whole host batch as one
+    micro-batch: one unit (mesh None) or one sample per batch shard under device.per_shard."""
+    from ctopd_jax.algorithms.device import per_shard
+    from ctopd_jax.algorithms.pack import stack_shards
+
+    n = host.size
+    if mesh is None:
+        parts, starts = [obj.prepare(host, 0, n)], [0]
+    else:
+        parts, starts = [obj.prepare(host, i, i + 1) for i in range(n)], list(range(n))
+    k = n // len(parts)
+    batch = stack_shards(parts)
+    length = batch["student_ids"].shape[1]
+    t_rows = np.split(batch["teacher_rows"], len(parts))
+    t_hidden = np.concatenate([ht3[a:a + k, :p["teacher_ids"].shape[1]].reshape(-1, H)[rows]
+                               for a, p, rows in zip(starts, parts, t_rows)])
+    batch = jax.tree.map(jnp.asarray, batch)
+
+    def local(hidden, teacher_hidden, b, lm_head, teacher_lm_head):
+        return obj.loss_sums(hidden, lm_head, teacher_hidden, teacher_lm_head, b, {})
+
+    fn = per_shard(local, mesh, 3, 2)
+
+    @jax.jit
+    def f(h3, w):
+        hidden = jnp.concatenate([h3[a:a + k, :length].reshape(-1, H) for a in starts])
+        sums, metrics = fn(hidden, jnp.asarray(t_hidden), batch, w, jnp.asarray(wt))
+        return sums["mp_opd"], metrics
+
+    (value, metrics), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(jnp.asarray(hs3), jnp.asarray(ws))
+    metrics = obj.after_micro_batch(metrics)
+    return float(value), jax.device_get(metrics), [np.asarray(g) for g in grads]
+
+
+@pytest.mark.slow  # compiles the loss for 8 devices
+def test_grass_sharded_equals_one_unit_and_updates_the_ema_once_per_sample(tiny_bpe, tiny_unigram):
+    """8 samples, one per batch shard (data 4 x fsdp 2) vs one unit: the same loss, gradient,
+    EMA state (one update per valid sample with >= 8 pairs, in sample order, not one per
+    device) and the batch's noise metric (a mean over the samples, not a sum over devices);
+    the second micro-batch starts from the state the first left."""
+    from ctopd_jax.mesh import make_mesh
+
+    host = make_host(tiny_bpe, tiny_unigram, LONG_TEXTS)
+    hs, ws, ht, wt = random_model(host, tiny_bpe, tiny_unigram, seed=5)
+    hs3, ht3 = hs.reshape(host.size, -1, H), ht.reshape(host.size, -1, H)
+    mesh = make_mesh({"data": 4, "fsdp": 2, "tensor": 1})
+    one, sharded = (objective(mp_opd_mode="grass_chunk", grass_chunk_atoms=3) for _ in range(2))
+    for micro in range(2):
+        v1, m1, g1 = run_grass_loss(one, host, hs3, ws, ht3, wt, None)
+        vs, ms, gs = run_grass_loss(sharded, host, hs3, ws, ht3, wt, mesh)
+        np.testing.assert_allclose(vs, v1, rtol=1e-5, atol=1e-6)
+        for a, b in zip(gs, g1):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+        s1, ss = one.state_dict(), sharded.state_dict()
+        updates = float(m1["mp_opd_grass_noise_updates"][0])
+        assert updates >= 3, "several samples must update the EMA (the order matters)"
+        assert float(ms["mp_opd_grass_noise_updates"][0]) == updates
+        assert ss["grass_noise_updates"] == s1["grass_noise_updates"] == updates * (micro + 1)
+        np.testing.assert_allclose(ss["grass_noise_ema"], s1["grass_noise_ema"], rtol=1e-5)
+        for key in ("mp_opd_grass_noise_var", "mp_opd_grass_alpha", "mp_opd_fallback_fraction"):
+            assert float(m1[key][1]) == float(ms[key][1]) > 0
+            np.testing.assert_allclose(float(ms[key][0]), float(m1[key][0]), rtol=1e-5, atol=1e-7)
+        noise_var = float(ms["mp_opd_grass_noise_var"][0]) / float(ms["mp_opd_grass_noise_var"][1])
+        # a mean of the σ² the samples used: between the smallest and largest bias-corrected EMA
+        assert 0 < noise_var <= one.noise.sigma2 * 10
