@@ -59,6 +59,13 @@ def sampled_terms(logp, old, advantage, settings):
     return -surrogate, jnp.zeros_like(surrogate)
 
 
+def sampled_gap(x, s):
+    """(log π_θ(y), π_old(y), g = stop_grad(log π_T(y) − log π_old(y))) at the response rows."""
+    logp = student_logprobs(x, s, s.kd_temperature)
+    old = old_logprobs(x, s, logp)
+    return logp, old, jax.lax.stop_gradient(teacher_logprobs(x, s, s.kd_temperature) - old)
+
+
 def gap_metrics(x, gap, flags):
     w = x.batch["response_weight"]
     return {"opd_gap": (jnp.sum(w * gap), jnp.sum(w)),
@@ -75,8 +82,6 @@ class OpdSampled(SameTokenizerObjective):
 
     def kd_sums(self, x):
         s = self.settings
-        logp = student_logprobs(x, s, s.kd_temperature)
-        old = old_logprobs(x, s, logp)
-        gap = jax.lax.stop_gradient(teacher_logprobs(x, s, s.kd_temperature) - old)
+        logp, old, gap = sampled_gap(x, s)
         terms, flags = sampled_terms(logp, old, gap, s)
         return {"opd": self.weighted(terms, x)}, gap_metrics(x, gap, flags)

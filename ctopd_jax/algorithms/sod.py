@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from ctopd_jax.algorithms.base import register
-from ctopd_jax.algorithms.opd import OpdSettings, gap_metrics, sampled_terms
-from ctopd_jax.algorithms.same_tokenizer import old_logprobs, student_logprobs, teacher_logprobs
+from ctopd_jax.algorithms.opd import OpdSettings, gap_metrics, sampled_gap, sampled_terms
 from ctopd_jax.algorithms.turn_based import TurnObjective, segment_means
 from ctopd_jax.config import _require
 
@@ -61,9 +60,7 @@ class Sod(TurnObjective):
 
     def kd_sums(self, x):
         s = self.settings
-        logp = student_logprobs(x, s, s.kd_temperature)
-        old = old_logprobs(x, s, logp)
-        gap = jax.lax.stop_gradient(teacher_logprobs(x, s, s.kd_temperature) - old)
+        logp, old, gap = sampled_gap(x, s)
         d = segment_means(jnp.abs(gap), x)
         w = step_weights(d[x.batch["turn_segment"]], d[x.batch["first_segment"]], s.sod_epsilon, s.sod_delta)
         outcome = x.batch["outcome_advantage"] if s.sod_outcome is not False else 0.0

@@ -18,9 +18,8 @@ from typing import Literal
 import jax
 
 from ctopd_jax.algorithms.base import register
-from ctopd_jax.algorithms.opd import OpdSettings, gap_metrics, sampled_terms
-from ctopd_jax.algorithms.same_tokenizer import (SameTokenizerObjective, old_logprobs,
-                                                 student_logprobs, teacher_logprobs)
+from ctopd_jax.algorithms.opd import OpdSettings, gap_metrics, sampled_gap, sampled_terms
+from ctopd_jax.algorithms.same_tokenizer import SameTokenizerObjective
 from ctopd_jax.config import _require
 from ctopd_jax.kernels import full_rows
 
@@ -57,9 +56,7 @@ class Vopd(SameTokenizerObjective):
 
     def kd_sums(self, x):
         s = self.settings
-        logp = student_logprobs(x, s, s.kd_temperature)
-        old = old_logprobs(x, s, logp)
-        gap = jax.lax.stop_gradient(teacher_logprobs(x, s, s.kd_temperature) - old)
+        logp, old, gap = sampled_gap(x, s)
         kl = kl_baseline(x, s)
         terms, flags = sampled_terms(logp, old, jax.lax.stop_gradient(gap + kl), s)
         metrics = gap_metrics(x, gap, flags)

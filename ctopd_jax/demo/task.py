@@ -103,9 +103,14 @@ def all_problems() -> list[Problem]:
 
 def split(name: str, seed: int = SPLIT_SEED, held_out_size: int = HELD_OUT_SIZE) -> list[Problem]:
     """The problems of split ``name`` ("train" or "held_out"), disjoint by construction."""
+    return split_of(all_problems(), name, seed, held_out_size)
+
+
+def split_of(universe: Sequence, name: str, seed: int, held_out_size: int) -> list:
+    """Split ``name`` of a finite problem universe: a fixed, seeded shuffle; the first
+    ``held_out_size`` are held out, training draws only from the rest."""
     if name not in ("train", "held_out"):
         raise ValueError(f"split must be 'train' or 'held_out', got {name!r}")
-    universe = all_problems()
     if not 0 < held_out_size < len(universe):
         raise ValueError(f"held_out_size must be in (0, {len(universe)}), got {held_out_size}")
     order = np.random.default_rng(seed).permutation(len(universe))

@@ -41,9 +41,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Iterable, Sequence
-
-import numpy as np
+from typing import Iterable
 
 from ctopd_jax.demo import task
 
@@ -120,22 +118,12 @@ def all_problems() -> list[Problem]:
 
 def split(name: str, seed: int = SPLIT_SEED, held_out_size: int = HELD_OUT_SIZE) -> list[Problem]:
     """The problems of split ``name`` ("train" or "held_out"), disjoint by construction."""
-    if name not in SPLITS:
-        raise ValueError(f"split must be 'train' or 'held_out', got {name!r}")
-    universe = all_problems()
-    if not 0 < held_out_size < len(universe):
-        raise ValueError(f"held_out_size must be in (0, {len(universe)}), got {held_out_size}")
-    order = np.random.default_rng(seed).permutation(len(universe))
-    idx = order[:held_out_size] if name == "held_out" else order[held_out_size:]
-    return [universe[i] for i in sorted(idx)]
+    return task.split_of(all_problems(), name, seed, held_out_size)
 
 
-def sample(problems: Sequence[Problem], n: int, rng: np.random.Generator) -> list[Problem]:
-    """``n`` problems drawn uniformly with replacement (training batches)."""
-    return [problems[i] for i in rng.integers(0, len(problems), size=n)]
+sample = task.sample   # ``n`` problems drawn uniformly with replacement (training batches)
 
 
-# -- the calculator tool ------------------------------------------------------------------------
 def calculate(expression: str) -> int | None:
     """``INT OP INT`` evaluated with int parsing (never eval); None when it is not that form."""
     m = _EXPR_RE.fullmatch(expression)
