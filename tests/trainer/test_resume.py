@@ -9,6 +9,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import load_config
@@ -27,13 +28,17 @@ def comparable(records):
     return [{k: v for k, v in r.items() if not k.startswith("time_") and k not in clock} for r in records]
 
 
-def test_sigkill_between_checkpoints_then_resume_is_exact(write_config, compile_cache):
-    ref_cfg, ref_dir = write_config("reference")
+# a LoRA student (adapter-only parameters and optimizer state, dropout masks from the
+# checkpointed RNG key) resumes as exactly as full fine-tuning
+@pytest.mark.parametrize("student", ["full", pytest.param("lora", marks=pytest.mark.slow)])
+def test_sigkill_between_checkpoints_then_resume_is_exact(write_config, compile_cache, student):
+    lora = {"lora__rank": 4, "lora__dropout": 0.1} if student == "lora" else {}
+    ref_cfg, ref_dir = write_config("reference", **lora)
     reference = Trainer(load_config(ref_cfg))
     reference.train()
     expected = final_state(reference)
 
-    cfg, run_dir = write_config("killed")
+    cfg, run_dir = write_config("killed", **lora)
     proc = subprocess.Popen([sys.executable, "-m", "ctopd_jax.train", "--config", str(cfg)],
                             env=subprocess_env(compile_cache), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
