@@ -86,9 +86,9 @@ def play(engine, side, prompts: Sequence, prompt_ids: Sequence[Sequence[int]], p
     episodes = [Episode(list(p)) for p in prompt_ids]
     envs = [environment() for _ in episodes] if environment is not None else [None] * len(episodes)
     stop = getattr(envs[0], "tool_stop", None) if envs and envs[0] is not None else None
-    cap = max_turns if environment is not None else 1
-    if turn_limit is not None:
-        cap = min(cap, turn_limit) if environment is not None else 1
+    # generate calls: one per turn with an environment; one in all for paragraph turns (where
+    # `turn_limit` cuts the paragraphs instead)
+    cap = 1 if environment is None else min(max_turns, turn_limit or max_turns)
     for b, (ep, env) in enumerate(zip(episodes, envs)):
         if env is not None:
             ep.add(side.encode(env.reset(prompts[b])), CONTEXT)
