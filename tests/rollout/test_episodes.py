@@ -7,7 +7,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctopd_jax.data import Prompt
 from ctopd_jax.envs import make_environment
 from ctopd_jax.host import token_batch
 from ctopd_jax.rollout.base import RolloutResult, SamplingParams
@@ -46,6 +45,8 @@ class ScriptedEngine:
 
 
 def prompt(answer="408"):
+    from ctopd_jax.data import Prompt   # not at import: the vLLM venv collects this file without grain
+
     return Prompt(({"role": "user", "content": "Compute 12 * 34."},), "test:1", {"answer": answer})
 
 
