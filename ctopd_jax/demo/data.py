@@ -30,8 +30,14 @@ def prompt_file(split: str) -> Path:
     """A jsonl of ``{"prompt", "answer", "response"}`` rows for ``split`` (written if needed)."""
     if split not in SPLITS:
         raise ValueError(f"demo split {split!r} is unknown; use one of {SPLITS} (e.g. demo:train)")
-    text = "".join(json.dumps(p.to_row()) + "\n" for p in task.split(split))
-    path = cache_dir() / f"{split}.jsonl"
+    return cached_jsonl(f"{split}.jsonl", task.split(split))
+
+
+def cached_jsonl(name: str, problems) -> Path:
+    """The problems' rows (`to_row()`) as `name` in the demo cache, rewritten only when the
+    content would change."""
+    text = "".join(json.dumps(p.to_row()) + "\n" for p in problems)
+    path = cache_dir() / name
     if not path.is_file() or path.read_text() != text:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -33,41 +33,28 @@ def evaluation_set(split: str):
                        grade_fn=lambda response, answer: task.grade(response, answer))
 
 
-CHAR_ROLES = ("teacher", "student", "teacher_base")
+# the committed character pairs: model name prefix -> (asset folder, roles, `pretrain --pair`)
+CHAR_PAIRS = {"char_tools_": ("demo_char_tools", ("teacher", "student"), "char_tools"),
+              "char_": ("demo_char", ("teacher", "student", "teacher_base"), "char")}
 
 
-def char_checkpoint_dir(role: str) -> Path:
-    """The committed checkpoint of the character pair's `role` (demo:char_<role>)."""
-    if role not in CHAR_ROLES:
-        raise ValueError(f"demo model char_{role!r} is unknown; use one of "
-                         f"{', '.join('demo:char_' + r for r in CHAR_ROLES)}")
-    path = data.ASSET_DIR.parent / "demo_char" / role
+def char_checkpoint_dir(prefix: str, role: str) -> Path:
+    """The committed checkpoint of a character pair's `role` (demo:<prefix><role>)."""
+    folder, roles, pair = CHAR_PAIRS[prefix]
+    if role not in roles:
+        raise ValueError(f"demo model {prefix}{role!r} is unknown; use one of "
+                         f"{', '.join('demo:' + prefix + r for r in roles)}")
+    path = data.ASSET_DIR.parent / folder / role
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no checkpoint; rebuild it with "
-                                "`python -m ctopd_jax.demo.pretrain --pair char`")
-    return path
-
-
-CHAR_TOOLS_ROLES = ("teacher", "student")
-
-
-def char_tools_checkpoint_dir(role: str) -> Path:
-    """The committed checkpoint of the tool-use character pair's `role` (demo:char_tools_<role>)."""
-    if role not in CHAR_TOOLS_ROLES:
-        raise ValueError(f"demo model char_tools_{role!r} is unknown; use one of "
-                         f"{', '.join('demo:char_tools_' + r for r in CHAR_TOOLS_ROLES)}")
-    path = data.ASSET_DIR.parent / "demo_char_tools" / role
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no checkpoint; rebuild it with "
-                                "`python -m ctopd_jax.demo.pretrain --pair char_tools`")
+                                f"`python -m ctopd_jax.demo.pretrain --pair {pair}`")
     return path
 
 
 def model_dir(name: str) -> Path:
-    if name.startswith("char_tools_"):
-        return char_tools_checkpoint_dir(name[len("char_tools_"):])
-    if name.startswith("char_"):
-        return char_checkpoint_dir(name[len("char_"):])
+    prefix = next((p for p in CHAR_PAIRS if name.startswith(p)), None)   # longest prefix first
+    if prefix is not None:
+        return char_checkpoint_dir(prefix, name[len(prefix):])
     return data.checkpoint_dir(name)
 
 

@@ -37,11 +37,8 @@ the same as grading turn 2 alone unless the model writes the phrase in turn 1.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
 from pathlib import Path
-from typing import Iterable
 
 from ctopd_jax.demo import task
 
@@ -166,29 +163,15 @@ def grade(response: str, answer: int | str) -> bool:
     return task.grade(response, answer)
 
 
-def write_jsonl(problems: Iterable[Problem], path: str | Path) -> Path:
-    """One ``{"prompt", "answer", "expert_turns", "response"}`` object per line."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for p in problems:
-            f.write(json.dumps(p.to_row()) + "\n")
-    return path
+write_jsonl = task.write_jsonl   # one row (`Problem.to_row()`) per line
 
 
 def prompt_file(split_name: str) -> Path:
     """The jsonl of ``split_name`` in the demo cache (``demo:tools_train`` / ``demo:tools_held_out``),
     rewritten only when its content would change (as demo.data.prompt_file)."""
-    from ctopd_jax.demo.data import cache_dir
+    from ctopd_jax.demo.data import cached_jsonl
 
     if split_name not in SPLITS:
         raise ValueError(f"demo tools split {split_name!r} is unknown; use demo:tools_train or "
                          "demo:tools_held_out")
-    text = "".join(json.dumps(p.to_row()) + "\n" for p in split(split_name))
-    path = cache_dir() / f"tools_{split_name}.jsonl"
-    if not path.is_file() or path.read_text() != text:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(text)
-        tmp.replace(path)  # atomic: concurrent readers never see half a file
-    return path
+    return cached_jsonl(f"tools_{split_name}.jsonl", split(split_name))
