@@ -233,22 +233,34 @@ def update_fns(settings, donate: bool):
     return tx, schedule, make_apply_update(tx, schedule, donate=donate)
 
 
+def write_adapter(student, config, run_dir: Path, is_writer: bool) -> Path | None:
+    """LoRA (`lora.rank` > 0): the student's PEFT adapter in <run_dir>/adapter/, rewritten at each
+    checkpoint and at the end (atomically: models.lora.save_adapter). Every process calls it (the
+    adapter is gathered from the mesh); the writer writes. None without LoRA or off the writer."""
+    from ctopd_jax.models.lora import save_adapter
+
+    if config.lora.rank == 0:
+        return None
+    model = student if jax.process_count() == 1 else local_copy(student)
+    if not is_writer:
+        return None
+    base = model_dir(config.model.student) or config.model.student
+    return save_adapter(model, Path(run_dir) / "adapter", str(base), config.lora.dropout)
+
+
 def export_student(student, s_tok, out_dir: Path, is_writer: bool, config=None) -> Path | None:
     """The trained student as an HF checkpoint (written by the first process only).  With LoRA
     (`lora.rank` > 0): the PEFT adapter in <out_dir>/../adapter, and the merged HF model only
     with `checkpoint.export_merged` (then its folder is returned, else the adapter's)."""
     from ctopd_jax.checkpoint import export_student_hf
 
+    if config is not None and config.lora.rank > 0:
+        adapter = write_adapter(student, config, Path(out_dir).parent, is_writer)
+        if not config.checkpoint.export_merged:
+            return adapter
     model = student if jax.process_count() == 1 else local_copy(student)
     if not is_writer:
         return None
-    if config is not None and config.lora.rank > 0:
-        from ctopd_jax.models.lora import save_adapter
-
-        base = model_dir(config.model.student) or config.model.student
-        adapter = save_adapter(model, Path(out_dir).parent / "adapter", str(base), config.lora.dropout)
-        if not config.checkpoint.export_merged:
-            return adapter
     extra = {"eos_token_id": s_tok.eos_id, "pad_token_id": s_tok.pad_id}
     if s_tok.bos_id is not None:
         extra["bos_token_id"] = s_tok.bos_id

@@ -102,20 +102,6 @@ class Checkpointer:
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(full_meta)), force=True)
 
-    @staticmethod
-    def save_adapter(student: Any, config: Any, run_dir: str | Path, is_writer: bool) -> Path | None:
-        """LoRA (`lora.rank` > 0): the student's PEFT adapter in <run_dir>/adapter/, rewritten
-        at each checkpoint (atomically: models.lora.save_adapter).  Every process calls it
-        (the adapter is gathered from the mesh); the writer process writes."""
-        from ctopd_jax.build import local_copy, model_dir
-        from ctopd_jax.models.lora import save_adapter
-
-        model = student if jax.process_count() == 1 else local_copy(student)
-        if not is_writer:
-            return None
-        base = model_dir(config.model.student) or config.model.student
-        return save_adapter(model, Path(run_dir) / "adapter", str(base), config.lora.dropout)
-
     def wait(self) -> None:
         self._manager.wait_until_finished()
 

@@ -131,8 +131,7 @@ class Trainer:
         nnx.update(self.student, self.params)
 
     # -- one iteration --------------------------------------------------------------------
-    def micro_batch(self, host, start: int, stop: int, total_tokens: float, accumulation: int, grads, timer,
-                    dropout=None):
+    def micro_batch(self, host, start: int, stop: int, total_tokens: float, accumulation: int, grads, timer, dropout):
         """(loss, sums, metrics, grads + its gradient) of samples [start, stop) of a collected batch
         (`grads` is donated to the step; `dropout`: its LoRA dropout, lora.train_dropout).
 
@@ -156,7 +155,6 @@ class Trainer:
                               accumulation=accumulation, objective=self.objective, mesh=mesh, dropout=dropout)
 
     def iteration(self, timer: StepTimer, rollout_index: int = 0) -> tuple[dict[str, Any], list[dict]]:
-        """`rollout_index`: the rollout batch's index n (TCOD's curriculum reads it)."""
         o = self.config.optimizer
         self.rng, sub = jax.random.split(self.rng)
         seed = int(jax.random.randint(sub, (), 0, 2 ** 31 - 1))
@@ -271,8 +269,7 @@ class Trainer:
                 if checkpointer.should_save(step, c.steps) or stopping:
                     with timer("checkpoint"):
                         checkpointer.save(step, self._state(), self._checkpoint_meta())
-                        if c.lora.rank > 0:  # <run_dir>/adapter/ of this step too
-                            checkpointer.save_adapter(self.student, c, self.run_dir, self.is_writer)
+                        build.write_adapter(self.student, c, self.run_dir, self.is_writer)  # LoRA only
                     saved = step
                 metrics.update(timer.as_metrics())
                 if step % lg.log_every == 0 or step == c.steps or stopping:
@@ -294,7 +291,7 @@ class Trainer:
         if self.diagnostics is not None and self.diagnostics.due(step - 1):
             with timer("diagnostics"):
                 diagnostics = self.diagnostics.run()
-        metrics, samples = self.iteration(timer, step - 1)
+        metrics, samples = self.iteration(timer, step - 1)   # rollout batch n = step − 1 (TCOD's curriculum)
         metrics.update(diagnostics)
         metrics["tokens_per_s"] = metrics["student_response_tokens"] / max(time.perf_counter() - began, 1e-9)
         with timer("eval"):
