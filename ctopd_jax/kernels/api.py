@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
@@ -78,9 +77,9 @@ def pallas_lowering_failure(divergence: str, topk: int | None, chunk_shape: tupl
     if interpret:
         return None
     rows, cols = max(1, int(chunk_shape[0])), int(chunk_shape[1])
-    gpu_backend = os.environ.get("CTOPD_PALLAS_GPU_BACKEND", "mosaic")
+    from ctopd_jax.kernels.pallas_common import gpu_backend
     return _pallas_lowering_error(divergence, topk, rows, cols,
-                                  f"{jax.default_backend()}/{gpu_backend}")
+                                  f"{jax.default_backend()}/{gpu_backend()}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -47,6 +47,7 @@ PALLAS_DIVERGENCES = ELEMENTWISE_DIVERGENCES
 BLOCK_ROWS = 64     # rows per program: the WGMMA layout's row tile on Hopper
 BLOCK_COLS = 128    # vocabulary columns per streamed tile
 PIPELINE_STAGES = 2
+ROW_AXIS = "row_blocks"  # the grid axis name of the Mosaic GPU kernel
 INT32_MIN = -(2 ** 31)
 INT32_MAX = 2 ** 31 - 1
 
@@ -93,15 +94,6 @@ def gpu_backend() -> str:
 def kernel_mode(interpret: bool) -> str:
     """"interpret", or the GPU backend ("mosaic" / "triton") of a compiled kernel."""
     return "interpret" if interpret else gpu_backend()
-
-
-def gpu_compiler_params():
-    """Compiler parameters for a compiled (non-interpret) GPU pallas_call."""
-    if gpu_backend() == "triton":
-        from jax.experimental.pallas import triton as pltriton
-        return pltriton.CompilerParams(num_warps=4, num_stages=1)
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    return plgpu.CompilerParams()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,12 +157,16 @@ class Tiles:
         """Row vector [block_rows] -> [block_rows, tile]."""
         return jax.lax.broadcast_in_dim(v, self.shape, (0,))
 
+    def block_index(self):
+        """This program's row block: a grid axis of plgpu.kernel on Mosaic GPU."""
+        return jax.lax.axis_index(ROW_AXIS) if self.gpu else pl.program_id(0)
+
     def stream(self, body: Callable, ins, outs=(), init=None):
         """carry = body(j, *in_tiles, *out_tiles, carry) for every tile j of this row block.
 
         Input tiles are refs to read with `load`; output tiles are refs to assign whole.
         """
-        i = pl.program_id(0)
+        i = self.block_index()
         if self.gpu:
             from jax.experimental.pallas import mosaic_gpu as plgpu
             spec = pl.BlockSpec(self.shape, lambda j: (i, j))
@@ -357,21 +353,50 @@ def _argmax_update(tiles: Tiles, j, best, s_raw, t, sel):
 def strict_pallas_call(kernel, zs, zt, wp, *, tiles: Tiles, name: str):
     """(per-row loss [rows_p], gradient [rows_p, cols_p]) of a divergence_passes kernel."""
     rows_p, cols_p = zs.shape
+    out_shape = (jax.ShapeDtypeStruct((rows_p,), jnp.float32),
+                 jax.ShapeDtypeStruct((rows_p, cols_p), jnp.float32))
     if tiles.gpu:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-        whole = pl.BlockSpec(memory_space=plgpu.GMEM)
-    else:
-        whole = pl.BlockSpec(memory_space=pl.ANY)
+        return _mosaic_gpu_call(kernel, zs, zt, wp, tiles=tiles, out_shape=out_shape)
+    whole = pl.BlockSpec(memory_space=pl.ANY)
     interpret = tiles.mode == "interpret"
     row_vec = pl.BlockSpec((tiles.block_rows,), lambda i: (i,))
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((rows_p,), jnp.float32),
-                   jax.ShapeDtypeStruct((rows_p, cols_p), jnp.float32)),
+        out_shape=out_shape,
         grid=(rows_p // tiles.block_rows,),
         in_specs=[whole, whole, row_vec],
         out_specs=(row_vec, whole),
         interpret=interpret,
-        compiler_params=None if interpret else gpu_compiler_params(),
+        compiler_params=None if interpret else _triton_params(),
         name=name,
     )(zs, zt, wp)
+
+
+def _triton_params():
+    from jax.experimental.pallas import triton as pltriton
+    return pltriton.CompilerParams(num_warps=4, num_stages=1)
+
+
+def _mosaic_gpu_call(kernel, zs, zt, wp, *, tiles: Tiles, out_shape):
+    """The kernel as a Mosaic GPU `plgpu.kernel` (jax >= 0.11 lowers Mosaic GPU only this way).
+
+    Every operand stays in global memory; the block's row weights come in and its per-row
+    losses go out through [block_rows] shared-memory buffers (one TMA copy each way).
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def body(zs_ref, zt_ref, w_gmem, loss_gmem, grad_ref, w_smem, loss_smem, barrier):
+        rows = pl.ds(tiles.block_index() * tiles.block_rows, tiles.block_rows)
+        plgpu.copy_gmem_to_smem(w_gmem.at[rows], w_smem, barrier)
+        plgpu.barrier_wait(barrier)
+        kernel(zs_ref, zt_ref, w_smem, loss_smem, grad_ref)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(loss_smem, loss_gmem.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    row_buffer = plgpu.SMEM((tiles.block_rows,), jnp.float32)
+    return plgpu.kernel(
+        body, out_type=out_shape,
+        scratch_types=(row_buffer, row_buffer, plgpu.Barrier(num_arrivals=1)),
+        grid=(zs.shape[0] // tiles.block_rows,), grid_names=(ROW_AXIS,),
+        compiler_params=plgpu.CompilerParams())(zs, zt, wp)

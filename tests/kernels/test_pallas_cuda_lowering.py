@@ -11,6 +11,7 @@ a GPU yet.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 
@@ -59,10 +60,21 @@ def _lower_cuda_triton(make_fn, monkeypatch):
     monkeypatch.setenv("CTOPD_PALLAS_GPU_BACKEND", "triton")
     fn = make_fn()
     block = jax.ShapeDtypeStruct((ROWS, SHARED), jnp.float32)
-    lowered = jax.jit(fn).trace(block, block, jax.ShapeDtypeStruct((ROWS,), jnp.float32)).lower(
-        lowering_platforms=("cuda",))
+    with _abstract_gpu():
+        lowered = jax.jit(fn).trace(block, block, jax.ShapeDtypeStruct((ROWS,), jnp.float32)
+                                    ).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text and "mosaic_gpu" not in text
+
+
+def _abstract_gpu():
+    # jax >= 0.11 reads the GPU's compute capability during Triton lowering; with no GPU here
+    # it must be told which one to target (an abstract H200); jax 0.10 lowers without it.
+    if not hasattr(jax.sharding, "AbstractDevice"):
+        return contextlib.nullcontext()
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    return jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200))
 
 
 @pytest.mark.parametrize("divergence", ["rkl", "jsd", "top1_ce"])
