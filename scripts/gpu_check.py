@@ -153,7 +153,8 @@ def stage_env(dry: bool, out: Path) -> dict:
     a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
     mm = _timed(jax.jit(jnp.matmul), a, b, repeat=10)
-    return {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
+    import flax
+    return {"jax": jax.__version__, "flax": flax.__version__, "devices": [str(d) for d in jax.devices()],
             "device_kind": jax.devices()[0].device_kind, "bytes_limit": _bytes_limit(),
             "copy_gbps": 2 * n * 2 / seconds / 1e9, "copy_bytes": 2 * n * 2,
             "matmul_tflops": 2 * m ** 3 / mm / 1e12, "matmul_n": m}
