@@ -14,16 +14,18 @@ Tiling (fits shared memory at any vocabulary width): one program per block of BL
 rows (the row tile of Mosaic GPU's WGMMA register layout); the inputs and the gradient stay in
 global memory and every pass streams [64, tile] blocks through shared memory with
 `plgpu.emit_pipeline` (TMA copies, two stages in flight). A program's shared memory is then
-2 stages × (2 inputs + 1 output) × 64 × 128 × 4 B = 192 KiB at the default 128-column tile,
-independent of V∩ (H100/H200 allow 227 KiB). Row vectors (max, sums, selection thresholds)
+2 stages × (2 inputs + 1 output) × 64 × 128 × 4 B = 192 KiB at the default 128-column tile
+(plus 512 B for the block's row weights and losses), independent of V∩ (H100/H200 allow 227 KiB). Row vectors (max, sums, selection thresholds)
 live in registers in the reduced-WGMMA ("row") layout.
 
 Interpret mode (CPU tests) streams the same tiles with a fori_loop over views of the whole
 arrays: the per-tile math is the same code, only the tile transport and the layout hints differ.
 
-Backend: interpret=True runs anywhere. Compiled GPU kernels use Mosaic GPU (Hopper). They lower
-on CPU for the real width (tests/kernels/test_pallas_cuda_lowering.py exports them with
-platforms=["cuda"]); they have not yet run on a GPU (kernels.api keeps "xla" the GPU default).
+Backend: interpret=True runs anywhere (a grid `pallas_call`). Compiled GPU kernels use Mosaic
+GPU (Hopper) through `plgpu.kernel`, the form jax 0.10 to 0.12 all lower (jax 0.11 dropped the
+Mosaic GPU lowering of grid `pallas_call`s). They lower on CPU for the real width
+(tests/kernels/test_pallas_cuda_lowering.py exports them with platforms=["cuda"]); they have
+not yet run on a GPU (the GPU configs keep "xla").
 CTOPD_PALLAS_GPU_BACKEND=triton selects the Triton lowering instead: the same kernel body with
 the interpret-mode tile loop (each [64, tile] tile loaded from global memory into registers);
 it lowers too (to Triton IR; Triton's own register and shared-memory allocation happens when
@@ -32,6 +34,7 @@ XLA compiles it on a GPU, so lowering on CPU cannot check it).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from typing import Callable
 
@@ -134,14 +137,14 @@ class Tiles:
         """A [block_rows, tile] tile from a (shared-memory) tile ref, as float32."""
         if self.gpu:
             plgpu, tiled, _ = self._layouts()
-            return plgpu.load(ref, (), layout=tiled, optimized=False).astype(jnp.float32)
+            return _gpu_load(plgpu, ref, tiled).astype(jnp.float32)
         return ref[...].astype(jnp.float32)
 
     def load_rows(self, ref):
         """A [block_rows] vector block (row weights) in the row layout."""
         if self.gpu:
             plgpu, _, row = self._layouts()
-            return plgpu.load(ref, (), layout=row, optimized=False).astype(jnp.float32)
+            return _gpu_load(plgpu, ref, row).astype(jnp.float32)
         return ref[...].astype(jnp.float32)
 
     def cols(self, j):
@@ -189,6 +192,15 @@ class Tiles:
             return body(j, *views, carry)
 
         return jax.lax.fori_loop(0, self.n_tiles, step, init)
+
+
+def _gpu_load(plgpu, ref, layout):
+    """A whole shared-memory ref into registers. jax 0.10 takes the index as an argument of its
+    own, 0.11 deprecates it and 0.12 removes it."""
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    if idx is not None and idx.default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout, optimized=False)
+    return plgpu.load(ref, layout=layout, optimized=False)
 
 
 def _log1p(y):
