@@ -366,14 +366,9 @@ def make_collector(config, objective, s_tok, t_tok, engine, teacher, mesh):
     teacher_engine = None
     if (objective.needs.responses == "teacher" or getattr(s, "seq_kd", False)
             or getattr(objective, "needs_teacher_engine", False) or getattr(objective, "uses_expert", False)):
-        room = context_room(objective, config.rollout, t_tok)
-        longest = config.rollout.max_prompt_len + room + config.rollout.generate_max_len
-        if getattr(objective, "needs_teacher_engine", False) and longest > teacher.cfg.max_position_embeddings:
-            raise TrainerSetupError(
-                f"algorithm.sage_judge=teacher: a judge call needs up to {longest} positions but the teacher's "
-                f"max_position_embeddings is {teacher.cfg.max_position_embeddings}; use sage_judge=proxy for a "
-                "small model, or shorter rollout.max_prompt_len / generate_max_len")
-        teacher_engine = make_engine(teacher, t_tok, config.rollout, mesh, room)
+        # (preflight checked that SAGE-OPD's judge calls fit the teacher's positions)
+        teacher_engine = make_engine(teacher, t_tok, config.rollout, mesh,
+                                     context_room(objective, config.rollout, t_tok))
     if objective.needs.turns or config.rollout.environment:
         from functools import partial
 

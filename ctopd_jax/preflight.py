@@ -364,6 +364,28 @@ def _check_prompt_lengths(config: TrainConfig, prompts, student, data_path: Path
                     f"prompt of {data_path} has {shortest}; raise rollout.max_prompt_len")
 
 
+def _check_judge_context(config: TrainConfig, teacher_side, teacher_cfg) -> None:
+    """SAGE-OPD's teacher judge reads a whole turn and its feedback inside a template: the
+    longest judge call must fit the teacher's positions."""
+    from ctopd_jax.algorithms import get_objective
+    from ctopd_jax.build import context_room
+    from ctopd_jax.models import PRESETS
+
+    objective = get_objective(config.algorithm)
+    if not getattr(objective, "needs_teacher_engine", False):
+        return
+    if teacher_cfg is None:  # a preset (a directory's config.json was read by _check_model)
+        teacher_cfg = PRESETS[config.model.teacher.split(":", 1)[-1]]()
+    rollout = config.rollout
+    longest = (rollout.max_prompt_len + context_room(objective, rollout, teacher_side)
+               + rollout.generate_max_len)
+    if longest > teacher_cfg.max_position_embeddings:
+        raise _fail(f"algorithm.sage_judge=teacher: a judge call needs up to {longest} positions "
+                    f"but the teacher's max_position_embeddings is "
+                    f"{teacher_cfg.max_position_embeddings}; use sage_judge=proxy for a small "
+                    "model, or shorter rollout.max_prompt_len / generate_max_len")
+
+
 def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change: bool = False,
               device_count: int | None = None) -> Preflight:
     """Run every cheap check (module doc); raises PreflightError, returns what it loaded."""
@@ -380,6 +402,7 @@ def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change:
         dirs[role], cfgs[role] = _check_model(getattr(config.model, role), role)
     sides, overlap = _check_pair(config, dirs, cfgs)
     _check_prompt_lengths(config, prompts, sides["student"], data_path)
+    _check_judge_context(config, sides["teacher"], cfgs["teacher"])
     return Preflight(config=config, prompts=prompts, data_path=data_path,
                      student_tokenizer=sides["student"], teacher_tokenizer=sides["teacher"],
                      overlap=overlap, mesh_shape=mesh_shape, checkpoint_dir=ck_dir,

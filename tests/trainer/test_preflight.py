@@ -57,3 +57,18 @@ def test_header_reader_agrees_with_the_demo_checkpoint():
     cfg = ModelConfig.from_hf_dict(json.loads((directory / "config.json").read_text()))
     expected = expected_hf_shapes(cfg)
     assert {k: tuple(v["shape"]) for k, v in header.items() if k in expected} == expected
+
+
+def test_a_teacher_judge_call_longer_than_the_teacher_is_one_preflight_line(tmp_path, monkeypatch):
+    # SAGE-OPD's judge prompt wraps a turn and its feedback: on the tool demo's char teacher
+    # (256 positions) it cannot fit, and preflight says so before any model loads.
+    import ctopd_jax.models.weights as weights
+    monkeypatch.setattr(weights, "load_hf_checkpoint", lambda *a, **k: pytest.fail("model loaded"))
+    tools = ROOT / "configs" / "tiny_cpu_tools.yaml"
+    sets = [f"output_dir={tmp_path / 'run'}", "algorithm.name=sage_opd"]
+    with pytest.raises(PreflightError, match=r"algorithm\.sage_judge=teacher: a judge call needs "
+                       r"up to \d+ positions but the teacher's max_position_embeddings is 256"):
+        preflight(load_config(tools, [*sets, "algorithm.sage_judge=teacher"]), device_count=1)
+    pre = preflight(load_config(tools, [*sets, "algorithm.sage_judge=proxy"]), device_count=1)
+    assert pre.teacher_tokenizer.vocab_size == pre.student_tokenizer.vocab_size
+    assert not (tmp_path / "run").exists()
