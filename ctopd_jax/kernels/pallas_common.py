@@ -15,8 +15,9 @@ rows (the row tile of Mosaic GPU's WGMMA register layout); the inputs and the gr
 global memory and every pass streams [64, tile] blocks through shared memory with
 `plgpu.emit_pipeline` (TMA copies, two stages in flight). A program's shared memory is then
 2 stages × (2 inputs + 1 output) × 64 × 128 × 4 B = 192 KiB at the default 128-column tile
-(plus 512 B for the block's row weights and losses), independent of V∩ (H100/H200 allow 227 KiB). Row vectors (max, sums, selection thresholds)
-live in registers in the reduced-WGMMA ("row") layout.
+(plus 512 B for the block's row weights and losses), independent of V∩ (H100/H200 allow
+227 KiB). Row vectors (max, sums, selection thresholds) live in registers in the reduced-WGMMA
+("row") layout.
 
 Interpret mode (CPU tests) streams the same tiles with a fori_loop over views of the whole
 arrays: the per-tile math is the same code, only the tile transport and the layout hints differ.
