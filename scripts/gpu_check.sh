@@ -3,6 +3,10 @@
 # per stage in $OUT (schema: the docstring of scripts/gpu_check.py), about 8 minutes at most on
 # an H100/H200. Self-contained on a machine with jax (CUDA) preinstalled, e.g. the lent H200
 # (python 3.12, jax 0.11.x): nothing is installed; the repository is imported from its checkout.
+# That image's flax version is unread; flax 0.12.12 is the one verified with jax 0.11-0.12. To
+# bring it: `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl
+# flax==0.12.12` here, carry .whl, and start the command with `pip install -q --no-index
+# --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site;` (kept on PYTHONPATH).
 #
 #   bash scripts/gpu_check.sh              # on the GPU machine; results in $OUT (or ./gpu_check_out)
 #   bash scripts/gpu_check.sh --dry-run    # every stage at tiny shapes on the CPU (rehearsal)
