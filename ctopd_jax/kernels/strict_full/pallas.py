@@ -25,7 +25,7 @@ def _kernel(zs_ref, zt_ref, w_ref, loss_ref, grad_ref, *, tiles, name, temperatu
 def strict_full_rows(zs_bar, zt_bar, w, *, divergence, temperature=1.0, jsd_beta=0.5,
                      skl_lambda=0.1, interpret=True, block_rows=BLOCK_ROWS,
                      block_cols=BLOCK_COLS, mode=None):
-    """(per-row weighted loss [c], gradient [c, V∩]) for projected rows, via one pallas_call."""
+    """(per-row weighted loss [c], gradient [c, V∩]) for projected rows, via one Pallas kernel."""
     if divergence not in pc.PALLAS_DIVERGENCES:
         raise ValueError(f"divergence {divergence!r} has no Pallas kernel")
     rows, cols = zs_bar.shape
