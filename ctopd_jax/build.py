@@ -38,17 +38,11 @@ def model_dir(spec: str) -> Path | None:
     return path if path.is_dir() else None
 
 
-@functools.partial(nnx.jit, static_argnums=(0,))
-def _init_decoder(cfg, seed):
-    """A randomly initialised Decoder; compiled once per config (cached across trainers)."""
-    from ctopd_jax.models import Decoder
-    return Decoder(cfg, rngs=nnx.Rngs(jax.random.key(seed)))
-
-
 def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, role: str, tokenizer=None):
     """(Decoder on the mesh, TokenizerSide) for `model.student` / `model.teacher` (`tokenizer`:
     an already loaded side, e.g. from preflight)."""
     from ctopd_jax.models import PRESETS
+    from ctopd_jax.models.init import init_decoder
     from ctopd_jax.tokenization.side import load_tokenizer_side
 
     directory = model_dir(spec)
@@ -74,20 +68,12 @@ def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, ro
         model, _ = load_hf_checkpoint(directory, mesh=mesh, **kwargs)  # placed on its shardings
     else:
         cfg = PRESETS[name](vocab_size=tokenizer.vocab_size, **kwargs)
-        model = _init_decoder(cfg, seed)
-        place_module(model, mesh)
+        model = init_decoder(cfg, seed, mesh)  # drawn on its shardings
     if model.cfg.vocab_size < tokenizer.vocab_size:
         raise TrainerSetupError(
             f"model.{role}: vocabulary {model.cfg.vocab_size} is smaller than its tokenizer's "
             f"{tokenizer.vocab_size}; pair the model with the tokenizer it was trained with")
     return model, tokenizer
-
-
-def place_module(module, mesh) -> None:
-    """Put every parameter on its logical sharding, from host values (works multi-process)."""
-    state = nnx.state(module)
-    host = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state)
-    nnx.update(module, jax.device_put(host, mesh_lib.module_shardings(module, mesh)))
 
 
 def replicated(value: np.ndarray, mesh) -> jax.Array:

@@ -47,17 +47,20 @@ from ctopd_jax.models.config import ModelConfig
 from ctopd_jax.models.kv_cache import KVCache, init_cache  # noqa: F401  (re-exported)
 from ctopd_jax.models.lora import TARGETS, add_lora_path, lora_weight
 
-_INIT_STD = 0.02
+INIT_STD = 0.02
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, init="normal") -> nnx.Param:
+    """A parameter drawn from `init` ("normal": N(0, INIT_STD) in float32, "ones", "zeros"); the
+    name is kept as metadata so models/init.py can draw the same distribution tensor by tensor."""
     if init == "normal":
-        value = jax.random.normal(rngs.params(), shape, jnp.float32) * _INIT_STD
+        value = jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD
     elif init == "ones":
         value = jnp.ones(shape, jnp.float32)
     else:
         value = jnp.zeros(shape, jnp.float32)
-    return nnx.Param(value.astype(dtype), out_sharding=tuple(axes), eager_sharding=False)
+    return nnx.Param(value.astype(dtype), out_sharding=tuple(axes), eager_sharding=False,
+                     init=init)
 
 
 def constrain(x: jax.Array, logical_axes) -> jax.Array:
