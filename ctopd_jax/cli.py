@@ -13,6 +13,7 @@ this module imports nothing heavy and a command never loads jax just to report a
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Callable, NoReturn, Sequence
@@ -89,6 +90,55 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {one_line(message)}; see {self.prog} --help", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
+
+
+# ----------------------------------------------------------------------------- flag ranges
+# argparse `type=` functions: a value out of range is a usage error naming the flag
+# (`prog: error: argument --mfu: 0 must be in (0, 1]`), raised before any work starts.
+
+def _number(text: str, kind: type) -> float | int:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+    return value
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An integer >= minimum (counts, sizes)."""
+    def parse(text: str) -> int:
+        value = _number(text, int)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        return value
+    return parse
+
+
+def seed(text: str) -> int:
+    """A seed: an integer in [0, 2**32), what numpy and the data loader accept."""
+    value = _number(text, int)
+    if not 0 <= value < 2 ** 32:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 2**32)")
+    return value
+
+
+def positive(text: str) -> float:
+    """A finite number > 0 (seconds, rates)."""
+    value = _number(text, float)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value:g} must be > 0")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1] (utilisations, memory fractions)."""
+    value = _number(text, float)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value:g} must be in (0, 1]")
+    return value
 
 
 def fail(prog: str, message: str) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import types
 import typing
@@ -44,9 +45,46 @@ YamlLoader.add_implicit_resolver(
     list("-+0123456789."))
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping that names one key twice; PyYAML would silently keep the last one, so a run
+    would train with values the file's first section did not say."""
+
+
+def _refuse_duplicate_keys(node: yaml.Node, prefix: str = "") -> None:
+    """Walk the composed node tree; the first key seen twice in one mapping raises
+    DuplicateKeyError naming the dotted key and both lines (1-based)."""
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key is not None and key != "<<":
+                name = f"{prefix}{key}"
+                line = key_node.start_mark.line + 1
+                if key in first_line:
+                    raise DuplicateKeyError(
+                        f"line {line}: key {name!r} appears twice (first on line "
+                        f"{first_line[key]}); keep one of them (YAML would silently use the last)")
+                first_line[key] = line
+                _refuse_duplicate_keys(value_node, name + ".")
+            else:
+                _refuse_duplicate_keys(value_node, prefix)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicate_keys(item, prefix)
+
+
 def load_yaml(text: str) -> Any:
-    """Parse YAML text with `YamlLoader` (numbers such as 1e-5 are floats)."""
-    return yaml.load(text, Loader=YamlLoader)
+    """Parse YAML text with `YamlLoader` (numbers such as 1e-5 are floats); a key given twice
+    in one mapping raises DuplicateKeyError."""
+    loader = YamlLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 @dataclass(frozen=True)
@@ -316,7 +354,8 @@ class TrainConfig:
     model: ModelSection = field(default_factory=ModelSection)
     mesh: MeshSection = field(default_factory=MeshSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
-    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    # the default objective's own section (its settings class), as a file without `algorithm:` gets
+    algorithm: AlgorithmSection = field(default_factory=lambda: algorithm_class(AlgorithmSection.name)())
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     data: DataSection = field(default_factory=DataSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
@@ -405,6 +444,13 @@ def _build(cls: type, values: Any, prefix: str = "") -> Any:
         cls = algorithm_class(values.get("name", AlgorithmSection.name))
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
+    not_names = [k for k in values if not isinstance(k, str)]
+    if not_names:  # `1: x` or `null: x` in YAML: sorting them with the names would crash
+        raise ConfigError(f"{where}: key {not_names[0]!r} is not a name; use one of the known "
+                          f"keys of {where}: {', '.join(sorted(known))}")
+    # an absent section is built from {} too: `algorithm` then gets its objective's class
+    values = {**{f.name: {} for f in dataclasses.fields(cls)
+                 if dataclasses.is_dataclass(hints[f.name]) and f.name not in values}, **values}
     unknown = sorted(set(values) - known)
     if unknown and issubclass(cls, AlgorithmSection):
         owned = {k: objectives_defining(k) for k in unknown}
@@ -456,6 +502,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
                               "configs/tiny_cpu.yaml")
         try:
             tree = load_yaml(path.read_text(encoding="utf-8")) or {}
+        except DuplicateKeyError as err:
+            raise ConfigError(f"--config {path}: {err}") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"--config {path}: not valid YAML: {_one_line(err)}") from None
         except UnicodeDecodeError:
@@ -476,7 +524,32 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
             tree["mesh"] = {**{"data": 1}, **parse_mesh(mesh)}
         except MeshError as err:
             raise ConfigError(f"--mesh {mesh}: {err}") from None
-    config = _build(TrainConfig, tree)
+    return _finish(_build(TrainConfig, tree))
+
+
+# String fields that name a file or folder: a leading `~` is the user's home, as in a shell
+# (Path() alone would create a folder literally named `~` in the current directory).
+PATH_FIELDS = frozenset({
+    "output_dir", "checkpoint.dir", "data.path", "evaluation.dataset", "lora.init_adapter",
+    "model.student", "model.teacher", "model.student_tokenizer", "model.teacher_tokenizer",
+    "model.teacher_base"})
+
+
+def _expand_home(section: Any, prefix: str = "") -> Any:
+    changes = {}
+    for f in dataclasses.fields(section):
+        value, dotted = getattr(section, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            expanded = _expand_home(value, dotted + ".")
+            if expanded is not value:
+                changes[f.name] = expanded
+        elif dotted in PATH_FIELDS and isinstance(value, str) and value.startswith("~"):
+            changes[f.name] = os.path.expanduser(value)
+    return dataclasses.replace(section, **changes) if changes else section
+
+
+def _finish(config: TrainConfig) -> TrainConfig:
+    config = _expand_home(config)
     validate(config)
     return config
 
@@ -486,9 +559,7 @@ def _one_line(err: Exception) -> str:
 
 
 def from_dict(tree: Mapping[str, Any]) -> TrainConfig:
-    config = _build(TrainConfig, dict(tree))
-    validate(config)
-    return config
+    return _finish(_build(TrainConfig, dict(tree)))
 
 
 def _require(condition: bool, field_name: str, message: str) -> None:
@@ -499,6 +570,9 @@ def _require(condition: bool, field_name: str, message: str) -> None:
 def validate(config: TrainConfig, device_count: int | None = None) -> None:
     """Impossible values; with `device_count`, also that the mesh fits the devices."""
     r, a, o = config.rollout, config.algorithm, config.optimizer
+    _require(config.output_dir.strip() != "", "output_dir", "is empty, which would write the run "
+             "into the current directory; name a folder for it, e.g. runs/my_run")
+    _check_seeds(config)
     _require(config.steps >= 1, "steps", f"{config.steps} must be >= 1")
     _require(r.rollout_batch_size >= 1, "rollout.rollout_batch_size", "must be >= 1")
     _require(r.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "must be >= 1")
@@ -514,6 +588,8 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
              f"{r.environment!r} is unknown; use one of {ENVIRONMENTS} or '' (single-turn)")
     _require(r.max_turns >= 1, "rollout.max_turns", "must be >= 1 turn")
     _require(r.step_timeout_s > 0, "rollout.step_timeout_s", "must be > 0 seconds")
+    _require(0 < r.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization",
+             f"{r.vllm_gpu_memory_utilization} must be in (0, 1] (a fraction of the GPU's memory)")
     config.model.validate()
     _require(config.model.attention != "cudnn" or r.engine != "jax", "model.attention",
              "'cudnn' cannot decode with a KV cache, which rollout.engine=jax does with the same "
@@ -521,11 +597,13 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     a.validate()
     _require(o.lr > 0, "optimizer.lr", "must be > 0")
     _require(all(0 <= b < 1 for b in o.betas), "optimizer.betas", "each must be in [0, 1)")
+    _require(o.eps > 0, "optimizer.eps", f"{o.eps} must be > 0 (AdamW divides by it)")
     _require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
     _require(o.max_grad_norm > 0, "optimizer.max_grad_norm", "must be > 0")
     _require(0 <= o.warmup_ratio < 1, "optimizer.warmup_ratio", "must be in [0, 1)")
     _require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", "must be in [0, optimizer.lr]")
     _require(o.micro_batch_size >= 1, "optimizer.micro_batch_size", "must be >= 1")
+    _require(o.train_batch_size >= 1, "optimizer.train_batch_size", "must be >= 1")
     _require(o.train_batch_size % o.micro_batch_size == 0, "optimizer.train_batch_size",
              f"{o.train_batch_size} must be a multiple of optimizer.micro_batch_size "
              f"{o.micro_batch_size}")
@@ -536,7 +614,11 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     _require(config.checkpoint.every >= 0, "checkpoint.every", "must be >= 0")
     _require(config.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
     _require(config.logging.log_every >= 1, "logging.log_every", "must be >= 1")
-    _require(config.evaluation.samples >= 1, "evaluation.samples", "must be >= 1")
+    e = config.evaluation
+    _require(e.samples >= 1, "evaluation.samples", "must be >= 1")
+    _require(e.every >= 0, "evaluation.every", f"{e.every} must be >= 0 (0 = only at the end)")
+    _require(e.max_problems >= 0, "evaluation.max_problems", f"{e.max_problems} must be >= 0 "
+             "(0 = all problems)")
     lo = config.lora
     _require(lo.rank >= 0, "lora.rank", f"{lo.rank} must be >= 0 (0 = full fine-tuning)")
     _require(lo.alpha > 0, "lora.alpha", f"{lo.alpha} must be > 0")
@@ -561,6 +643,19 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
             resolve_mesh_shape(dataclasses.asdict(config.mesh), device_count)
         except MeshError as err:
             raise ConfigError(f"{err}{device_count_hint(device_count)}") from None
+
+
+SEED_LIMIT = 2 ** 32   # numpy's and the data loader's seeds are unsigned 32-bit
+
+
+def _check_seeds(section: Any, prefix: str = "") -> None:
+    """Every field named `seed` or `*_seed`, in any section or objective: in [0, 2**32)."""
+    for f in dataclasses.fields(section):
+        value, dotted = getattr(section, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            _check_seeds(value, dotted + ".")
+        elif f.name == "seed" or f.name.endswith("_seed"):
+            _require(0 <= value < SEED_LIMIT, dotted, f"{value} must be in [0, 2**32)")
 
 
 def device_count_hint(device_count: int) -> str:

@@ -224,7 +224,7 @@ PROG = "python -m ctopd_jax.evaluate"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ctopd_jax.cli import Parser
+    from ctopd_jax.cli import Parser, at_least, positive, seed
 
     p = Parser(prog=PROG, description=__doc__)
     p.add_argument("--config", help="run YAML (rollout sampling settings, model dtype, tokenizer)")
@@ -234,20 +234,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="tokenizer name or directory (default: see module doc)")
     p.add_argument("--eos-token", help="end-of-turn token string if not the tokenizer's eos_token")
     p.add_argument("--dataset", help="dataset name or file (see ctopd_jax.datasets)")
-    p.add_argument("--limit", type=int, help="evaluate only the first N problems")
-    p.add_argument("--samples", type=int, help="samples per problem K (default: config evaluation.samples)")
+    p.add_argument("--limit", type=at_least(1), help="evaluate only the first N problems")
+    p.add_argument("--samples", type=at_least(1), help="samples per problem K (default: config evaluation.samples)")
     p.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=None,
                    help="temperature 0 (default: evaluation.greedy of the config when K == 1)")
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=at_least(1))
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--out", help="directory for samples.jsonl, per_problem.jsonl, summary.json")
     p.add_argument("--grade-only", metavar="FILE", help="grade an existing samples jsonl")
     p.add_argument("--answer-fallbacks", action="store_true",
                    help="--grade-only: accept '#### X' / 'The answer is X' when unboxed")
     p.add_argument("--task-grader", choices=["math", "demo"], default="math",
                    help="--grade-only: the demo task's own grader instead of the math grader")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds per symbolic comparison")
-    p.add_argument("--workers", type=int, default=1, help="sympy worker processes")
+    p.add_argument("--timeout", type=positive, default=5.0, help="seconds per symbolic comparison")
+    p.add_argument("--workers", type=at_least(1), default=1, help="sympy worker processes")
     return p
 
 
@@ -257,17 +257,9 @@ def _print(report: EvalReport, out: str | None) -> None:
           f"methods={report.grading_methods}" + (f"  -> {out}" if out else ""))
 
 
-def _positive(args, name: str) -> None:
-    value = getattr(args, name.lstrip("-").replace("-", "_"))
-    if value is not None and value < 1:
-        raise SystemExit(f"{name} {value}: must be >= 1 (leave it out for the config's value)")
-
-
 def main(argv: Sequence[str] | None = None) -> EvalReport:
     """The command as a function: returns the report, raises on bad input (see `cli_main`)."""
     args = _parser().parse_args(argv)
-    for name in ("--samples", "--limit", "--max-new-tokens", "--workers"):
-        _positive(args, name)
     grader = MathGrader(timeout_s=args.timeout, workers=args.workers)
     try:
         if args.grade_only:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ctopd_jax.align import strict_align
 from ctopd_jax.align.strict import describe_byte_mismatch
-from ctopd_jax.cli import UserError
+from ctopd_jax.cli import UserError, at_least
 from ctopd_jax.tokenization import load_tokenizer_side, overlap_map, retokenize_pair
 
 GREEN, YELLOW, RESET = "\x1b[32m", "\x1b[33m", "\x1b[0m"
@@ -136,7 +136,7 @@ def _main(argv: list[str]) -> int:
                         help="tokenizer directory or tiny_bpe / tiny_unigram / qwen2.5 / llama3")
     parser.add_argument("--student", required=True, help="as --teacher")
     parser.add_argument("--text", type=Path, help="responses: text lines or jsonl")
-    parser.add_argument("--show", type=int, help="colour the alignment of this sample")
+    parser.add_argument("--show", type=at_least(0), help="colour the alignment of this sample")
     parser.add_argument("--prompt", default="Solve the problem.",
                         help="user message rendered before every response")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -42,7 +42,7 @@ class OptimizerSettings:
         if self.schedule not in ("cosine_with_min_lr", "constant"):
             raise ValueError(f"optimizer.schedule must be cosine_with_min_lr or constant, got {self.schedule!r}")
         if self.learning_rate <= 0:
-            raise ValueError(f"optimizer.learning_rate must be > 0, got {self.learning_rate}")
+            raise ValueError(f"optimizer.lr must be > 0, got {self.learning_rate}")
         if not 0 <= self.warmup_ratio <= 1:
             raise ValueError(f"optimizer.warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
         if self.min_lr < 0 or self.min_lr > self.learning_rate:

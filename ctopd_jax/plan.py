@@ -56,7 +56,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ctopd_jax.cli import Parser, UserError, run
+from ctopd_jax.cli import Parser, UserError, at_least, fraction, run
 
 GB = 1e9
 HEADROOM = 0.05            # CUDA context, NCCL, cuDNN workspaces: outside both pools
@@ -492,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = Parser(prog="python -m ctopd_jax.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="training config YAML")
     parser.add_argument("--device", required=True, choices=sorted(DEVICES))
-    parser.add_argument("--gpus", type=int, default=None,
+    parser.add_argument("--gpus", type=at_least(1), default=None,
                         help="devices to plan for (default: the config's mesh product)")
     parser.add_argument("--set", action="append", default=[], metavar="a.b=c",
                         help="config override, as for training")
@@ -504,13 +504,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "`attention` setting, else einsum)")
     parser.add_argument("--mu-dtype", choices=("float32", "bfloat16"), default=None,
                         help="AdamW first moment dtype (default: the parameter dtype)")
-    parser.add_argument("--xla-mem-fraction", type=float, default=None)
-    parser.add_argument("--vocab-shared", type=int, default=109_567,
+    parser.add_argument("--xla-mem-fraction", type=fraction, default=None)
+    parser.add_argument("--vocab-shared", type=at_least(1), default=109_567,
                         help="|V∩| (default: Qwen2.5 x Llama-3, SPEC §10)")
-    parser.add_argument("--mfu", type=float, default=0.35)
-    parser.add_argument("--prefill-mfu", type=float, default=0.45)
-    parser.add_argument("--rollout-mfu", type=float, default=0.10)
-    parser.add_argument("--fill", type=float, default=1.0,
+    parser.add_argument("--mfu", type=fraction, default=0.35)
+    parser.add_argument("--prefill-mfu", type=fraction, default=0.45)
+    parser.add_argument("--rollout-mfu", type=fraction, default=0.10)
+    parser.add_argument("--fill", type=fraction, default=1.0,
                         help="mean response length as a fraction of generate_max_len")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)

@@ -38,8 +38,10 @@ class OpdSettings(SameTokenizerSettings):
     def validate(self) -> None:
         super().validate()
         _require(0.0 < self.opd_clip_eps < 1.0, "algorithm.opd_clip_eps", f"{self.opd_clip_eps} must be in (0, 1)")
-        _require(0.0 < self.icepop_low < 1.0 < self.icepop_high, "algorithm.icepop_low",
-                 f"need 0 < icepop_low ({self.icepop_low}) < 1 < icepop_high ({self.icepop_high})")
+        _require(0.0 < self.icepop_low < 1.0, "algorithm.icepop_low",
+                 f"{self.icepop_low} must be in (0, 1) (below 1 < icepop_high)")
+        _require(self.icepop_high > 1.0, "algorithm.icepop_high",
+                 f"{self.icepop_high} must be > 1 (above icepop_low < 1)")
 
 
 def sampled_terms(logp, old, advantage, settings):

@@ -38,6 +38,7 @@ class SodSettings(OpdSettings):
         super().validate()
         _require(self.sod_epsilon > 0, "algorithm.sod_epsilon", f"{self.sod_epsilon} must be > 0")
         _require(self.sod_delta >= 0, "algorithm.sod_delta", f"{self.sod_delta} must be >= 0")
+        _require(self.sod_coef >= 0, "algorithm.sod_coef", f"{self.sod_coef} must be >= 0")
 
 
 def step_weights(d, d_first, epsilon: float, delta: float):

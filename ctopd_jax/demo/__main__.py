@@ -67,7 +67,7 @@ PROG = "python -m ctopd_jax.demo"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ctopd_jax.cli import Parser
+    from ctopd_jax.cli import Parser, at_least
 
     p = Parser(prog=PROG, description=__doc__)
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML run config")
@@ -80,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
                         "character pair, configs/tiny_cpu_same.yaml; see ctopd_jax.demo.compare)")
     p.add_argument("--compare", action="store_true",
                    help="train every registered objective for --steps steps; write compare.md/.png/.json")
-    p.add_argument("--steps", type=int, default=None, help="training steps (with --algorithm / --compare)")
-    p.add_argument("--problems", type=int, default=0,
+    p.add_argument("--steps", type=at_least(1), default=None, help="training steps (with --algorithm / --compare)")
+    p.add_argument("--problems", type=at_least(0), default=0,
                    help="--compare: held-out problems graded (0 = all)")
     return p
 

@@ -100,7 +100,7 @@ def check_kv_cache_fits(cfg, slots: int, cache_len: int, budget_gb: float) -> No
     per_slot = kv_cache_bytes(cfg, 1, cache_len)
     fit = int(budget // per_slot)
     hint = (f"lower rollout.jax_decode_slots to <= {fit}" if fit >= 1 else
-            "lower max_new_tokens / rollout.max_prompt_len (not even one slot fits)")
+            "lower rollout.generate_max_len / rollout.max_prompt_len (not even one slot fits)")
     raise RolloutConfigError(
         f"JaxSampler: {slots} slots x {cache_len} cache positions need "
         f"{need / 1e9:.2f} GB of KV cache, over rollout.jax_kv_cache_budget_gb={budget_gb:g}; "
@@ -263,8 +263,8 @@ class JaxSampler:
         if longest + params.max_new_tokens > cfg.max_position_embeddings:
             raise RolloutConfigError(
                 f"generate: prompt ({longest}) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"model.max_position_embeddings={cfg.max_position_embeddings}; lower "
-                "rollout.max_new_tokens or truncate prompts")
+                f"the model's max_position_embeddings={cfg.max_position_embeddings}; lower "
+                "rollout.generate_max_len or rollout.max_prompt_len")
         plan = self.plan(len(expanded), longest, params.max_new_tokens)
         check_kv_cache_fits(cfg, plan["slots"], plan["cache_len"], self.kv_cache_budget_gb)
         graphdef, state = nnx.split(self._model)

@@ -243,7 +243,7 @@ class VllmEngine:
         if cfg.family == "qwen2" and cfg.head_dim * cfg.num_heads != cfg.hidden_size:
             # vLLM's Qwen2 derives head_dim = hidden_size // num_heads and ignores config.json.
             raise RolloutConfigError(
-                f"model.head_dim={cfg.head_dim}: vLLM's Qwen2 requires head_dim == hidden_size "
+                f"the model's head_dim={cfg.head_dim} (config.json): vLLM's Qwen2 requires head_dim == hidden_size "
                 f"/ num_heads = {cfg.hidden_size / cfg.num_heads:g}; change the model config or "
                 "use rollout.engine='jax'")
         vllm = import_vllm()
@@ -265,7 +265,7 @@ class VllmEngine:
             check_memory_split(gpu_memory_utilization)
         if on_cpu and cfg.head_dim < MIN_CPU_HEAD_DIM:
             raise RolloutConfigError(
-                f"model.head_dim={cfg.head_dim}: vLLM's CPU backend needs head_dim >= "
+                f"the model's head_dim={cfg.head_dim} (config.json): vLLM's CPU backend needs head_dim >= "
                 f"{MIN_CPU_HEAD_DIM}; use a config with larger heads or rollout.engine='jax'")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
@@ -392,8 +392,8 @@ class VllmEngine:
         if longest + params.max_new_tokens > self.max_model_len:
             raise RolloutConfigError(
                 f"generate: prompt ({longest}) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"the vLLM engine's max_model_len={self.max_model_len}; raise "
-                "rollout.max_model_len or lower max_new_tokens")
+                f"the vLLM engine's max_model_len={self.max_model_len}; lower "
+                "rollout.max_prompt_len / rollout.generate_max_len")
         if self._asleep and self.adapter_sync:  # level 1: everything comes back as it was
             self.llm.wake_up()
             self._asleep = False
