@@ -290,6 +290,7 @@ class DataSection:
 class CheckpointSection:
     dir: str = ""                        # "" = <output_dir>/checkpoints
     every: int = 10                      # steps between checkpoints; 0 = only the last
+    save: bool = True                    # false: no checkpoints at all (throwaway runs, the GPU check)
     keep: int = 3
     async_save: bool = True
     export_hf: bool = True               # write the final student as HF safetensors

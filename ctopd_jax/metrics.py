@@ -57,11 +57,31 @@ def _scalar(value: Any) -> float | int | None:
         return None
 
 
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiled = {"seconds": 0.0, "listening": False}
+
+
+def compile_seconds() -> float:
+    """XLA compile seconds of this process so far (from jax.monitoring; counted from the first
+    call, which registers the listener)."""
+    if not _compiled["listening"]:
+        import jax
+
+        def listen(event, duration, **_):
+            if event == _COMPILE_EVENT:
+                _compiled["seconds"] += duration
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        _compiled["listening"] = True
+    return _compiled["seconds"]
+
+
 class StepTimer:
-    """Wall-clock seconds per phase of one iteration: `with timer("rollout"): ...`."""
+    """Wall-clock seconds per phase of one iteration: `with timer("rollout"): ...`, and the XLA
+    compile seconds spent inside the iteration (`time_compile`, part of the phases' time)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self._compile_start = compile_seconds()
 
     @contextmanager
     def __call__(self, phase: str):
@@ -74,6 +94,7 @@ class StepTimer:
     def as_metrics(self) -> dict[str, float]:
         out = {f"time_{k}": v for k, v in self.seconds.items()}
         out["time_total"] = sum(self.seconds.values())
+        out["time_compile"] = compile_seconds() - self._compile_start
         return out
 
 

@@ -266,7 +266,7 @@ class Trainer:
                     raise TrainingDiverged(f"{reason}. Last good checkpoint: "
                                            f"{'step ' + str(saved) if saved else 'none'} in {ck_dir}")
                 stopping = stop is not None and stop.requested_everywhere()
-                if checkpointer.should_save(step, c.steps) or stopping:
+                if c.checkpoint.save and (checkpointer.should_save(step, c.steps) or stopping):
                     with timer("checkpoint"):
                         checkpointer.save(step, self._state(), self._checkpoint_meta())
                         build.write_adapter(self.student, c, self.run_dir, self.is_writer)  # LoRA only

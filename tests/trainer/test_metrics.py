@@ -43,7 +43,25 @@ def test_timer_accumulates_phases(monkeypatch):
             pass
     with timer("rollout"):
         pass
-    assert timer.as_metrics() == {"time_align": 0.75, "time_rollout": 2.0, "time_total": 2.75}
+    assert timer.as_metrics() == {"time_align": 0.75, "time_rollout": 2.0, "time_total": 2.75,
+                                  "time_compile": 0.0}
+
+
+def test_timer_counts_the_compiles_inside_its_iteration():
+    import jax
+    import jax.numpy as jnp
+
+    double = jax.jit(lambda x: x * 2)
+    jax.block_until_ready(double(jnp.ones(3)))   # compiled before: not this timer's
+    timer = StepTimer()
+    with timer("student"):
+        jax.block_until_ready(jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((64, 64))))
+    compiled = timer.as_metrics()["time_compile"]
+    assert 0.0 < compiled <= timer.seconds["student"]
+    again = StepTimer()
+    with again("student"):   # a program compiled earlier: nothing to compile
+        jax.block_until_ready(double(jnp.ones(3)))
+    assert again.as_metrics()["time_compile"] == 0.0
 
 
 def test_plot_writes_pngs(tmp_path):
