@@ -98,6 +98,19 @@ class StepTimer:
         return out
 
 
+class StartupClock:
+    """One stderr line as each start-up phase begins (`[start-up   12.3 s] teacher`), so a run
+    that is slow or killed before its first iteration shows where the time went."""
+
+    def __init__(self, enabled: bool = True):
+        self.start, self.enabled = time.perf_counter(), enabled
+
+    def __call__(self, phase: str) -> None:
+        if self.enabled:
+            print(f"[start-up {time.perf_counter() - self.start:7.1f} s] {phase}", file=sys.stderr,
+                  flush=True)
+
+
 def _free_name(path: Path, stem_suffix: str) -> Path:
     """<stem><stem_suffix>.jsonl, or with .2, .3 ... when taken."""
     candidate = path.with_name(f"{path.stem}{stem_suffix}{path.suffix}")

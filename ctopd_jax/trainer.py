@@ -42,7 +42,7 @@ from ctopd_jax.build import TrainerSetupError  # noqa: F401  (re-exported for ca
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig
 from ctopd_jax.evaluate import evaluate_during_training
-from ctopd_jax.metrics import MetricsLogger, StepTimer
+from ctopd_jax.metrics import MetricsLogger, StartupClock, StepTimer
 from ctopd_jax.models import lora
 from ctopd_jax.optimizer import settings_from_config
 from ctopd_jax.teacher import lm_head_of, teacher_hidden_rows
@@ -73,6 +73,7 @@ class Trainer:
         from ctopd_jax.tokenization.overlap import overlap_map
 
         c = self.config = config
+        startup = StartupClock(jax.process_index() == 0)
         self.mesh = mesh if mesh is not None else build.mesh_lib.make_mesh(dict(vars(c.mesh)))
         self.run_dir = Path(c.output_dir)
         self.is_writer = jax.process_index() == 0
@@ -81,25 +82,30 @@ class Trainer:
         if preflight is not None:
             student_tokenizer = student_tokenizer or preflight.student_tokenizer
             teacher_tokenizer = teacher_tokenizer or preflight.teacher_tokenizer
+        startup("student model")
         if student is None:
             student, student_tokenizer = build.load_side(c.model.student, c.model.student_tokenizer, c.model,
                                                          self.mesh, c.seed, "student", student_tokenizer)
+        startup("teacher model")
         if teacher is None:
             teacher, teacher_tokenizer = build.load_side(c.model.teacher, c.model.teacher_tokenizer, c.model,
                                                          self.mesh, c.seed + 1, "teacher", teacher_tokenizer)
         self.student, self.teacher = student, teacher
         self.s_tok, self.t_tok = student_tokenizer, teacher_tokenizer
+        startup("shared vocabulary and prompts")
         self.overlap = preflight.overlap if preflight is not None else overlap_map(self.t_tok, self.s_tok)
         self.objective.check(self.overlap)
         self.overlap_arrays = {"s_ids": build.replicated(self.overlap.s_ids.astype(np.int32), self.mesh),
                                "t_ids": build.replicated(self.overlap.t_ids.astype(np.int32), self.mesh)}
         self.stream = build.prompt_stream(c, self.s_tok, preflight.prompts if preflight is not None else None)
         lora.prepare(self.student, c)  # adapters attached before the engine starts (vLLM serves them)
+        startup("rollout engine")
         self.engine = engine if engine is not None else build.make_engine(
             self.student, self.s_tok, c.rollout, self.mesh, build.context_room(self.objective, c.rollout, self.s_tok))
         self.collector = build.make_collector(c, self.objective, self.s_tok, self.t_tok, self.engine,
                                               self.teacher, self.mesh)
         self.base = build.load_teacher_base(c, self.mesh)   # OPD²'s third model, or None
+        startup("optimizer state")
         responses = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
         self.updates_per_iteration = responses // c.optimizer.train_batch_size
         settings = settings_from_config(c.optimizer, c.steps * self.updates_per_iteration)
@@ -118,6 +124,7 @@ class Trainer:
         if c.algorithm.diagnostics_every:
             from ctopd_jax.algorithms.diagnostics import Diagnostics
             self.diagnostics = Diagnostics(self)
+        startup("ready")
 
     # -- checkpoint state -----------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
