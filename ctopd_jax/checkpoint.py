@@ -6,18 +6,30 @@ One checkpoint per saved step holds two items:
   file independent of pytree node types (nnx.State, optax namedtuples) and of how Orbax would
   spell their paths; the tree structure comes from the live trainer at restore time and is
   checked against the key paths recorded in `meta`.
-- `meta` (JSON): step, data-iterator state, config, the key paths of the leaves, a fingerprint
-  of the parameters (float64 sum per leaf) and any extra scalars (e.g. the cumulative coverage
-  counters needed so logged metrics continue exactly after a resume).
+- `meta` (JSON): step, data-iterator state, config, the key paths of the leaves, the objective's
+  own state (e.g. MP-OPD's noise EMA), the divergence guard's history and any extra scalars
+  (e.g. the cumulative coverage counters needed so logged metrics continue exactly).
+
+Integrity: every array leaf of every state item (params, optimizer state, RNG) has an exact
+checksum in `meta` (its bits as unsigned words, summed plain and position-weighted modulo 2**32:
+any changed word changes the plain sum; sharding cannot change the result, integer addition is
+exact), and `meta` carries a SHA-256 of its own other fields (data position, objective and guard
+state...). A step that is listed but cannot be read, or whose checksums disagree, is reported
+with a warning naming the step and the item, moved aside to `<step>.corrupt`, and the previous
+step is used.
 
 Saving is asynchronous (Orbax writes in the background; the next save or `close()` waits).
 Orbax commits a step by renaming its temporary directory, so an interrupted write never shows
-up as a step. A step that is listed but cannot be read (files damaged or missing) or whose
-fingerprint disagrees is reported with a warning, moved aside to `<step>.corrupt`, and the
-previous step is used.
+up as a step. A write that fails for lack of space (or a read-only / forbidden folder) raises
+one `CheckpointWriteError` naming the folder and the last whole step; the half-written
+temporary folder is removed and Orbax's per-thread tracebacks are kept off the terminal.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
+import json
 import logging
 import math
 import re
@@ -32,11 +44,27 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ctopd_jax.run_dir import DISK_ERRNOS, disk_errno
+
 log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint, or one that does not fit the current run."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (no space, read-only or forbidden folder); the message
+    names the folder, the step and the last whole checkpoint."""
+
+
+class _QuietOrbaxThreads(logging.Filter):
+    """Drop the ERROR records (with tracebacks) that Orbax's background threads log for one
+    failed write, one per thread: the failure reaches the caller as one exception, which the
+    command reports in one line (--debug still raises it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
 
 @dataclass
@@ -71,10 +99,43 @@ def _leaf_sums(leaves):
 
 
 def fingerprint(tree: Any) -> list[float]:
-    """Per-leaf float32 sums (one compiled program per tree layout); cheap evidence that
-    restored values are the saved ones. Works for multi-process arrays (sums are replicated)."""
+    """Per-leaf float32 sums: what checkpoints written before the exact checksums carry
+    (`params_fingerprint`), still verified when such a step is restored."""
     sums = _leaf_sums(jax.tree.leaves(tree))
     return [float(np.asarray(s.addressable_data(0) if isinstance(s, jax.Array) else s)) for s in sums]
+
+
+_WORD = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+@jax.jit
+def _leaf_checksums(leaves):
+    out = []
+    for x in leaves:
+        x = jnp.asarray(x)
+        x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+        words = jax.lax.bitcast_convert_type(x, _WORD[x.dtype.itemsize]).astype(jnp.uint32).reshape(-1)
+        weights = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+        out.append(jnp.stack([jnp.sum(words, dtype=jnp.uint32),
+                              jnp.sum(words * weights, dtype=jnp.uint32)]))
+    return out
+
+
+def checksums(tree: Any) -> list[list[int]]:
+    """Per leaf [plain, position-weighted] sums of its bits as uint32 words, modulo 2**32: exact
+    (any changed word changes the plain sum) and the same for any sharding (module doc)."""
+    sums = _leaf_checksums(jax.tree.leaves(tree))
+    return [[int(v) for v in np.asarray(s.addressable_data(0) if isinstance(s, jax.Array) else s)]
+            for s in sums]
+
+
+def meta_checksum(meta: dict[str, Any]) -> str:
+    """SHA-256 of the meta's JSON without its own checksum field (keys sorted)."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+ITEM_NAMES = {"params": "parameters", "opt_state": "optimizer state", "rng": "RNG state"}
 
 
 class Checkpointer:
@@ -88,26 +149,78 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._pending: int | None = None      # the step whose asynchronous write is in flight
+        self._quiet = _QuietOrbaxThreads()
+        logging.getLogger("absl").addFilter(self._quiet)
+        self._remove_partial_writes()         # left by a process killed in the middle of a save
 
     # ------------------------------------------------------------------ save
     def should_save(self, step: int, last_step: int) -> bool:
         return step == last_step or (self.every > 0 and step % self.every == 0)
 
     def save(self, step: int, state: Any, meta: dict[str, Any], params_key: str = "params") -> None:
-        """`state` is a dict of pytrees; the fingerprint covers `state[params_key]`."""
+        """`state` is a dict of pytrees (params, opt_state, rng); each item's leaves get exact
+        checksums, and the meta its own (module doc). A refused write of this step or of the
+        one still in flight raises CheckpointWriteError."""
         leaves = jax.tree.leaves(state)
         arrays = {_leaf_key(i): leaf for i, leaf in enumerate(leaves)}
-        full_meta = dict(meta, step=int(step), leaf_paths=tree_paths(state),
-                         params_fingerprint=fingerprint(state[params_key]))
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(full_meta)), force=True)
+        full_meta = json.loads(json.dumps(dict(
+            meta, step=int(step), leaf_paths=tree_paths(state),
+            checksums={key: checksums(item) for key, item in state.items()})))
+        full_meta["meta_sha256"] = meta_checksum(full_meta)
+        self.wait()                  # a failure of the write in flight names its own step
+        self._pending = int(step)
+        with self._write_errors():
+            self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(full_meta)), force=True)
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with self._write_errors():
+            self._manager.wait_until_finished()
+        self._pending = None
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+            logging.getLogger("absl").removeFilter(self._quiet)
+
+    @contextlib.contextmanager
+    def _write_errors(self):
+        """A refused write becomes one CheckpointWriteError, the half-written folder of the
+        failed step is removed, and the newest whole step is named."""
+        try:
+            yield
+        except Exception as err:
+            code = disk_errno(err)
+            if code is None:
+                raise
+            failed, self._pending = self._pending, None
+            self._remove_partial_writes()
+            whole = self.steps()
+            raise CheckpointWriteError(
+                f"checkpoint.dir {self.directory}: {DISK_ERRNOS[code]} ({errno.errorcode[code]}) "
+                f"while writing the checkpoint{f' of step {failed}' if failed is not None else ''}; "
+                f"the last whole checkpoint is {f'step {whole[-1]}' if whole else 'none'}. Free "
+                "space or point checkpoint.dir at a writable disk, then continue with --resume") \
+                from err
+
+    def _remove_partial_writes(self) -> None:
+        """Orbax's temporary step folders (`<step>.orbax-checkpoint-tmp*`): never committed,
+        never resumable, only in the way of the space a later save needs."""
+        if jax.process_index() != 0 or not self.directory.is_dir():
+            return
+        for path in self.directory.glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+    def newest_whole(self) -> str:
+        """"step N" for the newest committed checkpoint once writes in flight have finished (a
+        step still being written, or one whose write failed, is no last good checkpoint), or
+        "none"."""
+        self.wait()
+        steps = self.steps()
+        return f"step {steps[-1]}" if steps else "none"
 
     # ------------------------------------------------------------------ restore
     def steps(self) -> list[int]:
@@ -130,11 +243,28 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract))).state
         restored = jax.tree.unflatten(jax.tree.structure(template),
                                       [arrays[_leaf_key(i)] for i in range(len(leaves))])
-        got = fingerprint(restored[params_key])
-        want = meta["params_fingerprint"]
-        if not all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5) for a, b in zip(got, want)):
-            raise ValueError(f"parameter fingerprint mismatch after restoring step {step}")
+        self._verify(step, restored, meta, params_key)
         return Restored(step=step, state=restored, meta=meta)
+
+    @staticmethod
+    def _verify(step: int, restored: dict[str, Any], meta: dict[str, Any], params_key: str) -> None:
+        """Every item against its checksums, the meta against its own; ValueError naming the
+        item (restore_latest then falls back to the previous step)."""
+        if "checksums" not in meta:   # written before the exact checksums: parameters only
+            got, want = fingerprint(restored[params_key]), meta["params_fingerprint"]
+            if not all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5) for a, b in zip(got, want)):
+                raise ValueError(f"the parameters of step {step} do not match their fingerprint")
+            return
+        if meta.get("meta_sha256") != meta_checksum(meta):
+            raise ValueError(f"the meta of step {step} (data position, objective and guard "
+                             "state) does not match its checksum")
+        for key, item in restored.items():
+            got, want = checksums(item), meta["checksums"].get(key)
+            if got != want:
+                bad = next((i for i, (a, b) in enumerate(zip(got, want or [])) if a != b), 0)
+                path = tree_paths(item)[bad] if got else ""
+                raise ValueError(f"the {ITEM_NAMES.get(key, key)} of step {step} do not match "
+                                 f"their checksums (first at {key}{path})")
 
     def restore_latest(self, template: Any, params_key: str = "params") -> Restored | None:
         """The newest readable checkpoint, or None when there is none at all.

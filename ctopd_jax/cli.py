@@ -40,6 +40,7 @@ USER_ERRORS: tuple[tuple[str, str], ...] = (
     ("ctopd_jax.tokenization.side", "TokenizerLoadError"),
     ("ctopd_jax.tokenization.overlap", "NoOverlapError"),
     ("ctopd_jax.checkpoint", "CheckpointError"),
+    ("ctopd_jax.run_dir", "RunDirError"),
     ("ctopd_jax.models.weights", "CheckpointError"),
     ("ctopd_jax.models.config", "ModelConfigError"),
     ("ctopd_jax.build", "TrainerSetupError"),

@@ -9,6 +9,8 @@ naming the field or file and the fix) for the first problem in this order:
 1. the config values themselves (`config.validate`), the algorithm name (registered in
    `ctopd_jax.algorithms.registry()`), vLLM present when `rollout.engine=vllm`;
 2. the mesh against the device count (with the XLA_FLAGS hint on CPU);
+   the output folders: `output_dir` and `checkpoint.dir` are folders (or can be created) on a
+   writable file system, and no live run holds `output_dir` (`run_dir`);
 3. the checkpoint directory: checkpoints present without `--resume`; `--resume` with none, or
    with none whose meta is readable; the saved config against the new one
    (`resume_config.check_resume_config`, `--allow-config-change`);
@@ -20,7 +22,9 @@ naming the field or file and the fix) for the first problem in this order:
    against its tokenizer, the shared vocabulary V∩ non-empty, and the objective's own check
    against the pair (`algorithm.ctkd_topk <= |V∩|` for top-k objectives);
 7. at least one prompt fits `rollout.max_prompt_len` once rendered with the student's chat
-   template.
+   template, and the longest one that fits plus `rollout.generate_max_len` stays within the
+   student's `max_position_embeddings`; every rendered prompt encodes on both sides without
+   the unknown token (a tokenizer without byte fallback meeting a character it lacks).
 
 Decisions: vLLM is checked with `importlib.util.find_spec` (importing it takes tens of seconds;
 a broken install still fails at engine start with its own message). The demo prompt file
@@ -90,6 +94,18 @@ def checkpoint_metas(directory: Path) -> list[tuple[int, dict | None]]:
         except (OSError, ValueError):
             out.append((step, None))
     return out
+
+
+def _check_output_dirs(config: TrainConfig) -> None:
+    from ctopd_jax.run_dir import RunDirError, check_not_in_use, check_writable
+
+    try:
+        check_writable(config.output_dir, "output_dir")
+        if config.checkpoint.dir:
+            check_writable(config.checkpoint.dir, "checkpoint.dir")
+        check_not_in_use(config.output_dir)
+    except RunDirError as err:
+        raise _fail(str(err)) from None
 
 
 def _check_checkpoint_state(config: TrainConfig, resume: bool, allow_change: bool):
@@ -350,18 +366,54 @@ def _check_pair(config: TrainConfig, dirs, cfgs):
     return sides, overlap
 
 
-def _check_prompt_lengths(config: TrainConfig, prompts, student, data_path: Path) -> None:
-    """At least one prompt must fit rollout.max_prompt_len once rendered (the trainer drops the
-    longer ones with a warning; with none left there is nothing to train on)."""
+def _model_cfg(config: TrainConfig, role: str, cfg):
+    """The ModelConfig of model.<role>: its config.json (read by _check_model) or its preset."""
+    from ctopd_jax.models import PRESETS
+
+    return cfg if cfg is not None else PRESETS[getattr(config.model, role).split(":", 1)[-1]]()
+
+
+def _encode_prompts(side, prompts, role: str, field_name: str):
+    """Every prompt rendered with `side`'s template and encoded; a prompt holding text the
+    tokenizer can only map to its unknown token (no byte fallback) is refused, naming the row
+    and the characters: the teacher would score, and the aligner compare, other text."""
     from ctopd_jax.host import render
 
-    limit = config.rollout.max_prompt_len
-    encoded = student.tokenizer.encode_batch([render(student, p) for p in prompts],
-                                             add_special_tokens=False)
-    shortest = min(len(e.ids) for e in encoded)
-    if shortest > limit:
+    texts = [render(side, p) for p in prompts]
+    encoded = side.tokenizer.encode_batch(texts, add_special_tokens=False)
+    unk = side.special_token_strings.get("unk_token")
+    unk_id = side.tokenizer.token_to_id(unk) if unk else None
+    if unk_id is not None:
+        for prompt, text, enc in zip(prompts, texts, encoded):
+            spans = [enc.offsets[i] for i, t in enumerate(enc.ids) if t == unk_id]
+            lost = [text[a:b] for a, b in spans if text[a:b] != unk]
+            if lost:
+                raise _fail(f"{prompt.source}: the {role} tokenizer ({field_name}) cannot encode "
+                            f"{lost[0]!r} (it becomes {unk!r}); use a tokenizer with byte "
+                            "fallback, or remove those characters from the data")
+    return encoded
+
+
+def _check_prompt_lengths(config: TrainConfig, prompts, sides, cfgs, data_path: Path) -> None:
+    """At least one prompt must fit rollout.max_prompt_len once rendered (the trainer drops the
+    longer ones with a warning; with none left there is nothing to train on); the longest kept
+    one plus rollout.generate_max_len must fit the student's positions (the engine refuses it
+    at the first rollout otherwise); no prompt may lose text to either tokenizer."""
+    _encode_prompts(sides["teacher"], prompts, "teacher", "model.teacher_tokenizer")
+    encoded = _encode_prompts(sides["student"], prompts, "student", "model.student_tokenizer")
+    limit, new = config.rollout.max_prompt_len, config.rollout.generate_max_len
+    kept = [len(e.ids) for e in encoded if len(e.ids) <= limit]
+    if not kept:
         raise _fail(f"rollout.max_prompt_len: {limit} student tokens, but the shortest rendered "
-                    f"prompt of {data_path} has {shortest}; raise rollout.max_prompt_len")
+                    f"prompt of {data_path} has {min(len(e.ids) for e in encoded)}; raise "
+                    "rollout.max_prompt_len")
+    positions = _model_cfg(config, "student", cfgs["student"]).max_position_embeddings
+    if max(kept) + new > positions:
+        raise _fail(f"rollout.generate_max_len: {new} new tokens after the longest kept prompt "
+                    f"of {data_path} ({max(kept)} student tokens) need {max(kept) + new} "
+                    f"positions, over the student's max_position_embeddings {positions}; lower "
+                    f"rollout.generate_max_len to <= {positions - max(kept)} or "
+                    "rollout.max_prompt_len")
 
 
 def _check_judge_context(config: TrainConfig, teacher_side, teacher_cfg) -> None:
@@ -369,13 +421,11 @@ def _check_judge_context(config: TrainConfig, teacher_side, teacher_cfg) -> None
     longest judge call must fit the teacher's positions."""
     from ctopd_jax.algorithms import get_objective
     from ctopd_jax.build import context_room
-    from ctopd_jax.models import PRESETS
 
     objective = get_objective(config.algorithm)
     if not getattr(objective, "needs_teacher_engine", False):
         return
-    if teacher_cfg is None:  # a preset (a directory's config.json was read by _check_model)
-        teacher_cfg = PRESETS[config.model.teacher.split(":", 1)[-1]]()
+    teacher_cfg = _model_cfg(config, "teacher", teacher_cfg)
     rollout = config.rollout
     longest = (rollout.max_prompt_len + context_room(objective, rollout, teacher_side)
                + rollout.generate_max_len)
@@ -395,13 +445,14 @@ def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change:
         raise _fail(str(err)) from None
     _check_algorithm(config)
     mesh_shape = _check_mesh(config, device_count)
+    _check_output_dirs(config)
     ck_dir, steps, changes, where = _check_checkpoint_state(config, resume, allow_config_change)
     data_path, prompts = _check_data(config)
     dirs, cfgs = {}, {}
     for role in ("student", "teacher"):
         dirs[role], cfgs[role] = _check_model(getattr(config.model, role), role)
     sides, overlap = _check_pair(config, dirs, cfgs)
-    _check_prompt_lengths(config, prompts, sides["student"], data_path)
+    _check_prompt_lengths(config, prompts, sides, cfgs, data_path)
     _check_judge_context(config, sides["teacher"], cfgs["teacher"])
     return Preflight(config=config, prompts=prompts, data_path=data_path,
                      student_tokenizer=sides["student"], teacher_tokenizer=sides["teacher"],

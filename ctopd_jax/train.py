@@ -9,8 +9,12 @@ mesh against the devices, checkpoint headers, the checkpoint directory and --res
 then load the models and train. Outputs go to `output_dir`: metrics.jsonl, checkpoints/,
 hf_student/, plots/, config.json (and config_changes.jsonl when a resume changed the config).
 
-Exit status: 0 done; 2 bad input (one line naming the field or file and the fix; --debug
-shows the traceback); 3 training diverged (the message names the step, the values and the last
+One run per output folder: the run holds `<output_dir>/.run.lock` (pid and host); a second
+run on the folder is refused in one line, a lock left by a killed run is taken over with a
+warning.
+
+Exit status: 0 done; 2 bad input, or an output folder that refuses writes (no space, read-only:
+one line naming the field or file and the fix; --debug shows the traceback); 3 training diverged (the message names the step, the values and the last
 good checkpoint); 143 / 130 stopped by SIGTERM / SIGINT after checkpointing the step in flight
 (continue with --resume; a second signal exits at once).
 
@@ -21,6 +25,7 @@ devices for --mesh: XLA_FLAGS=--xla_force_host_platform_device_count=N.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import sys
@@ -68,6 +73,21 @@ def _main(argv: list[str]) -> int:
     pre = preflight(config, resume=args.resume, allow_config_change=args.allow_config_change,
                     device_count=jax.device_count())
     writer = jax.process_index() == 0
+    from ctopd_jax.run_dir import RunLock, write_error
+
+    # one run per output folder: the writing process holds <output_dir>/.run.lock throughout
+    try:
+        with RunLock(config.output_dir) if writer else contextlib.nullcontext():
+            return _train(config, pre, args, writer)
+    except OSError as err:   # a refused write (no space, read-only, permission): one line
+        line = write_error(err, {"output_dir": config.output_dir,
+                                 "checkpoint.dir": pre.checkpoint_dir})
+        if line is None:
+            raise
+        raise line from err
+
+
+def _train(config, pre, args, writer: bool) -> int:
     if pre.config_changes and writer:
         from ctopd_jax.resume_config import record_config_changes
 

@@ -262,7 +262,6 @@ class Trainer:
             f"resumed from step {start} ({ck_dir})" if start else
             f"overlap: {json.dumps(self.overlap.summary())}"))
         record: dict[str, Any] = {}
-        saved = start
         try:
             for step in range(start + 1, c.steps + 1):
                 timer = StepTimer()
@@ -271,13 +270,12 @@ class Trainer:
                 if reason:
                     logger.log(step, metrics, samples)  # the failing step's values are kept
                     raise TrainingDiverged(f"{reason}. Last good checkpoint: "
-                                           f"{'step ' + str(saved) if saved else 'none'} in {ck_dir}")
+                                           f"{checkpointer.newest_whole()} in {ck_dir}")
                 stopping = stop is not None and stop.requested_everywhere()
                 if c.checkpoint.save and (checkpointer.should_save(step, c.steps) or stopping):
                     with timer("checkpoint"):
                         checkpointer.save(step, self._state(), self._checkpoint_meta())
                         build.write_adapter(self.student, c, self.run_dir, self.is_writer)  # LoRA only
-                    saved = step
                 metrics.update(timer.as_metrics())
                 if step % lg.log_every == 0 or step == c.steps or stopping:
                     record = logger.log(step, metrics, samples)
