@@ -4,8 +4,9 @@ A command's inner `main(argv) -> int` raises; `run(inner, argv, prog)` turns a k
 (a bad config value, data row, tokenizer, mesh, checkpoint, missing file ...) into ONE line on
 stderr, `prog: error: <message>`, and exit status 2, with no traceback. `--debug` (or
 CTOPD_DEBUG=1) re-raises it so the traceback shows. Anything else is a bug and keeps its
-traceback. Exit statuses: 0 done, 2 bad input, 3 training diverged, 130 / 143 stopped by
-SIGINT / SIGTERM (128 + the signal number, what shells report for a signal).
+traceback. Exit statuses: 0 done, 2 bad input (or a write the file system refused: no space,
+read-only, permission), 3 training diverged, 130 / 143 stopped by SIGINT / SIGTERM (128 + the
+signal number, what shells report for a signal).
 
 Error classes are matched by (module, name) and only when their module is already imported, so
 this module imports nothing heavy and a command never loads jax just to report a typo.
@@ -53,13 +54,17 @@ USER_ERRORS: tuple[tuple[str, str], ...] = (
     ("ctopd_jax.metrics", "MetricsError"),
     ("ctopd_jax.align", "ByteMismatchError"),
 )
-# Plain OS errors about a path the user gave (the message holds the path).
+# Plain OS errors about a path the user gave (the message holds the path), and any OSError of
+# a write the file system refused (run_dir.DISK_ERRNOS).
 OS_USER_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
 def is_user_error(err: BaseException) -> bool:
     if isinstance(err, OS_USER_ERRORS):
         return True
+    if isinstance(err, OSError):   # a refused write: no space, read-only file system, quota
+        from ctopd_jax.run_dir import disk_errno
+        return disk_errno(err) is not None
     for module, name in USER_ERRORS:
         cls = getattr(sys.modules.get(module), name, None)
         if isinstance(cls, type) and isinstance(err, cls):

@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import shutil
 import sys
 import time
 from collections import OrderedDict
@@ -206,17 +208,50 @@ def grade_file(path: str | Path, *, answer_fallbacks: bool = False,
     return _report(str(path), samples, k, {"grading": time.perf_counter() - start})
 
 
+REPORT_FILES = ("samples.jsonl", "per_problem.jsonl", "summary.json")
+
+
 def write_report(report: EvalReport, out_dir: str | Path) -> Path:
+    """The report files under `out_dir`, written in a temporary sibling folder first and then
+    moved into place: a write that fails (no space) leaves `out_dir` as it was."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "samples.jsonl").open("w", encoding="utf-8") as f:
-        for s in report.samples:
-            f.write(json.dumps(s, ensure_ascii=False) + "\n")
-    with (out / "per_problem.jsonl").open("w", encoding="utf-8") as f:
-        for row in report.per_problem:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    (out / "summary.json").write_text(json.dumps(report.summary(), indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        staging.mkdir()
+        texts = {"samples.jsonl": "".join(json.dumps(s, ensure_ascii=False) + "\n"
+                                          for s in report.samples),
+                 "per_problem.jsonl": "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                              for r in report.per_problem),
+                 "summary.json": json.dumps(report.summary(), indent=2) + "\n"}
+        for name, text in texts.items():
+            (staging / name).write_text(text, encoding="utf-8")
+        out.mkdir(exist_ok=True)
+        for name in REPORT_FILES:
+            os.replace(staging / name, out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def check_out(out: str | Path) -> None:
+    """Before any work: `--out` is a new or empty-of-reports folder we may write (a finished
+    evaluation is never lost to a target that cannot take it, nor replaces an earlier one)."""
+    from ctopd_jax.cli import UserError
+    from ctopd_jax.run_dir import RunDirError, check_writable
+
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: is a file; give a folder for {', '.join(REPORT_FILES)}")
+    held = [name for name in REPORT_FILES if (out / name).exists()]
+    if held:
+        raise UserError(f"--out {out}: already holds {held[0]} of an earlier evaluation; choose "
+                        "another folder or move those files away")
+    try:
+        check_writable(out, "--out")
+    except RunDirError as err:
+        raise UserError(str(err)) from None
 
 
 # ----------------------------------------------------------------------------- command line
@@ -260,6 +295,9 @@ def _print(report: EvalReport, out: str | None) -> None:
 def main(argv: Sequence[str] | None = None) -> EvalReport:
     """The command as a function: returns the report, raises on bad input (see `cli_main`)."""
     args = _parser().parse_args(argv)
+    if args.out:
+        args.out = str(Path(args.out).expanduser())
+        check_out(args.out)
     grader = MathGrader(timeout_s=args.timeout, workers=args.workers)
     try:
         if args.grade_only:

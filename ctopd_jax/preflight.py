@@ -97,13 +97,16 @@ def checkpoint_metas(directory: Path) -> list[tuple[int, dict | None]]:
 
 
 def _check_output_dirs(config: TrainConfig) -> None:
+    import jax
+
     from ctopd_jax.run_dir import RunDirError, check_not_in_use, check_writable
 
     try:
         check_writable(config.output_dir, "output_dir")
         if config.checkpoint.dir:
             check_writable(config.checkpoint.dir, "checkpoint.dir")
-        check_not_in_use(config.output_dir)
+        if jax.process_index() == 0:   # the lock's owner; the others would see process 0's lock
+            check_not_in_use(config.output_dir)
     except RunDirError as err:
         raise _fail(str(err)) from None
 

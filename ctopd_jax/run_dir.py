@@ -70,8 +70,8 @@ def check_writable(path: str | Path, field: str) -> None:
         raise RunDirError(f"{field} {path}: {existing} is a file, not a folder; choose another "
                           f"{field} (or move the file away)")
     if os.statvfs(existing).f_flag & os.ST_RDONLY:
-        raise RunDirError(f"{field} {path}: {existing} is on a read-only file system; choose "
-                          f"a {field} on a writable disk")
+        raise RunDirError(f"{field} {path}: {existing} is on a read-only file system; point "
+                          f"{field} at a writable disk")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise RunDirError(f"{field} {path}: permission denied to write in {existing}; choose a "
                           f"{field} you may write, or fix its permissions")

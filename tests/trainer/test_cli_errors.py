@@ -123,7 +123,80 @@ def yaml_nan(tmp, run):
     return ["--config", str(cfg)]
 
 
+def yaml_variant(tmp, text_edit):
+    cfg = tmp / "variant.yaml"
+    cfg.write_text(text_edit(Path(TINY).read_text()))
+    return ["--config", str(cfg)]
+
+
+def duplicated_section(tmp, run):   # a second `optimizer:` would silently replace the first
+    return yaml_variant(tmp, lambda t: t + "optimizer:\n  lr: 5.0e-3\n")
+
+
+def non_string_key(tmp, run):
+    return yaml_variant(tmp, lambda t: t.replace("rollout:\n", "rollout:\n  3: 4\n"))
+
+
+def without_algorithm_section(tmp, run):
+    """The default objective's own section: preflight runs its pair check (which crashed on the
+    base section) and reaches the prompt-length check after it."""
+    text = Path(TINY).read_text()
+    start, end = text.index("algorithm:"), text.index("optimizer:")
+    return yaml_variant(tmp, lambda t: t[:start] + t[end:]) + ["--set", "rollout.max_prompt_len=3"]
+
+
+def output_dir_is_file(tmp, run):
+    (tmp / "a_file").write_text("keep me")
+    return ["--set", f"output_dir={tmp / 'a_file'}"]
+
+
+def output_parent_is_file(tmp, run):
+    (tmp / "a_file").write_text("keep me")
+    return ["--set", f"output_dir={tmp / 'a_file' / 'run'}"]
+
+
+def checkpoint_dir_is_file(tmp, run):
+    (tmp / "a_file").write_text("keep me")
+    return ["--set", f"checkpoint.dir={tmp / 'a_file'}"]
+
+
+def live_lock(tmp, run):   # another run (this test process, alive) holds the folder
+    import os
+    import socket
+    run.mkdir()
+    (run / ".run.lock").write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(),
+                                               "started": "2026-01-01T00:00:00"}))
+    return []
+
+
+def unencodable_prompt(tmp, run):
+    """The student tokenizer without byte fallback: '€' can only become <unk>."""
+    tok = tmp / "tok"
+    tok.mkdir()
+    shutil.copy(DEMO_STUDENT / "tokenizer_config.json", tok)
+    spec = json.loads((DEMO_STUDENT / "tokenizer.json").read_text())
+    spec["model"]["byte_fallback"] = False
+    (tok / "tokenizer.json").write_text(json.dumps(spec))
+    data = tmp / "euro.jsonl"
+    data.write_text('{"prompt": "What is 1 + 1?"}\n{"prompt": "What is 3 € + 2?"}\n')
+    return ["--set", f"model.student_tokenizer={tok}", "--set", f"data.path={data}"]
+
+
 TRAIN_CASES = [
+    # second round (issue 26): YAML, ranges, late checks, output folders, one run per folder
+    ("duplicated_section", duplicated_section, "key 'optimizer' appears twice"),
+    ("non_string_key", non_string_key, "rollout: key 3 is not a name"),
+    ("no_algorithm_section", without_algorithm_section, "rollout.max_prompt_len"),
+    ("data_seed_negative", lambda t, r: ["--set", "data.seed=-1"], "data.seed"),
+    ("eval_every_negative", lambda t, r: ["--set", "evaluation.every=-1"], "evaluation.every"),
+    ("output_dir_empty", lambda t, r: ["--set", "output_dir="], "output_dir: is empty"),
+    ("output_dir_is_file", output_dir_is_file, "is a file, not a folder"),
+    ("output_parent_is_file", output_parent_is_file, "output_dir"),
+    ("checkpoint_dir_is_file", checkpoint_dir_is_file, "checkpoint.dir"),
+    ("output_dir_in_use", live_lock, "is in use by another run"),
+    ("beyond_positions", lambda t, r: ["--set", "rollout.generate_max_len=100000"],
+     "rollout.generate_max_len"),
+    ("unencodable_prompt", unencodable_prompt, "euro.jsonl:2: the student tokenizer"),
     # point 1: numbers
     ("lr_inf", lambda t, r: ["--set", "optimizer.lr=.inf"], "optimizer.lr"),
     ("lr_nan_in_yaml", yaml_nan, "optimizer.lr"),
@@ -181,6 +254,28 @@ def test_train_bad_input(tmp_path, capsys, name, setup, field):
     err = run_case(capsys, name, train.main, config + ["--set", f"output_dir={run}"] + extra,
                    tmp_path)
     assert err.startswith("python -m ctopd_jax.train: error:") and field in err
+    if (tmp_path / "a_file").exists():   # the file in the way is left as it was
+        assert (tmp_path / "a_file").read_text() == "keep me"
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only tmpfs (root may write anywhere else); skipped where mounting is not allowed."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("field", ["output_dir", "checkpoint.dir"])
+def test_train_read_only_output_folder(tmp_path, capsys, read_only_dir, field):
+    argv = ["--config", TINY, "--set", f"output_dir={tmp_path / 'run'}",
+            "--set", f"{field}={read_only_dir / 'x'}"]
+    err = run_case(capsys, f"read_only_{field}", train.main, argv, tmp_path)
+    assert f"{field} {read_only_dir / 'x'}" in err and "read-only file system" in err
 
 
 def test_train_pair_without_shared_token(tmp_path, capsys, monkeypatch):
@@ -249,6 +344,22 @@ def test_inspect_pair_and_demo_bad_input(tmp_path, capsys):
     assert "--config" in err
 
 
+def test_evaluate_out_onto_a_file_or_an_earlier_report_is_refused_before_work(tmp_path, capsys):
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text('{"problem": "1+1", "answer": "2", "response": "\\\\boxed{2}"}\n')
+    target = tmp_path / "report"
+    target.write_text("an earlier file")
+    err = run_case(capsys, "evaluate_out_file", evaluate.cli_main,
+                   ["--grade-only", str(samples), "--out", str(target)], tmp_path)
+    assert f"--out {target}: is a file" in err and target.read_text() == "an earlier file"
+    target.unlink()
+    target.mkdir()
+    (target / "summary.json").write_text("{}")
+    err = run_case(capsys, "evaluate_out_earlier", evaluate.cli_main,
+                   ["--grade-only", str(samples), "--out", str(target)], tmp_path)
+    assert "already holds summary.json" in err and (target / "summary.json").read_text() == "{}"
+
+
 def test_usage_errors_are_one_line(tmp_path, capsys):
     err = run_case(capsys, "train_no_config", train.main, [], tmp_path)
     assert "--config" in err and "--help" in err
@@ -260,6 +371,9 @@ def test_usage_errors_are_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("argv,field", [
     (["-m", "ctopd_jax.train", "--config", TINY, "--set", "optimizer.lr=.inf"], "optimizer.lr"),
     (["-m", "ctopd_jax.train", "--config", TINY, "--mesh", "data=two"], "mesh.data"),
+    (["-m", "ctopd_jax.train", "--config", TINY, "--set", "data.seed=-1"], "data.seed"),
+    (["-m", "ctopd_jax.plan", "--config", TINY, "--device", "h100", "--mfu", "0"], "--mfu"),
+    (["-m", "ctopd_jax.evaluate", "--grade-only", "none.jsonl", "--timeout", "0"], "--timeout"),
 ])
 def test_subprocess_exit_status_and_no_traceback(tmp_path, argv, field):
     env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(Path.home())}
