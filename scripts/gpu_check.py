@@ -5,21 +5,30 @@
 
 The driver runs the stages in order, each as `--stage NAME` in its own process with its own
 timeout (a hang or a crash in one stage costs only that stage), under an overall deadline of
-TOTAL_BUDGET_S (8 minutes on an H100/H200). A stage that fails, crashes or times out is
-recorded and the next one runs; the exit status is 1 if any stage did not end "ok" (2: bad arguments).
-CTOPD_GPU_CHECK_FAIL=<stage> makes that stage raise (how the test checks the recording).
-`--dry-run` runs every stage at tiny shapes on the CPU (Pallas in interpret mode) in under three
-minutes: the rehearsal of the real run (tests/test_gpu_check.py runs it in CI).
+TOTAL_BUDGET_S (8 minutes on a cold H200, the machine's start not included). A stage that
+fails, crashes or times out is recorded and the next one runs; the exit status is 1 if any
+stage did not end "ok" (2: bad arguments). CTOPD_GPU_CHECK_FAIL=<stage> makes that stage raise
+(how the test checks the recording). `--dry-run` runs every stage at tiny shapes on the CPU
+(Pallas in interpret mode): the rehearsal of the real run (tests/test_gpu_check.py runs it).
 
-Every stage writes $OUT/<stage>.json, and the driver $OUT/summary.json (8 files: what the lent
-machine's tool brings back). Schema (STAGE_SCHEMA, checked by tests/test_gpu_check.py):
+As it goes, a stage prints progress lines to stderr (`[stage  12.3 s] part ...`) and rewrites
+its JSON after each part (status "running", `part` naming the part in progress), so a stage
+killed at its limit still records how far it got: the driver keeps those results and sets
+status "timeout". Every jitted piece reports `compile_s` (XLA compile seconds of its first
+call, from jax.monitoring) and `run_s` (median of the later calls). All stages share one
+persistent compilation cache (--cache-dir).
+
+Every stage writes $OUT/<stage>.json and the driver $OUT/summary.json. Schema (STAGE_SCHEMA,
+checked by tests/test_gpu_check.py):
   stage     str    the stage's name
   status    str    "ok" | "failed" (an exception, or a check inside the stage failed)
                    | "timeout" (killed at its limit) | "crashed" (exited without a result)
+                   ("running" only while the stage runs)
   dry_run   bool   tiny CPU shapes
   seconds   float  wall time of the stage's process
   platform  str    jax's default backend ("gpu", "cpu"; "" if the stage never got that far)
-  results   dict   the stage's numbers; a part that could not run holds
+  part      str|null  the part in progress when the record was written (null: finished)
+  results   dict   the stage's numbers, one key per part; a part that could not run holds
                    {"status": "not available" | "failed", "error": "..."} and does not fail
                    the stage unless the stage's purpose is that part
   error     str|null  one line: what went wrong
@@ -29,19 +38,24 @@ summary.json: {"stages": {name: status}, "ok": bool, "seconds": float, "dry_run"
 Stages (results keys):
   env             jax version, devices, bytes_limit; copy_gbps (read + written bytes of an
                   elementwise pass over a large bf16 array), matmul_tflops (bf16 square product,
-                  random data); median of repeats after a warm-up
+                  random data)
+  e2e             `python -m ctopd_jax.train --config configs/gpu_e2e.yaml`: 3B student, 7B
+                  teacher, real tokenizers, random weights, JAX sampler, 3 iterations; per
+                  iteration rollout / teacher / student / sync / compile seconds, response
+                  tokens/s and coverage; the start-up phases; peak device memory beside
+                  ctopd_jax.plan's estimate for the same config
   strict_kernels  strict full and top-16 (rkl) at V_S 128,256, V_T 151,665, V∩ 109,567, 2,048 rows
-                  via kernels.api.strict_kd_sum: per implementation time, GB/s and its fraction of
-                  copy_gbps, and for pallas the value and gradient error against xla
-  attention       einsum vs blockwise (models/attention.py, if present) vs cuDNN
-                  (jax.nn.dot_product_attention): output and gradient error against the einsum
-                  in float32, time of forward + backward
+                  via kernels.api.strict_kd_sum: per implementation compile / run seconds, GB/s
+                  and its fraction of copy_gbps, and for pallas the value and gradient error
+                  against xla
+  attention       einsum vs blockwise (models/attention.py) vs cuDNN (jax.nn.dot_product_attention):
+                  output and gradient error against the einsum in float32, forward + backward
+  train_step      one Llama-3.2-3B student optimizer step (random weights, the paper configs'
+                  scan + full remat + mlp_chunk): tokens/s and MFU against the measured matmul rate
+  sampler         JaxSampler tokens/s (random 3B weights, random prompts)
   compile_memory  compile-only (no allocation) temp/argument/output bytes of teacher scoring,
                   the student step and a sampler prefill + decode step at the reference shapes,
                   against bytes_limit, with the planner's estimate beside the student step
-  train_step      one Llama-3.2-3B student optimizer step (random weights): tokens/s and MFU
-                  against the measured matmul rate
-  sampler         JaxSampler tokens/s (random 3B weights, random prompts)
   pallas_tests    pytest tests/kernels with CTOPD_PALLAS_INTERPRET=0 (compiled for the GPU)
 """
 from __future__ import annotations
@@ -52,36 +66,95 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOTAL_BUDGET_S = 480
-STAGES = {  # name -> timeout in seconds on the GPU (sums to TOTAL_BUDGET_S)
-    "env": 30, "strict_kernels": 70, "attention": 50, "compile_memory": 110,
-    "train_step": 80, "sampler": 60, "pallas_tests": 80,
+# name -> timeout in seconds on a cold H200 (sums to TOTAL_BUDGET_S). Cold: every stage
+# compiles from nothing (the shared cache only helps a rerun). e2e runs second so that the
+# headline result never starves behind a slow stage.
+STAGES = {
+    "env": 25, "e2e": 190, "strict_kernels": 60, "attention": 30, "train_step": 45,
+    "sampler": 35, "compile_memory": 55, "pallas_tests": 40,
 }
-# Dry run: about 2 minutes of CPU time in all; the limits leave room for a loaded CI machine.
-DRY_TIMEOUT_S, DRY_TOTAL_S = 300, 1500
+# Dry run: a few minutes of CPU time in all; the limits leave room for a loaded CI machine.
+DRY_TIMEOUT_S = int(os.environ.get("CTOPD_GPU_CHECK_DRY_TIMEOUT_S", "300"))  # per stage
+DRY_TOTAL_S = 1500
 FAIL_ENV = "CTOPD_GPU_CHECK_FAIL"  # a stage name: that stage raises (tests the recording)
+HANG_ENV = "CTOPD_GPU_CHECK_HANG"  # "<stage>/<part>": that part never ends (tests a kill)
 STATUSES = ("ok", "failed", "timeout", "crashed")
 STAGE_SCHEMA = {"stage": str, "status": str, "dry_run": bool, "seconds": float,
-                "platform": str, "results": dict, "error": (str, type(None)), "log_tail": str}
+                "platform": str, "part": (str, type(None)), "results": dict,
+                "error": (str, type(None)), "log_tail": str}
 V_S, V_T, V_SHARED, ROWS = 128_256, 151_665, 109_567, 2048
+E2E_CONFIG = ROOT / "configs" / "gpu_e2e.yaml"
+# The e2e stage's dry run: the same config at tiny shapes (tiny models and tokenizers).
+E2E_DRY_SETS = ("model.student=tiny_llama", "model.student_tokenizer=tiny_unigram",
+                "model.teacher=tiny_qwen2", "model.teacher_tokenizer=tiny_bpe",
+                "rollout.rollout_batch_size=4", "rollout.generate_max_len=16",
+                "optimizer.train_batch_size=4", "optimizer.micro_batch_size=2")
+E2E_KEYS = ("time_rollout", "time_align", "time_teacher", "time_student", "time_sync",
+            "time_compile", "time_total", "tokens_per_s", "student_response_tokens",
+            "response_length", "coverage_student", "coverage_teacher", "loss",
+            "peak_device_memory_bytes")
 
 
 # ----------------------------------------------------------------------------- helpers
-def _timed(fn, *args, repeat=5):
-    """Median seconds of fn(*args) (blocked on its outputs) after one warm-up call."""
+class Report:
+    """A stage's record while it runs: a progress line on stderr as each part starts and ends,
+    and the stage's JSON rewritten after each, so a kill leaves what was done and where."""
+
+    def __init__(self, stage: str, dry: bool, out: Path):
+        self.stage, self.dry, self.out = stage, dry, out
+        self.start = time.perf_counter()
+        self.results: dict = {}
+        self.platform = ""
+        self.current: str | None = None
+
+    def say(self, text: str) -> None:
+        print(f"[{self.stage} {time.perf_counter() - self.start:6.1f} s] {text}", file=sys.stderr,
+              flush=True)
+
+    def write(self, status: str = "running", error: str | None = None) -> None:
+        _record(self.out, stage=self.stage, status=status, dry_run=self.dry, platform=self.platform,
+                seconds=time.perf_counter() - self.start, part=self.current,
+                results=self.results, error=error)
+
+    def part(self, name: str, fn):
+        """Run one part (fn()), record its result (or its failure) under `name`; returns it."""
+        self.current = name
+        self.say(f"{name} ...")
+        self.write()
+        if os.environ.get(HANG_ENV) == f"{self.stage}/{name}":
+            time.sleep(1e6)
+        value = _try(fn)
+        self.results[name] = value
+        self.say(f"{name} {'failed' if _failed(value) else 'done'}")
+        self.current = None
+        self.write()
+        return value
+
+
+def _compile_run(fn, *args, repeat: int = 5) -> tuple[object, dict]:
+    """(output, {"compile_s", "first_call_s", "run_s"}) of calling `fn` (jitted) on `args`:
+    the XLA compile seconds and wall time of the first call, the median of `repeat` more."""
     import jax
-    jax.block_until_ready(fn(*args))
+    from ctopd_jax.metrics import compile_seconds
+    compiled_before = compile_seconds()
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    compile_s = compile_seconds() - compiled_before
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return out, {"compile_s": compile_s, "first_call_s": first,
+                 "run_s": statistics.median(times) if times else None}
 
 
 def _rel(a, b) -> float:
@@ -141,30 +214,114 @@ def _chunked_nll(hidden_flat, lm_head, rows, targets, chunk: int):
     return jnp.sum(out.reshape(-1)[:r])
 
 
+def _paper_options() -> dict:
+    """The student execution options of the paper configs (configs/single_gpu_full_workload.yaml)."""
+    return {"dtype": "bfloat16", "remat": True, "remat_policy": "full", "scan_layers": True,
+            "mlp_chunk": 1024}
+
+
 # ----------------------------------------------------------------------------- stages
-def stage_env(dry: bool, out: Path) -> dict:
+def stage_env(report: Report) -> None:
     import jax
     import jax.numpy as jnp
-    n = (1 << 20) if dry else (1 << 30)                # bf16 elements: 2 MB / 2 GB
-    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a + jnp.bfloat16(1))
-    seconds = _timed(copy, x, repeat=10)
-    m = 256 if dry else 8192
-    a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
-    mm = _timed(jax.jit(jnp.matmul), a, b, repeat=10)
-    import flax
-    return {"jax": jax.__version__, "flax": flax.__version__, "devices": [str(d) for d in jax.devices()],
-            "device_kind": jax.devices()[0].device_kind, "bytes_limit": _bytes_limit(),
-            "copy_gbps": 2 * n * 2 / seconds / 1e9, "copy_bytes": 2 * n * 2,
-            "matmul_tflops": 2 * m ** 3 / mm / 1e12, "matmul_n": m}
+    dry = report.dry
+
+    def versions():
+        import flax
+        return {"jax": jax.__version__, "flax": flax.__version__,
+                "devices": [str(d) for d in jax.devices()],
+                "device_kind": jax.devices()[0].device_kind, "bytes_limit": _bytes_limit()}
+
+    def copy():
+        n = (1 << 20) if dry else (1 << 30)                # bf16 elements: 2 MB / 2 GB
+        x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+        _, t = _compile_run(jax.jit(lambda a: a + jnp.bfloat16(1)), x, repeat=10)
+        return {**t, "bytes": 2 * n * 2, "gbps": 2 * n * 2 / t["run_s"] / 1e9}
+
+    def matmul():
+        m = 256 if dry else 8192
+        a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
+        b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
+        _, t = _compile_run(jax.jit(jnp.matmul), a, b, repeat=10)
+        return {**t, "n": m, "tflops": 2 * m ** 3 / t["run_s"] / 1e12}
+
+    report.part("versions", versions)
+    report.part("copy", copy)
+    report.part("matmul", matmul)
+    if _failed(*report.results.values()):
+        raise RuntimeError("an env measurement failed")
 
 
-def stage_strict_kernels(dry: bool, out: Path) -> dict:
+def _env_rate(out: Path, part: str, key: str):
+    value = _read(out, "env").get(part, {})
+    return value.get(key) if isinstance(value, dict) else None
+
+
+def stage_e2e(report: Report) -> None:
+    """The real trainer as a user runs it; its output streams through this stage's stderr."""
+    from ctopd_jax import plan
+    from ctopd_jax.config import load_config
+    from ctopd_jax.metrics import read_metrics
+    run_dir = Path(tempfile.mkdtemp(prefix="ctopd_gpu_check_e2e_")) / "run"  # never shared
+    sets = [f"output_dir={run_dir}", *(E2E_DRY_SETS if report.dry else ())]
+    config = load_config(str(E2E_CONFIG), sets)
+
+    def planner():
+        p = plan.make_plan(config, "h200", gpus=1)
+        return {"device": "h200", "total_bytes": sum(r.bytes for r in p.rows),
+                "rows": {r.item: r.bytes for r in p.rows}, "verdict": p.verdict}
+
+    def train():
+        cmd = [sys.executable, "-m", "ctopd_jax.train", "--config", str(E2E_CONFIG),
+               *[x for s in sets for x in ("--set", s)]]
+        report.say("$ " + " ".join(cmd[1:]))
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        began = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        startup, iterations = [], []
+        result = {"startup": startup, "iterations": iterations}
+        report.results["train"] = result          # written as it grows: a kill keeps it
+        def read_rows():
+            rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+            if len(rows) > len(iterations):
+                iterations[:] = [{k: r.get(k) for k in ("step", *E2E_KEYS)} for r in rows]
+                report.write()
+
+        for line in proc.stdout:
+            print(line, end="", file=sys.stderr, flush=True)
+            if line.startswith("[start-up"):
+                seconds, phase = line[len("[start-up"):].split("s]", 1)
+                startup.append({"phase": phase.strip(), "at_s": float(seconds)})
+                report.write()
+            else:
+                read_rows()
+        result["returncode"] = proc.wait()
+        read_rows()
+        result["wall_s"] = time.perf_counter() - began
+        if result["returncode"] != 0:
+            raise RuntimeError(f"ctopd_jax.train exited {result['returncode']}")
+        return result
+
+    estimate = report.part("planner", planner)
+    result = report.part("train", train)
+    if _failed(result, estimate):
+        raise RuntimeError("the e2e run failed (see results)")
+    rows = result["iterations"]
+    if len(rows) != config.steps:
+        raise RuntimeError(f"{len(rows)} of {config.steps} iterations logged")
+    peak = max((r.get("peak_device_memory_bytes") or 0 for r in rows), default=0)
+    report.results["memory"] = {
+        "peak_device_memory_bytes": peak or None, "planner_total_bytes": estimate["total_bytes"],
+        "measured_over_planned": peak / estimate["total_bytes"] if peak else None}
+
+
+def stage_strict_kernels(report: Report) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
     from ctopd_jax.kernels import api
+    dry = report.dry
     vs, vt, vx, rows = (500, 600, 400, 32) if dry else (V_S, V_T, V_SHARED, ROWS)
     rng = np.random.default_rng(0)
     s_ids = jnp.asarray(rng.permutation(vs)[:vx].astype(np.int32))
@@ -172,69 +329,47 @@ def stage_strict_kernels(dry: bool, out: Path) -> dict:
     zs = jnp.asarray(rng.standard_normal((rows, vs), np.float32) * 3)
     zt = jnp.asarray(rng.standard_normal((rows, vt), np.float32) * 3)
     weight = jnp.ones((rows,), jnp.float32)
-    copy_gbps = _read(out, "env").get("copy_gbps")
+    copy_gbps = _env_rate(report.out, "copy", "gbps")
     moved = 4 * rows * (2 * vs + vt)                    # read both logits, write the gradient
-    results = {"shape": {"rows": rows, "V_S": vs, "V_T": vt, "V_shared": vx}}
+    report.results["shape"] = {"rows": rows, "V_S": vs, "V_T": vt, "V_shared": vx}
     for label, topk in (("full", None), ("top16", 16)):
         outs = {}
         for impl in ("xla", "pallas"):
-            def loss(zs, zt, impl=impl):
+            def loss(zs, zt, impl=impl, topk=topk):
                 return api.strict_kd_sum(zs, zt, s_ids, weight, divergence="rkl", topk=topk,
                                          implementation=impl, chunk_rows=min(2048, rows),
                                          t_ids=t_ids, interpret=True if dry else False)
 
-            def run(loss=loss):
-                fn = jax.jit(jax.value_and_grad(loss))
-                value, grad = fn(zs, zt)
-                seconds = _timed(fn, zs, zt, repeat=1 if dry else 5)
+            def run(loss=loss, impl=impl):
+                (value, grad), t = _compile_run(jax.jit(jax.value_and_grad(loss)), zs, zt,
+                                                repeat=1 if dry else 3)
                 outs[impl] = (value, grad)
-                gbps = moved / seconds / 1e9
-                return {"seconds": seconds, "gbps": gbps, "value": float(value),
-                        "fraction_of_copy": gbps / copy_gbps if copy_gbps else None}
-            results[f"{label}/{impl}"] = _try(run)
-        if "xla" in outs and "pallas" in outs:
-            results[f"{label}/pallas"].update(
-                value_rel_error=_rel(outs["pallas"][0], outs["xla"][0]),
-                grad_rel_error=_rel(outs["pallas"][1], outs["xla"][1]))
-    if _failed(*results.values()):
+                gbps = moved / t["run_s"] / 1e9
+                res = {**t, "gbps": gbps, "value": float(value), "copy_gbps": copy_gbps,
+                       "fraction_of_copy": gbps / copy_gbps if copy_gbps else None}
+                if impl == "pallas" and "xla" in outs:
+                    res.update(value_rel_error=_rel(value, outs["xla"][0]),
+                               grad_rel_error=_rel(grad, outs["xla"][1]))
+                return res
+            report.part(f"{label}/{impl}", run)
+    if _failed(*report.results.values()):
         raise RuntimeError("a strict kernel path failed: " + ", ".join(
-            k for k, v in results.items() if _failed(v)))
-    return results
+            k for k, v in report.results.items() if _failed(v)))
 
 
 def _attention_functions():
     """name -> fn(q, k, v) causal GQA attention, or a 'not available' reason."""
     import jax
     import jax.numpy as jnp
-    fns, missing = {}, {}
-    try:
-        from ctopd_jax.models import attention as attn_mod
-    except ImportError as err:
-        attn_mod = None
-        missing["blockwise"] = f"ctopd_jax.models.attention: {err}"
-    mask_cls = getattr(attn_mod, "AttentionMask", None)
+    from ctopd_jax.models.attention import AttentionMask, attend_blockwise, attend_einsum
 
     def mask_for(q):
         b, t = q.shape[:2]
-        return mask_cls(jnp.arange(t, dtype=jnp.int32), jnp.ones((b, t), bool))
+        return AttentionMask(jnp.arange(t, dtype=jnp.int32), jnp.ones((b, t), bool))
 
-    einsum = getattr(attn_mod, "attend_einsum", None)
-    if einsum is not None and mask_cls is not None:
-        fns["einsum"] = lambda q, k, v: einsum(q, k, v, mask_for(q))
-    else:
-        from ctopd_jax.models import decoder
-        old = getattr(decoder, "attend", None)
-
-        def dense(q, k, v):
-            t = q.shape[1]
-            mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (q.shape[0], t, t))
-            return old(q, k, v, mask)
-        fns["einsum"] = dense
-    blockwise = getattr(attn_mod, "attend_blockwise", None)
-    if blockwise is not None and mask_cls is not None:
-        fns["blockwise"] = lambda q, k, v: blockwise(q, k, v, mask_for(q))
-    else:
-        missing.setdefault("blockwise", "models/attention.py has no attend_blockwise")
+    fns = {"einsum": lambda q, k, v: attend_einsum(q, k, v, mask_for(q)),
+           "blockwise": lambda q, k, v: attend_blockwise(q, k, v, mask_for(q))}
+    missing = {}
     if jax.default_backend() == "gpu":
         fns["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation="cudnn")
@@ -243,47 +378,41 @@ def _attention_functions():
     return fns, missing
 
 
-def stage_attention(dry: bool, out: Path) -> dict:
+def stage_attention(report: Report) -> None:
     import jax
     import jax.numpy as jnp
-    b, t, nq, nkv, d = (1, 256, 4, 2, 32) if dry else (1, 4096, 24, 8, 128)
+    b, t, nq, nkv, d = (1, 256, 4, 2, 32) if report.dry else (1, 4096, 24, 8, 128)
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (b, t, nq, d), jnp.float32)
     k = jax.random.normal(keys[1], (b, t, nkv, d), jnp.float32)
     v = jax.random.normal(keys[2], (b, t, nkv, d), jnp.float32)
     cot = jax.random.normal(keys[3], (b, t, nq, d), jnp.float32)
     fns, missing = _attention_functions()
-    results = {"shape": {"batch": b, "seq": t, "q_heads": nq, "kv_heads": nkv, "head_dim": d}}
-    ref_out = ref_grad = None
+    report.results["shape"] = {"batch": b, "seq": t, "q_heads": nq, "kv_heads": nkv, "head_dim": d}
+    reference = {}
     for name in ("einsum", "blockwise", "cudnn"):
         if name not in fns:
-            results[name] = {"status": "not available", "error": missing.get(name, "")}
+            report.results[name] = {"status": "not available", "error": missing.get(name, "")}
             continue
-        fn = fns[name]
         dtype = jnp.float32 if name == "einsum" else jnp.bfloat16
 
-        def run(fn=fn, dtype=dtype, name=name):
-            nonlocal ref_out, ref_grad
-
+        def run(fn=fns[name], dtype=dtype, name=name):
             def fwd_bwd(q, k, v):
                 o, vjp = jax.vjp(fn, q, k, v)
                 return o, vjp(cot.astype(o.dtype))
-            step = jax.jit(fwd_bwd)
-            args = [x.astype(dtype) for x in (q, k, v)]
-            o, grads = step(*args)
-            seconds = _timed(step, *args, repeat=1 if dry else 10)
-            res = {"dtype": jnp.dtype(dtype).name, "seconds_fwd_bwd": seconds}
+            (o, grads), t = _compile_run(jax.jit(fwd_bwd), *[x.astype(dtype) for x in (q, k, v)],
+                                         repeat=1 if report.dry else 10)
+            res = {**t, "dtype": jnp.dtype(dtype).name}
             if name == "einsum":
-                ref_out, ref_grad = o, grads
-            elif ref_out is not None:
-                res["out_rel_error"] = _rel(o.astype(jnp.float32), ref_out)
-                res["dq_rel_error"] = _rel(grads[0].astype(jnp.float32), ref_grad[0])
+                reference.update(out=o, dq=grads[0])
+            elif reference:
+                res["out_rel_error"] = _rel(o.astype(jnp.float32), reference["out"])
+                res["dq_rel_error"] = _rel(grads[0].astype(jnp.float32), reference["dq"])
             return res
-        results[name] = _try(run)
-    if _failed(*results.values()):  # "not available" is not a failure
+        report.part(name, run)
+    if _failed(*report.results.values()):  # "not available" is not a failure
         raise RuntimeError("an attention path failed: " + ", ".join(
-            k for k, v in results.items() if _failed(v)))
-    return results
+            k for k, v in report.results.items() if _failed(v)))
 
 
 def _abstract_model(cfg):
@@ -301,38 +430,44 @@ def _memory(compiled, limit) -> dict:
     return res
 
 
-def stage_compile_memory(dry: bool, out: Path) -> dict:
+def _compile_only(lowered, limit) -> dict:
+    from ctopd_jax.metrics import compile_seconds
+    before = compile_seconds()
+    res = _memory(lowered.compile(), limit)
+    res["compile_s"] = compile_seconds() - before
+    return res
+
+
+def stage_compile_memory(report: Report) -> None:
     import jax
     import jax.numpy as jnp
     from flax import nnx
     from ctopd_jax import plan
     from ctopd_jax.models import PRESETS
     limit = _bytes_limit()
-    if dry:
+    if report.dry:
         s_name, t_name, batch, seq, chunk, slots, prompt = "tiny_llama", "tiny_qwen2", 2, 128, 64, 4, 32
     else:  # the reference workload, one GPU's share of micro_batch_size 16 over 8 GPUs;
         # 2,048 + 8,192 tokens (the EOS of a full-length response would make it 10,241; a
         # multiple of 128 keeps the attention kernels' tiling out of the question)
         s_name, t_name, batch, seq, chunk, slots, prompt = ("llama3_2_3b", "qwen2_5_7b", 2,
                                                             10_240, 2048, 64, 2048)
-    common = {"dtype": "bfloat16", "remat": True}
-    s_cfg = PRESETS[s_name](param_dtype="float32", **common)
-    t_cfg = PRESETS[t_name](param_dtype="bfloat16", **common)
+    options = _paper_options()
+    s_cfg = PRESETS[s_name](param_dtype="float32", **options)
+    t_cfg = PRESETS[t_name](param_dtype="bfloat16", dtype="bfloat16", remat=True, mlp_chunk=1024)
     ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     mask = jax.ShapeDtypeStruct((batch, seq), jnp.bool_)
-    results = {"shapes": {"batch": batch, "seq": seq, "chunk": chunk, "sampler_slots": slots,
-                          "sampler_prompt": prompt}}
+    rows = jax.ShapeDtypeStruct((batch * seq // 2,), jnp.int32)
+    report.results["shapes"] = {"batch": batch, "seq": seq, "chunk": chunk,
+                                "sampler_slots": slots, "sampler_prompt": prompt}
 
     def teacher():
         from ctopd_jax.teacher import teacher_hidden_rows
         graphdef, state = _abstract_model(t_cfg)
-        rows = jax.ShapeDtypeStruct((batch * seq // 2,), jnp.int32)
-        lowered = teacher_hidden_rows.lower(graphdef, state, ids, mask, rows)
-        return _memory(lowered.compile(), limit)
+        return _compile_only(teacher_hidden_rows.lower(graphdef, state, ids, mask, rows), limit)
 
     def student():
         graphdef, state = _abstract_model(s_cfg)
-        rows = jax.ShapeDtypeStruct((batch * seq // 2,), jnp.int32)
 
         def loss(state, ids, mask, rows):
             model = nnx.merge(graphdef, state)
@@ -341,8 +476,7 @@ def stage_compile_memory(dry: bool, out: Path) -> dict:
             flat = hidden.reshape(-1, hidden.shape[-1])
             targets = jnp.take(ids.reshape(-1), rows)
             return _chunked_nll(flat, model.lm_head_weight(), rows, targets, chunk)
-        lowered = jax.jit(jax.value_and_grad(loss)).lower(state, ids, mask, rows)
-        res = _memory(lowered.compile(), limit)
+        res = _compile_only(jax.jit(jax.value_and_grad(loss)).lower(state, ids, mask, rows), limit)
         attention = plan.attention_kind(s_cfg, gpu=jax.default_backend() == "gpu")
         res["planner_activation_bytes"] = plan.activation_bytes(
             s_cfg, batch, seq, remat=True, attention=attention)
@@ -353,7 +487,7 @@ def stage_compile_memory(dry: bool, out: Path) -> dict:
         from ctopd_jax.models.kv_cache import init_cache
         s_bf16 = s_cfg.replace(param_dtype="bfloat16")
         graphdef, state = _abstract_model(s_bf16)
-        cache_len = prompt + (64 if dry else 8192)
+        cache_len = prompt + (64 if report.dry else 8192)
 
         def prefill_and_step(state, ids, mask):
             model = nnx.merge(graphdef, state)
@@ -365,153 +499,185 @@ def stage_compile_memory(dry: bool, out: Path) -> dict:
             return logits
         p_ids = jax.ShapeDtypeStruct((slots, prompt), jnp.int32)
         p_mask = jax.ShapeDtypeStruct((slots, prompt), jnp.bool_)
-        return _memory(jax.jit(prefill_and_step).lower(state, p_ids, p_mask).compile(), limit)
+        return _compile_only(jax.jit(prefill_and_step).lower(state, p_ids, p_mask), limit)
 
-    for name, fn in (("teacher_scoring", teacher), ("student_step", student), ("sampler", sampler)):
-        results[name] = _try(fn)
-    if _failed(results["teacher_scoring"], results["student_step"], results["sampler"]):
+    for name, fn in (("student_step", student), ("teacher_scoring", teacher), ("sampler", sampler)):
+        report.part(name, fn)
+    if _failed(*report.results.values()):
         raise RuntimeError("a compile failed (see results)")
-    return results
 
 
-def stage_train_step(dry: bool, out: Path) -> dict:
+def stage_train_step(report: Report) -> None:
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
     from ctopd_jax import plan
-    from ctopd_jax.models import Decoder, PRESETS
-    name, batch, seq = ("tiny_llama", 2, 64) if dry else ("llama3_2_3b", 2, 4096)
-    cfg = PRESETS[name](dtype="bfloat16", param_dtype="float32", remat=True)
-    model = nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))()
-    graphdef, params = nnx.split(model)
-    tx = optax.adamw(1e-6, b1=0.9, b2=0.98)
-    opt_state = jax.jit(tx.init)(params)
-    ids = jax.random.randint(jax.random.key(1), (batch, seq), 0, cfg.vocab_size, jnp.int32)
-    rows = jnp.arange(batch * seq - 1, dtype=jnp.int32)
+    from ctopd_jax.models import PRESETS
+    from ctopd_jax.models.init import init_decoder
+    name, batch, seq = ("tiny_llama", 2, 64) if report.dry else ("llama3_2_3b", 2, 4096)
+    cfg = PRESETS[name](param_dtype="float32", **_paper_options())
+    state = {}
 
-    def loss(params, ids):
-        m = nnx.merge(graphdef, params)
-        pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), ids.shape)
-        flat = m.hidden_states(ids, pos).reshape(batch * seq, -1)
-        targets = jnp.take(ids.reshape(-1), rows + 1)
-        return _chunked_nll(flat, m.lm_head_weight(), rows, targets, 2048) / rows.shape[0]
-
-    @jax.jit
-    def step(params, opt_state, ids):
-        value, grads = jax.value_and_grad(loss)(params, ids)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    t0 = time.perf_counter()
-    params, opt_state, value = jax.block_until_ready(step(params, opt_state, ids))
-    compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(2 if dry else 3):
+    def init():
         t0 = time.perf_counter()
-        params, opt_state, value = jax.block_until_ready(step(params, opt_state, ids))
-        times.append(time.perf_counter() - t0)
-    seconds = statistics.median(times)
-    tokens = batch * seq
-    n_params = plan.param_count(cfg)
-    flops = 8 * (n_params - cfg.vocab_size * cfg.hidden_size) * tokens + 8 * batch * (
-        plan._attention_flops(cfg, seq, "causal")) + 6 * cfg.hidden_size * cfg.vocab_size * tokens
-    peak = _read(out, "env").get("matmul_tflops")
-    return {"model": name, "batch": batch, "seq": seq, "compile_s": compile_s,
-            "seconds": seconds, "tokens_per_s": tokens / seconds, "loss": float(value),
-            "flops": flops, "tflops": flops / seconds / 1e12, "mfu_of_measured_matmul":
-            (flops / seconds / 1e12 / peak) if peak else None,
-            "flops_note": "8 x non-embedding params x tokens (remat: forward twice) + causal "
-                          "attention + 6 x lm_head"}
+        from ctopd_jax.metrics import compile_seconds
+        before = compile_seconds()
+        model = init_decoder(cfg, 0)
+        jax.block_until_ready(nnx.state(model))
+        state["graphdef"], state["params"] = nnx.split(model)
+        return {"compile_s": compile_seconds() - before, "seconds": time.perf_counter() - t0}
+
+    def step():
+        graphdef, params = state["graphdef"], state["params"]
+        tx = optax.adamw(1e-6, b1=0.9, b2=0.98)
+        opt_state = jax.jit(tx.init)(params)
+        ids = jax.random.randint(jax.random.key(1), (batch, seq), 0, cfg.vocab_size, jnp.int32)
+        rows = jnp.arange(batch * seq - 1, dtype=jnp.int32)
+
+        def loss(params, ids):
+            m = nnx.merge(graphdef, params)
+            pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), ids.shape)
+            flat = m.hidden_states(ids, pos).reshape(batch * seq, -1)
+            targets = jnp.take(ids.reshape(-1), rows + 1)
+            return _chunked_nll(flat, m.lm_head_weight(), rows, targets, 2048) / rows.shape[0]
+
+        @jax.jit
+        def update(params, opt_state, ids):
+            value, grads = jax.value_and_grad(loss)(params, ids)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        (_, _, value), t = _compile_run(update, params, opt_state, ids, repeat=2 if report.dry else 3)
+        tokens = batch * seq
+        n_params = plan.param_count(cfg)
+        flops = 8 * (n_params - cfg.vocab_size * cfg.hidden_size) * tokens + 8 * batch * (
+            plan._attention_flops(cfg, seq, "causal")) + 6 * cfg.hidden_size * cfg.vocab_size * tokens
+        peak = _env_rate(report.out, "matmul", "tflops")
+        tflops = flops / t["run_s"] / 1e12
+        return {**t, "model": name, "batch": batch, "seq": seq, "tokens_per_s": tokens / t["run_s"],
+                "loss": float(value), "flops": flops, "tflops": tflops,
+                "mfu_of_measured_matmul": tflops / peak if peak else None,
+                "flops_note": "8 x non-embedding params x tokens (remat: forward twice) + causal "
+                              "attention + 6 x lm_head"}
+
+    report.part("init", init)
+    report.part("step", step)
+    if _failed(*report.results.values()):
+        raise RuntimeError("the train step failed (see results)")
 
 
-def stage_sampler(dry: bool, out: Path) -> dict:
+def stage_sampler(report: Report) -> None:
     import jax
     import numpy as np
-    from flax import nnx
-    from ctopd_jax.models import Decoder, PRESETS
+    from ctopd_jax.metrics import compile_seconds
+    from ctopd_jax.models import PRESETS
+    from ctopd_jax.models.init import init_decoder
     from ctopd_jax.rollout.base import SamplingParams
     from ctopd_jax.rollout.jax_sampler import JaxSampler
-    name, prompts, prompt_len, new = ("tiny_llama", 4, 16, 16) if dry else ("llama3_2_3b", 64, 256, 256)
+    name, prompts, prompt_len, new = (("tiny_llama", 4, 16, 16) if report.dry
+                                      else ("llama3_2_3b", 32, 256, 128))
     cfg = PRESETS[name](dtype="bfloat16", param_dtype="bfloat16")
-    model = nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))()
+    model = init_decoder(cfg, 0)
     rng = np.random.default_rng(0)
     batch = [list(map(int, rng.integers(1, cfg.vocab_size, prompt_len))) for _ in range(prompts)]
     sampler = JaxSampler(model, eos_ids=[0], pad_id=0)
     params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=new, seed=0)
-    t0 = time.perf_counter()
-    sampler.generate(batch, params)
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    result = sampler.generate(batch, params)
-    seconds = time.perf_counter() - t0
-    generated = sum(len(t) for t in result.token_ids)
-    return {"model": name, "prompts": prompts, "prompt_len": prompt_len, "max_new_tokens": new,
-            "first_call_s": first, "seconds": seconds, "generated_tokens": generated,
-            "tokens_per_s": generated / seconds, "backend": jax.default_backend()}
+
+    def generate():
+        before = compile_seconds()
+        t0 = time.perf_counter()
+        sampler.generate(batch, params)
+        first, compile_s = time.perf_counter() - t0, compile_seconds() - before
+        t0 = time.perf_counter()
+        result = sampler.generate(batch, params)
+        seconds = time.perf_counter() - t0
+        generated = sum(len(t) for t in result.token_ids)
+        return {"model": name, "prompts": prompts, "prompt_len": prompt_len,
+                "max_new_tokens": new, "compile_s": compile_s, "first_call_s": first,
+                "run_s": seconds, "generated_tokens": generated,
+                "tokens_per_s": generated / seconds, "backend": jax.default_backend()}
+
+    report.part("generate", generate)
+    if _failed(*report.results.values()):
+        raise RuntimeError("the sampler failed (see results)")
 
 
-def stage_pallas_tests(dry: bool, out: Path) -> dict:
+def stage_pallas_tests(report: Report) -> None:
+    dry = report.dry
     env = dict(os.environ, CTOPD_PALLAS_INTERPRET="1" if dry else "0")
     if not dry:
         env["JAX_PLATFORMS"] = "cuda"        # the conftest sets cpu only when unset
     target = (["tests/kernels/test_strict_pallas.py", "-k", "kernel_terms_match_row_terms"]
-              if dry else ["tests/kernels"])
+              if dry else ["tests/kernels/test_strict_pallas.py"])
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
            *target]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=(DRY_TIMEOUT_S if dry else STAGES["pallas_tests"]) - 10)
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
-    summary = next((l for l in reversed(lines) if " passed" in l or " failed" in l
-                    or " error" in l), lines[-1] if lines else "")
-    res = {"command": " ".join(cmd[2:]), "returncode": proc.returncode, "summary": summary,
-           "failures": [l for l in lines if l.startswith(("FAILED", "ERROR"))][:30]}
-    if proc.returncode != 0:
-        raise RuntimeError(f"pytest exited {proc.returncode}: {summary}")
-    return res
+
+    def pytest_run():
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=(DRY_TIMEOUT_S if dry else STAGES["pallas_tests"]) - 5)
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        summary = next((l for l in reversed(lines) if " passed" in l or " failed" in l
+                        or " error" in l), lines[-1] if lines else "")
+        res = {"command": " ".join(cmd[2:]), "returncode": proc.returncode, "summary": summary,
+               "failures": [l for l in lines if l.startswith(("FAILED", "ERROR"))][:30]}
+        if proc.returncode != 0:
+            raise RuntimeError(f"pytest exited {proc.returncode}: {summary}")
+        return res
+
+    report.part("pytest", pytest_run)
+    if _failed(*report.results.values()):
+        raise RuntimeError(report.results["pytest"]["error"])
 
 
-STAGE_FUNCTIONS = {"env": stage_env, "strict_kernels": stage_strict_kernels,
-                   "attention": stage_attention, "compile_memory": stage_compile_memory,
-                   "train_step": stage_train_step, "sampler": stage_sampler,
+STAGE_FUNCTIONS = {"env": stage_env, "e2e": stage_e2e, "strict_kernels": stage_strict_kernels,
+                   "attention": stage_attention, "train_step": stage_train_step,
+                   "sampler": stage_sampler, "compile_memory": stage_compile_memory,
                    "pallas_tests": stage_pallas_tests}
 
 
 # ----------------------------------------------------------------------------- running
-def _record(out: Path, stage: str, **fields) -> dict:
+def _record(out: Path, **fields) -> dict:
+    """Write $OUT/<stage>.json from `fields` (stage required) over the schema's defaults."""
+    stage = fields["stage"]
     record = {"stage": stage, "status": "crashed", "dry_run": False, "seconds": 0.0,
-              "platform": "", "results": {}, "error": None, "log_tail": ""}
+              "platform": "", "part": None, "results": {}, "error": None, "log_tail": ""}
     record.update(fields)
-    (out / f"{stage}.json").write_text(json.dumps(record, indent=1, default=str))
+    path = out / f"{stage}.json"
+    tmp = path.with_suffix(".json.tmp")       # a kill mid-write leaves the previous record
+    tmp.write_text(json.dumps(record, indent=1, default=str))
+    tmp.replace(path)
     return record
 
 
 def run_stage(stage: str, dry: bool, out: Path) -> int:
-    """In the stage's own process: run it and write its JSON (the driver adds log_tail)."""
-    t0 = time.perf_counter()
-    platform, results, error, status = "", {}, None, "ok"
+    """In the stage's own process: run it, its JSON rewritten as it goes (the driver adds log_tail)."""
+    report = Report(stage, dry, out)
+    status, error = "ok", None
     try:
         import jax
-        platform = jax.default_backend()
-        if not dry and platform != "gpu":
-            raise RuntimeError(f"jax backend is {platform!r}, not gpu: use --dry-run on a CPU")
+        report.platform = jax.default_backend()
+        report.say(f"jax {jax.__version__} on {report.platform}")
+        if not dry and report.platform != "gpu":
+            raise RuntimeError(f"jax backend is {report.platform!r}, not gpu: use --dry-run on a CPU")
         if os.environ.get(FAIL_ENV) == stage:
             raise RuntimeError(f"{FAIL_ENV}={stage}: failure requested")
-        results = STAGE_FUNCTIONS[stage](dry, out)
+        STAGE_FUNCTIONS[stage](report)
     except Exception as err:  # noqa: BLE001 - the failure is the result
         traceback.print_exc()
         status, error = "failed", f"{type(err).__name__}: {' '.join(str(err).split())[:500]}"
-    _record(out, stage, status=status, dry_run=dry, seconds=time.perf_counter() - t0,
-            platform=platform, results=results, error=error)
+    report.write(status, error)
+    report.say(status)
     return 0 if status == "ok" else 1
 
 
-def drive(stages, dry: bool, out: Path) -> int:
+def drive(stages, dry: bool, out: Path, cache_dir: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     statuses = {}
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+               XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1",
+               JAX_COMPILATION_CACHE_DIR=str(cache_dir))
     if dry:
         env["JAX_PLATFORMS"] = "cpu"
     for stage in stages:
@@ -522,27 +688,35 @@ def drive(stages, dry: bool, out: Path) -> int:
         if dry:
             cmd.append("--dry-run")
         t0 = time.perf_counter()
-        (out / f"{stage}.json").unlink(missing_ok=True)
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=timeout)
-            stderr, timed_out = proc.stderr, False
-        except subprocess.TimeoutExpired as exc:
-            stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-            timed_out = True
-        seconds = time.perf_counter() - t0
-        tail = "\n".join(stderr.strip().splitlines()[-25:])
         path = out / f"{stage}.json"
+        path.unlink(missing_ok=True)
+        lines: list[str] = []
+        # the stage's stderr is echoed as it comes (progress) and its tail kept for the record
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        reader = _echo(proc.stderr, lines)
+        try:
+            proc.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)            # the stage and whatever it started (e2e's trainer)
+            proc.wait()
+            timed_out = True
+        reader.join(timeout=5)
+        seconds = time.perf_counter() - t0
+        tail = "\n".join(lines[-25:])
+        partial = json.loads(path.read_text()) if path.is_file() else None
         if timed_out:
-            record = _record(out, stage, status="timeout", dry_run=dry, seconds=seconds,
-                             error=f"killed after its {timeout} s limit", log_tail=tail)
-        elif path.is_file():
-            record = json.loads(path.read_text())
-            record["log_tail"] = tail
-            path.write_text(json.dumps(record, indent=1, default=str))
+            where = f" in part {partial['part']!r}" if partial and partial.get("part") else ""
+            record = _record(out, **{**(partial or {}), "stage": stage, "status": "timeout", "dry_run": dry,
+                                            "seconds": seconds, "log_tail": tail,
+                                            "error": f"killed after its {timeout} s limit{where}"})
+        elif partial is not None and partial["status"] != "running":
+            record = _record(out, **{**partial, "log_tail": tail})
         else:
-            record = _record(out, stage, status="crashed", dry_run=dry, seconds=seconds,
-                             error=f"exited {proc.returncode} without a result", log_tail=tail)
+            record = _record(out, **{**(partial or {}), "stage": stage, "status": "crashed", "dry_run": dry,
+                                            "seconds": seconds, "log_tail": tail,
+                                            "error": f"exited {proc.returncode} without a result"})
         statuses[stage] = record["status"]
         print(f"[gpu_check] {stage:<15} {record['status']:<8} {seconds:6.1f} s"
               + (f"  {record['error']}" if record.get("error") else ""), flush=True)
@@ -555,12 +729,27 @@ def drive(stages, dry: bool, out: Path) -> int:
     return 0 if ok else 1
 
 
+def _echo(stream, lines: list[str]):
+    """A thread copying a stage's stderr to ours line by line, keeping every line in `lines`."""
+    import threading
+
+    def copy():
+        for line in stream:
+            lines.append(line.rstrip("\n"))
+            print(line, end="", file=sys.stderr, flush=True)
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "gpu_check_out"))
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--stage", choices=sorted(STAGE_FUNCTIONS), help="run one stage here")
     parser.add_argument("--only", default="", help="comma-separated stages for the driver")
+    parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "ctopd_jax_xla_cache"),
+                        help="the persistent compilation cache every stage shares")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if args.stage:
@@ -572,7 +761,7 @@ def main(argv=None) -> int:
         print(f"gpu_check: error: --only {','.join(sorted(unknown))}: unknown stage(s); use "
               f"{', '.join(STAGES)}", file=sys.stderr)
         return 2
-    return drive(stages, args.dry_run, out)
+    return drive(stages, args.dry_run, out, Path(args.cache_dir))
 
 
 if __name__ == "__main__":

@@ -54,22 +54,46 @@ def test_dry_run_writes_one_valid_result_per_stage(tmp_path):
     assert summary["ok"] is True
     # the numbers each stage exists for are there, and are numbers
     env = records["env"]["results"]
-    assert env["copy_gbps"] > 0 and env["matmul_tflops"] > 0
+    assert env["copy"]["gbps"] > 0 and env["matmul"]["tflops"] > 0
+    e2e = records["e2e"]["results"]
+    rows = e2e["train"]["iterations"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["time_rollout"] > 0 and row["time_student"] > 0 and row["tokens_per_s"] > 0
+        assert 0 < row["coverage_student"] <= 1
+    assert rows[0]["time_compile"] > 0                       # the first iteration compiles
+    assert [p["phase"] for p in e2e["train"]["startup"]][-1] == "ready"
+    assert e2e["planner"]["total_bytes"] > 0
     strict = records["strict_kernels"]["results"]
     for key in ("full/xla", "full/pallas", "top16/xla", "top16/pallas"):
-        assert strict[key].get("seconds", 0) > 0, (key, strict[key])
+        assert strict[key]["run_s"] > 0 and strict[key]["compile_s"] >= 0, (key, strict[key])
     # interpret-mode Pallas on CPU computes the same float32 function as the XLA path
     assert strict["full/pallas"]["grad_rel_error"] < 1e-4
     attention = records["attention"]["results"]
     assert attention["cudnn"]["status"] == "not available"  # no GPU in a dry run
-    if "seconds_fwd_bwd" in attention.get("blockwise", {}):
-        assert attention["blockwise"]["out_rel_error"] < 2e-2  # bf16 against float32
+    assert attention["blockwise"]["out_rel_error"] < 2e-2    # bf16 against float32
     memory = records["compile_memory"]["results"]
     for part in ("teacher_scoring", "student_step", "sampler"):
         assert memory[part]["temp"] > 0, part
-    assert records["train_step"]["results"]["tokens_per_s"] > 0
-    assert records["sampler"]["results"]["generated_tokens"] > 0
-    assert records["pallas_tests"]["results"]["returncode"] == 0
+    assert records["train_step"]["results"]["step"]["tokens_per_s"] > 0
+    assert records["sampler"]["results"]["generate"]["generated_tokens"] > 0
+    assert records["pallas_tests"]["results"]["pytest"]["returncode"] == 0
+
+
+@pytest.mark.slow
+def test_a_stage_killed_at_its_limit_records_the_part_it_was_in(tmp_path):
+    gc = _module()
+    # e2e's training part never ends; a 30 s stage limit kills it (and what it started)
+    proc = _run(tmp_path, "--only", "e2e", env_extra={gc.HANG_ENV: "e2e/train",
+                                                      "CTOPD_GPU_CHECK_DRY_TIMEOUT_S": "30"})
+    assert proc.returncode == 1
+    record = json.loads((tmp_path / "e2e.json").read_text())
+    _check_schema(record, gc.STAGE_SCHEMA, gc.STATUSES)
+    assert record["status"] == "timeout" and record["part"] == "train"
+    assert "killed after its 30 s limit in part 'train'" in record["error"]
+    assert record["results"]["planner"]["total_bytes"] > 0        # what was done stays
+    assert "[e2e" in record["log_tail"] and "train ..." in record["log_tail"]
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
 @pytest.mark.slow
@@ -79,7 +103,7 @@ def test_a_failing_stage_is_recorded_and_later_stages_still_run(tmp_path):
     assert proc.returncode == 1
     env = json.loads((tmp_path / "env.json").read_text())
     _check_schema(env, gc.STAGE_SCHEMA, gc.STATUSES)
-    assert env["status"] == "failed" and gc.FAIL_ENV in env["error"]
+    assert env["status"] == "failed" and gc.FAIL_ENV in env["error"] and env["part"] is None
     assert "RuntimeError" in env["log_tail"]
     attention = json.loads((tmp_path / "attention.json").read_text())
     assert attention["status"] == "ok"
