@@ -34,6 +34,7 @@ import logging
 import math
 import re
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,25 @@ class CheckpointError(RuntimeError):
 class CheckpointWriteError(CheckpointError):
     """A checkpoint could not be written (no space, read-only or forbidden folder); the message
     names the folder, the step and the last whole checkpoint."""
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """After an aborted write or a failed restore, tensorstore's callbacks of the abandoned
+    operations land on Orbax's closed asyncio loop and Python prints each as an ignored
+    `RuntimeError: Event loop is closed` with a traceback, from background threads while the
+    run goes on and at exit, around the one line that reports the failure. They carry no
+    information; this hook (installed once, by the first Checkpointer) drops exactly those, and
+    every other unraisable exception reaches the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "ctopd_quiet", False):
+        return
+
+    def hook(unraisable):
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            previous(unraisable)
+    hook.ctopd_quiet = True
+    sys.unraisablehook = hook
 
 
 class _QuietOrbaxThreads(logging.Filter):
@@ -151,6 +171,7 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._pending: int | None = None      # the step whose asynchronous write is in flight
         self._quiet = _QuietOrbaxThreads()
+        _quiet_closed_loop_callbacks()
         logging.getLogger("absl").addFilter(self._quiet)
         self._remove_partial_writes()         # left by a process killed in the middle of a save
 

@@ -283,8 +283,10 @@ class Trainer:
                     checkpointer.wait()
                     raise Stopped(stop.signum, step, ck_dir)
         finally:
-            checkpointer.close()
-            logger.close()
+            try:
+                checkpointer.close()      # raises CheckpointWriteError if the last write failed
+            finally:
+                logger.close()
         hf_dir = build.export_student(self.student, self.s_tok, self.run_dir / "hf_student", self.is_writer, c) \
             if c.checkpoint.export_hf else None
         return TrainResult(c.steps, self.run_dir, ck_dir, hf_dir, record)
