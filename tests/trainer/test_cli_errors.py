@@ -258,6 +258,33 @@ def test_train_bad_input(tmp_path, capsys, name, setup, field):
         assert (tmp_path / "a_file").read_text() == "keep me"
 
 
+@pytest.mark.parametrize("code,where,field,words", [
+    ("ENOSPC", "metrics.jsonl", "output_dir", "no space left on device (ENOSPC); free space"),
+    ("EROFS", "checkpoints/4", "checkpoint.dir", "read-only file system (EROFS); choose a"),
+])
+def test_train_refused_write_during_the_run_is_one_line(tmp_path, capsys, monkeypatch, code,
+                                                        where, field, words):
+    """A write the disk refuses after preflight (the trainer stands in: it raises what a full or
+    read-only disk raises) is one line naming the field and the path; the lock is released and
+    the folder it made is removed."""
+    import errno
+    import os
+
+    import ctopd_jax.trainer as trainer
+    run = tmp_path / "run"
+
+    class RefusedWrite:
+        def __init__(self, config, **kwargs):
+            assert (run / ".run.lock").is_file()     # held while the run works
+
+        def train(self, resume=False, stop=None):
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(run / where))
+    monkeypatch.setattr(trainer, "Trainer", RefusedWrite)
+    err = run_case(capsys, f"refused_write_{code}", train.main,
+                   ["--config", TINY, "--set", f"output_dir={run}"], tmp_path)
+    assert f"error: {field}: {run / where}: {words}" in err
+
+
 @pytest.fixture
 def read_only_dir(tmp_path):
     """A read-only tmpfs (root may write anywhere else); skipped where mounting is not allowed."""
