@@ -12,8 +12,9 @@ Decisions:
   existing parent when it does not exist yet, must be a directory on a file system mounted
   read-write (`statvfs`; root passes `os.access` even there) that `os.access` lets us write.
 - The lock is `<output_dir>/.run.lock`, created with O_EXCL and holding the owner's pid, host
-  and start time. A lock whose pid is dead on this host is stale (a killed run): it is taken
-  over with a warning (renamed away first, so two runs cannot both take it). A lock from
+  and start time. A lock whose pid is dead on this host, or now belongs to a process started
+  later (pid reuse), is stale (a killed run): it is taken over with a warning (renamed away
+  first, so two runs cannot both take it). A lock from
   another host cannot be judged and refuses the run; the message names the file to remove.
 - Releasing removes the lock, and the folders the lock itself created when they stayed empty
   (a run refused after preflight leaves nothing behind).
@@ -100,11 +101,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _start_ticks(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22), which
+    tells the lock's owner from a later process given the same pid (a restarted container
+    often hands the trainer the same small pid); None where /proc does not say."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def _is_stale(owner: dict) -> bool:
-    """A lock of a process that is gone: same host, pid no longer running."""
+    """A lock of a process that is gone: same host, and its pid no longer runs or now belongs
+    to a process started at another time."""
     pid = owner.get("pid")
-    return (owner.get("host") == socket.gethostname() and isinstance(pid, int)
-            and pid != os.getpid() and not _alive(pid))
+    if owner.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return False
+    if not _alive(pid):
+        return True
+    ticks = owner.get("start_ticks")
+    return ticks is not None and _start_ticks(pid) not in (None, ticks)
 
 
 def _in_use(output_dir: Path, owner: dict) -> RunDirError:
@@ -141,7 +157,8 @@ class RunLock:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._created = missing   # deepest first: the order to remove them in
         owner = {"pid": os.getpid(), "host": socket.gethostname(),
-                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                 "start_ticks": _start_ticks(os.getpid())}
         for _ in range(2):        # a second try after taking over a stale lock
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = Parser(prog=PROG, description=__doc__)
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML run config")
-    p.add_argument("--out", type=Path, default=Path("runs/demo"),
+    p.add_argument("--out", type=lambda s: Path(s).expanduser(), default=Path("runs/demo"),
                    help="run directory (a new sibling is used if it is not empty)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
                    help="override one config value (repeatable)")

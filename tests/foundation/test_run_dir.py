@@ -96,6 +96,22 @@ def test_a_stale_lock_passes_preflight_and_is_taken_over_with_a_warning(tmp_path
     assert (tmp_path / "run").is_dir()           # it existed before: kept
 
 
+def test_a_lock_whose_pid_now_belongs_to_another_process_is_stale(tmp_path):
+    """A restarted container may give the new trainer the pid of the killed one: the start time
+    in the lock tells them apart."""
+    with RunLock(tmp_path / "run"):
+        owner = json.loads((tmp_path / "run" / LOCK_NAME).read_text())
+    assert owner["start_ticks"] is not None       # Linux: read from /proc
+    write_lock(tmp_path / "run", os.getpid())
+    lock = json.loads((tmp_path / "run" / LOCK_NAME).read_text())
+    (tmp_path / "run" / LOCK_NAME).write_text(json.dumps({**lock, "start_ticks": "1"}))
+    with pytest.warns(RuntimeWarning, match=rf"taking over the lock of pid {os.getpid()}"):
+        RunLock(tmp_path / "run").acquire().release()
+    (tmp_path / "run" / LOCK_NAME).write_text(json.dumps({**owner}))
+    with pytest.raises(RunDirError, match="is in use"):   # the same pid and start: this process
+        check_not_in_use(tmp_path / "run")
+
+
 @pytest.mark.parametrize("content", ["other_host", "unreadable"])
 def test_a_lock_that_cannot_be_judged_refuses(tmp_path, content):
     if content == "other_host":
