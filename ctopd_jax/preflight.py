@@ -14,7 +14,8 @@ naming the field or file and the fix) for the first problem in this order:
 3. the checkpoint directory: checkpoints present without `--resume`; `--resume` with none, or
    with none whose meta is readable; the saved config against the new one
    (`resume_config.check_resume_config`, `--allow-config-change`);
-4. the prompt file and every row of it; the evaluation set when `evaluation.dataset` is set;
+4. the prompt file and every row of it; the evaluation set when `evaluation.dataset` is set
+   (its prompts must also fit the training engine and the student's positions, step 7);
 5. each model: a checkpoint directory (`config.json` valid, every `*.safetensors` shard's
    header readable and not truncated, every tensor the config implies present with its shape)
    or a preset name;
@@ -334,13 +335,14 @@ def _check_data(config: TrainConfig):
             text = f"data.path {d.path}: {text}"
         raise _fail(text) from None
     e = config.evaluation
+    eval_set = None
     if e.dataset:
         from ctopd_jax.datasets import load_dataset
         try:
-            load_dataset(e.dataset, limit=e.max_problems or None)
+            eval_set = load_dataset(e.dataset, limit=e.max_problems or None)
         except (RecordError, OSError, UnicodeDecodeError) as err:
             raise _fail(f"evaluation.dataset {e.dataset}: {err}") from None
-    return path, prompts
+    return path, prompts, eval_set
 
 
 def _check_pair(config: TrainConfig, dirs, cfgs):
@@ -419,6 +421,34 @@ def _check_prompt_lengths(config: TrainConfig, prompts, sides, cfgs, data_path: 
                     "rollout.max_prompt_len")
 
 
+def _check_eval_prompts(config: TrainConfig, eval_set, student, student_cfg) -> None:
+    """Evaluation inside training generates with the training engine: every problem's prompt
+    must fit the engine's prompt length and, with generate_max_len, the student's positions;
+    found here rather than at the first evaluation, possibly hours into the run."""
+    if eval_set is None or not eval_set.problems:
+        return
+    from ctopd_jax.algorithms import get_objective
+    from ctopd_jax.build import context_room
+    from ctopd_jax.evaluate import build_prompt
+
+    texts = [build_prompt(student, p, eval_set.system_prompt) for p in eval_set.problems]
+    lengths = [len(e.ids) for e in student.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    longest = max(lengths)
+    problem = eval_set.problems[lengths.index(longest)]
+    rollout = config.rollout
+    room = rollout.max_prompt_len + context_room(get_objective(config.algorithm), rollout, student)
+    where = f"evaluation.dataset {config.evaluation.dataset}: problem {problem.id!r}"
+    if longest > room:
+        raise _fail(f"{where} renders to {longest} student tokens, over the {room} the training "
+                    "engine accepts (rollout.max_prompt_len); raise rollout.max_prompt_len, or "
+                    "evaluate after training with python -m ctopd_jax.evaluate")
+    positions = _model_cfg(config, "student", student_cfg).max_position_embeddings
+    if longest + rollout.generate_max_len > positions:
+        raise _fail(f"{where} renders to {longest} student tokens; with rollout.generate_max_len "
+                    f"{rollout.generate_max_len} that is over the student's "
+                    f"max_position_embeddings {positions}; lower rollout.generate_max_len")
+
+
 def _check_judge_context(config: TrainConfig, teacher_side, teacher_cfg) -> None:
     """SAGE-OPD's teacher judge reads a whole turn and its feedback inside a template: the
     longest judge call must fit the teacher's positions."""
@@ -450,12 +480,13 @@ def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change:
     mesh_shape = _check_mesh(config, device_count)
     _check_output_dirs(config)
     ck_dir, steps, changes, where = _check_checkpoint_state(config, resume, allow_config_change)
-    data_path, prompts = _check_data(config)
+    data_path, prompts, eval_set = _check_data(config)
     dirs, cfgs = {}, {}
     for role in ("student", "teacher"):
         dirs[role], cfgs[role] = _check_model(getattr(config.model, role), role)
     sides, overlap = _check_pair(config, dirs, cfgs)
     _check_prompt_lengths(config, prompts, sides, cfgs, data_path)
+    _check_eval_prompts(config, eval_set, sides["student"], cfgs["student"])
     _check_judge_context(config, sides["teacher"], cfgs["teacher"])
     return Preflight(config=config, prompts=prompts, data_path=data_path,
                      student_tokenizer=sides["student"], teacher_tokenizer=sides["teacher"],

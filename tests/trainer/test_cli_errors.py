@@ -182,6 +182,13 @@ def unencodable_prompt(tmp, run):
     return ["--set", f"model.student_tokenizer={tok}", "--set", f"data.path={data}"]
 
 
+def long_eval_problem(tmp, run):   # would crash the first evaluation, at the end of training
+    data = tmp / "eval.jsonl"
+    data.write_text('{"problem": "What is 1 + 1?", "answer": "2"}\n'
+                    '{"problem": "What is ' + "1 + " * 60 + '1?", "answer": "61"}\n')
+    return ["--set", f"evaluation.dataset={data}"]
+
+
 TRAIN_CASES = [
     # second round (issue 26): YAML, ranges, late checks, output folders, one run per folder
     ("duplicated_section", duplicated_section, "key 'optimizer' appears twice"),
@@ -197,6 +204,7 @@ TRAIN_CASES = [
     ("beyond_positions", lambda t, r: ["--set", "rollout.generate_max_len=100000"],
      "rollout.generate_max_len"),
     ("unencodable_prompt", unencodable_prompt, "euro.jsonl:2: the student tokenizer"),
+    ("eval_prompt_too_long", long_eval_problem, "the training engine accepts"),
     # point 1: numbers
     ("lr_inf", lambda t, r: ["--set", "optimizer.lr=.inf"], "optimizer.lr"),
     ("lr_nan_in_yaml", yaml_nan, "optimizer.lr"),
