@@ -96,9 +96,13 @@ def to_global(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
 
 
 def on_mesh(x, mesh):
-    """x itself when it already lives on a mesh sharding, else replicated over `mesh`."""
+    """x itself when it already lives on a mesh sharding, else replicated over `mesh` (device to
+    device when this process holds all of x: a 25 GB optimizer state on one GPU took 24 s
+    through the host)."""
     if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding):
         return x
+    if isinstance(x, jax.Array) and x.is_fully_addressable:
+        return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     return replicated(np.asarray(jax.device_get(x)), mesh)
 
 
