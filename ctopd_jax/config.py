@@ -626,6 +626,8 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     _require(0 <= lo.dropout < 1, "lora.dropout", f"{lo.dropout} must be in [0, 1)")
     _require(lo.dropout == 0 or lo.rank > 0, "lora.dropout", f"{lo.dropout} applies to the "
              "adapters only: set lora.rank > 0 or lora.dropout: 0.0")
+    _require(not lo.init_adapter or lo.rank > 0, "lora.init_adapter", "loads adapters: set "
+             "lora.rank to the adapter's r (0 = full fine-tuning has none)")
     _require(bool(lo.target_modules) and set(lo.target_modules) <= set(LORA_TARGETS),
              "lora.target_modules", f"{list(lo.target_modules)} must be a non-empty subset of "
              f"{list(LORA_TARGETS)}")

@@ -16,9 +16,10 @@ naming the field or file and the fix) for the first problem in this order:
    (`resume_config.check_resume_config`, `--allow-config-change`);
 4. the prompt file and every row of it; the evaluation set when `evaluation.dataset` is set
    (its prompts must also fit the training engine and the student's positions, step 7);
-5. each model: a checkpoint directory (`config.json` valid, every `*.safetensors` shard's
-   header readable and not truncated, every tensor the config implies present with its shape)
-   or a preset name;
+5. each model (`model.teacher_base` too, when set): a checkpoint directory (`config.json`
+   valid, every `*.safetensors` shard's header readable and not truncated, every tensor the
+   config implies present with its shape) or a preset name; `lora.init_adapter`'s folder, its
+   settings against `lora:` and its weights header;
 6. the tokenizers (`model.*_tokenizer`, or the model directory's own), each model's vocabulary
    against its tokenizer, the shared vocabulary V∩ non-empty, and the objective's own check
    against the pair (`algorithm.ctkd_topk <= |V∩|` for top-k objectives);
@@ -345,6 +346,41 @@ def _check_data(config: TrainConfig):
     return path, prompts, eval_set
 
 
+def _check_init_adapter(config: TrainConfig) -> None:
+    """lora.init_adapter: a PEFT LoRA folder whose settings match the `lora:` section and whose
+    weights file is whole; models/lora.load_adapter applies the same rules once the student has
+    loaded (with the tensors themselves), this finds them before any model loads."""
+    import math
+
+    from ctopd_jax.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    lo = config.lora
+    if not lo.init_adapter:
+        return
+    folder = Path(lo.init_adapter)
+    try:
+        cfg = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except OSError:
+        raise _fail(f"lora.init_adapter: {folder} has no readable {ADAPTER_CONFIG}; give a PEFT "
+                    "LoRA adapter folder (what the trainer writes as adapter/)") from None
+    except (ValueError, UnicodeDecodeError):
+        raise _fail(f"lora.init_adapter: {folder / ADAPTER_CONFIG} is not valid JSON") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA" or \
+            cfg.get("use_dora") or cfg.get("use_rslora"):
+        raise _fail(f"lora.init_adapter: {folder} is not a plain LoRA adapter")
+    targets = cfg.get("target_modules") or []
+    targets = sorted([targets] if isinstance(targets, str) else targets)
+    alpha = cfg.get("lora_alpha")
+    for field_name, got, want, same in (
+            ("rank", cfg.get("r"), lo.rank, cfg.get("r") == lo.rank),
+            ("alpha", alpha, lo.alpha, isinstance(alpha, (int, float)) and math.isclose(alpha, lo.alpha)),
+            ("target_modules", targets, sorted(lo.target_modules), targets == sorted(lo.target_modules))):
+        if not same:
+            raise _fail(f"lora.{field_name}: {want!r} but the adapter {folder} has {got!r}; set "
+                        f"lora.{field_name} to match it")
+    read_safetensors_header(folder / ADAPTER_WEIGHTS)
+
+
 def _check_pair(config: TrainConfig, dirs, cfgs):
     from ctopd_jax.algorithms import get_objective
     from ctopd_jax.tokenization.overlap import NoOverlapError, overlap_map
@@ -484,6 +520,9 @@ def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change:
     dirs, cfgs = {}, {}
     for role in ("student", "teacher"):
         dirs[role], cfgs[role] = _check_model(getattr(config.model, role), role)
+    if config.model.teacher_base:   # OPD²'s third model: its files, before any model loads
+        _check_model(config.model.teacher_base, "teacher_base")
+    _check_init_adapter(config)
     sides, overlap = _check_pair(config, dirs, cfgs)
     _check_prompt_lengths(config, prompts, sides, cfgs, data_path)
     _check_eval_prompts(config, eval_set, sides["student"], cfgs["student"])

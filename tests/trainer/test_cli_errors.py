@@ -189,6 +189,17 @@ def long_eval_problem(tmp, run):   # would crash the first evaluation, at the en
     return ["--set", f"evaluation.dataset={data}"]
 
 
+def adapter_folder(tmp, r, weights=b"\x10\x00"):
+    folder = tmp / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": r, "lora_alpha": 16.0,
+         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj"]}))
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return ["--set", "lora.rank=4", "--set", f"lora.init_adapter={folder}"]
+
+
 TRAIN_CASES = [
     # second round (issue 26): YAML, ranges, late checks, output folders, one run per folder
     ("duplicated_section", duplicated_section, "key 'optimizer' appears twice"),
@@ -205,6 +216,13 @@ TRAIN_CASES = [
      "rollout.generate_max_len"),
     ("unencodable_prompt", unencodable_prompt, "euro.jsonl:2: the student tokenizer"),
     ("eval_prompt_too_long", long_eval_problem, "the training engine accepts"),
+    ("adapter_missing", lambda t, r: ["--set", "lora.rank=4", "--set",
+                                      f"lora.init_adapter={t / 'none'}"], "lora.init_adapter"),
+    ("adapter_other_rank", lambda t, r: adapter_folder(t, 2), "lora.rank: 4 but the adapter"),
+    ("adapter_truncated", lambda t, r: adapter_folder(t, 4), "not a complete safetensors file"),
+    ("adapter_without_rank", lambda t, r: ["--set", f"lora.init_adapter={t}"], "lora.init_adapter"),
+    ("teacher_base_missing", lambda t, r: ["--set", f"model.teacher_base={t / 'no_base'}"],
+     "model.teacher_base"),
     # point 1: numbers
     ("lr_inf", lambda t, r: ["--set", "optimizer.lr=.inf"], "optimizer.lr"),
     ("lr_nan_in_yaml", yaml_nan, "optimizer.lr"),
