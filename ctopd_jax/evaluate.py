@@ -335,7 +335,7 @@ def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
                          "directory (the trainer's export)")
     from ctopd_jax.preflight import check_hf_checkpoint
 
-    check_hf_checkpoint(checkpoint, "--checkpoint")   # shard headers, before any weight is read
+    model_cfg = check_hf_checkpoint(checkpoint, "--checkpoint")   # shard headers, before any weight
     if args.mesh:
         import jax
 
@@ -347,6 +347,16 @@ def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
 
     tokenizer = load_tokenizer_side(args.tokenizer or cfg.model.student_tokenizer or checkpoint,
                                     eos_token=args.eos_token)
+    new_tokens = args.max_new_tokens or cfg.rollout.generate_max_len
+    longest = max(len(e.ids) for e in tokenizer.tokenizer.encode_batch(
+        [build_prompt(tokenizer, p, dataset.system_prompt) for p in dataset.problems],
+        add_special_tokens=False))
+    if longest + new_tokens > model_cfg.max_position_embeddings:   # else found after the load
+        flag = "--max-new-tokens" if args.max_new_tokens else "rollout.generate_max_len"
+        raise SystemExit(f"{flag} {new_tokens}: the longest prompt of {dataset_name} has {longest} "
+                         f"tokens, and {longest} + {new_tokens} is over the model's "
+                         f"max_position_embeddings {model_cfg.max_position_embeddings}; lower "
+                         f"{flag} to <= {model_cfg.max_position_embeddings - longest}")
     mesh = None
     if args.mesh:
         from ctopd_jax.mesh import make_mesh, parse_mesh
@@ -360,7 +370,7 @@ def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
     return evaluate_model(
         model, tokenizer, dataset, k=k, greedy=greedy, temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p, top_k=max(0, cfg.rollout.top_k),
-        max_new_tokens=args.max_new_tokens or cfg.rollout.generate_max_len, seed=args.seed,
+        max_new_tokens=new_tokens, seed=args.seed,
         grader=grader, mesh=mesh, engine_name=cfg.rollout.engine)
 
 

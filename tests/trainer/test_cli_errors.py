@@ -397,6 +397,13 @@ def test_inspect_pair_and_demo_bad_input(tmp_path, capsys):
     assert "--config" in err
 
 
+def test_evaluate_beyond_the_model_positions_is_refused_before_the_load(tmp_path, capsys):
+    err = run_case(capsys, "evaluate_positions", evaluate.cli_main,
+                   ["--checkpoint", str(DEMO_STUDENT), "--dataset", "demo",
+                    "--max-new-tokens", "100000"], tmp_path)
+    assert "--max-new-tokens 100000" in err and "max_position_embeddings 256" in err
+
+
 def test_evaluate_out_onto_a_file_or_an_earlier_report_is_refused_before_work(tmp_path, capsys):
     samples = tmp_path / "samples.jsonl"
     samples.write_text('{"problem": "1+1", "answer": "2", "response": "\\\\boxed{2}"}\n')
