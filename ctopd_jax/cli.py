@@ -62,9 +62,9 @@ OS_USER_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, Perm
 def is_user_error(err: BaseException) -> bool:
     if isinstance(err, OS_USER_ERRORS):
         return True
-    if isinstance(err, OSError):   # a refused write: no space, read-only file system, quota
-        from ctopd_jax.run_dir import disk_errno
-        return disk_errno(err) is not None
+    from ctopd_jax.run_dir import disk_errno   # a refused write: no space, read-only, quota
+    if disk_errno(err) is not None:
+        return True
     for module, name in USER_ERRORS:
         cls = getattr(sys.modules.get(module), name, None)
         if isinstance(cls, type) and isinstance(err, cls):

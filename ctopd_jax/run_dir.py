@@ -31,12 +31,14 @@ import warnings
 from pathlib import Path
 
 LOCK_NAME = ".run.lock"
-# What the file system says when it refuses a write: the errno names, and how tensorstore spells
-# them inside Orbax's ValueError ("... No space left on device [os_error_code='28']").
+# What the file system says when it refuses a write: the errno names, and how libraries in
+# other languages spell them inside their exceptions: tensorstore in Orbax's ValueError
+# ("... No space left on device [os_error_code='28']"), Rust's io::Error in safetensors'
+# ("IoError(Os { code: 28, kind: StorageFull, ... })").
 DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
                errno.EPERM: "operation not permitted", errno.EFBIG: "file too large"}
-_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)|\bOs \{ code: (\d+)")
 
 
 class RunDirError(ValueError):
@@ -49,8 +51,9 @@ def disk_errno(err: BaseException | None) -> int | None:
         if isinstance(err, OSError) and err.errno in DISK_ERRNOS:
             return err.errno
         match = _OS_ERROR_CODE.search(str(err))
-        if match and int(match.group(1)) in DISK_ERRNOS:
-            return int(match.group(1))
+        code = int(match.group(1) or match.group(2)) if match else None
+        if code in DISK_ERRNOS:
+            return code
         err = err.__cause__ or err.__context__
     return None
 

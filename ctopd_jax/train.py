@@ -79,9 +79,11 @@ def _main(argv: list[str]) -> int:
     try:
         with RunLock(config.output_dir) if writer else contextlib.nullcontext():
             return _train(config, pre, args, writer)
-    except OSError as err:   # a refused write (no space, read-only, permission): one line
-        line = write_error(err, {"output_dir": config.output_dir,
-                                 "checkpoint.dir": pre.checkpoint_dir})
+    except Exception as err:   # a refused write (no space, read-only, permission): one line
+        from ctopd_jax.checkpoint import CheckpointWriteError
+
+        line = None if isinstance(err, CheckpointWriteError) else write_error(   # already one
+            err, {"output_dir": config.output_dir, "checkpoint.dir": pre.checkpoint_dir})
         if line is None:
             raise
         raise line from err

@@ -250,6 +250,8 @@ def test_disk_errno_reads_oserrors_and_tensorstore_messages():
 
     assert disk_errno(OSError(errno.ENOSPC, "No space left on device")) == errno.ENOSPC
     assert disk_errno(ValueError("Failed: Read-only file system [os_error_code=30]")) == errno.EROFS
+    rust = 'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })'
+    assert disk_errno(Exception(rust)) == errno.ENOSPC
     try:
         try:
             raise OSError(errno.EDQUOT, "quota")
