@@ -173,7 +173,9 @@ class Checkpointer:
         self._quiet = _QuietOrbaxThreads()
         _quiet_closed_loop_callbacks()
         logging.getLogger("absl").addFilter(self._quiet)
-        self._remove_partial_writes()         # left by a process killed in the middle of a save
+        # left by a process killed in the middle of a save; the Checkpointer is the folder's one
+        # writer (the trainer, under the run lock), so no write of another is in flight
+        self._remove_partial_writes()
 
     # ------------------------------------------------------------------ save
     def should_save(self, step: int, last_step: int) -> bool:

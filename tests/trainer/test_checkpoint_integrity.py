@@ -195,6 +195,16 @@ def test_enospc_from_a_patched_writer_is_one_error_and_no_half_folder(tmp_path, 
     ck.close()
 
 
+def test_a_partial_write_left_by_a_killed_run_is_removed_when_the_run_resumes(tmp_path):
+    ck = two_steps(tmp_path / "ck")
+    ck.close()
+    (tmp_path / "ck" / "3.orbax-checkpoint-tmp-1700000000" / "state").mkdir(parents=True)
+    again = Checkpointer(tmp_path / "ck")
+    assert no_partial_folders(tmp_path / "ck") == [] and again.steps() == [1, 2]
+    assert again.restore_latest(make_state(0)).step == 2
+    again.close()
+
+
 def test_other_errors_are_not_reported_as_a_full_disk(tmp_path, monkeypatch):
     ck = two_steps(tmp_path / "ck")
 
