@@ -276,18 +276,18 @@ class Checkpointer:
         if "checksums" not in meta:   # written before the exact checksums: parameters only
             got, want = fingerprint(restored[params_key]), meta["params_fingerprint"]
             if not all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5) for a, b in zip(got, want)):
-                raise ValueError(f"the parameters of step {step} do not match their fingerprint")
+                raise ValueError(f"fingerprint mismatch in the parameters of step {step}")
             return
         if meta.get("meta_sha256") != meta_checksum(meta):
-            raise ValueError(f"the meta of step {step} (data position, objective and guard "
-                             "state) does not match its checksum")
+            raise ValueError(f"checksum mismatch in the meta of step {step} (data position, "
+                             "objective and guard state)")
         for key, item in restored.items():
             got, want = checksums(item), meta["checksums"].get(key)
             if got != want:
                 bad = next((i for i, (a, b) in enumerate(zip(got, want or [])) if a != b), 0)
                 path = tree_paths(item)[bad] if got else ""
-                raise ValueError(f"the {ITEM_NAMES.get(key, key)} of step {step} do not match "
-                                 f"their checksums (first at {key}{path})")
+                raise ValueError(f"checksum mismatch in the {ITEM_NAMES.get(key, key)} of step "
+                                 f"{step} (first at {key}{path})")
 
     def restore_latest(self, template: Any, params_key: str = "params") -> Restored | None:
         """The newest readable checkpoint, or None when there is none at all.

@@ -78,7 +78,7 @@ def test_damaged_optimizer_state_is_skipped_and_the_run_ends_exactly(write_confi
     ck.close()
 
     resumed = Trainer(load_config(cfg))
-    with pytest.warns(RuntimeWarning, match=r"step 4 .*the optimizer state of step 4 do not match"):
+    with pytest.warns(RuntimeWarning, match=r"step 4 .*checksum mismatch in the optimizer state of step 4"):
         result = resumed.train(resume=True)
     assert result.final_step == 4 and (run_dir / "checkpoints" / "4.corrupt").is_dir()
     assert_same_state(expected, final_state(resumed))
