@@ -216,7 +216,7 @@ def prompt_stream(config, s_tok, prompts=None):
 @functools.lru_cache(maxsize=8)
 def update_fns(settings, donate: bool):
     """(tx, schedule, jitted update) per optimizer settings, so equal runs share the compile."""
-    from ctopd_jax.algorithms.device import make_apply_update
+    from ctopd_jax.step.grad import make_apply_update
     from ctopd_jax.optimizer import make_optimizer
 
     tx, schedule = make_optimizer(settings)

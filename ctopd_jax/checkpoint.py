@@ -50,6 +50,25 @@ from ctopd_jax.run_dir import DISK_ERRNOS, disk_errno
 log = logging.getLogger(__name__)
 
 
+def checkpoint_steps(directory: Path) -> list[int]:
+    """Committed Orbax steps (integer-named directories; temporary ones carry a suffix)."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def checkpoint_metas(directory: Path) -> list[tuple[int, dict | None]]:
+    """(step, meta dict or None when unreadable) for every committed step, oldest first."""
+    out = []
+    for step in checkpoint_steps(directory):
+        try:
+            meta = json.loads((directory / str(step) / "meta" / "metadata").read_text())
+            out.append((step, meta if isinstance(meta, dict) else None))
+        except (OSError, ValueError):
+            out.append((step, None))
+    return out
+
+
 class CheckpointError(RuntimeError):
     """No usable checkpoint, or one that does not fit the current run."""
 

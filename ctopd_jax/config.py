@@ -212,23 +212,29 @@ class AlgorithmSection:
             raise ConfigError(f"algorithm.{err}") from None
 
 
+# algorithm.name -> that objective's settings class (its config section). Each objective
+# registers its class here (algorithms.base.register), so config never imports the objectives;
+# importing the package `ctopd_jax` registers them all (ctopd_jax/__init__.py).
+_ALGORITHM_SETTINGS: dict[str, type] = {}
+
+
+def register_algorithm_settings(name: str, settings_class: type) -> None:
+    """Make `algorithm.name: <name>` read its section as `settings_class`."""
+    _ALGORITHM_SETTINGS[name] = settings_class
+
+
 def algorithm_class(name: Any) -> type:
     """The settings class of the objective `algorithm.name` (its own config section)."""
-    from ctopd_jax.algorithms import registry
-
-    table = registry()
-    if name not in table:
+    if name not in _ALGORITHM_SETTINGS:
         raise ConfigError(f"algorithm.name: {name!r} is not a registered objective; choose one of "
-                          f"{', '.join(sorted(table))}")
-    return table[name].settings_class
+                          f"{', '.join(sorted(_ALGORITHM_SETTINGS))}")
+    return _ALGORITHM_SETTINGS[name]
 
 
 def objectives_defining(key: str) -> list[str]:
     """The registered objectives whose config section has the field `key` (sorted)."""
-    from ctopd_jax.algorithms import registry
-
-    return sorted(name for name, cls in registry().items()
-                  if key in {f.name for f in dataclasses.fields(cls.settings_class)})
+    return sorted(name for name, cls in _ALGORITHM_SETTINGS.items()
+                  if key in {f.name for f in dataclasses.fields(cls)})
 
 
 def _drop_other_objectives_keys(tree: dict, file_algorithm: Mapping[str, Any],
@@ -251,12 +257,9 @@ def _drop_other_objectives_keys(tree: dict, file_algorithm: Mapping[str, Any],
     name = section.get("name", AlgorithmSection.name)
     if name == file_algorithm.get("name", AlgorithmSection.name):
         return
-    from ctopd_jax.algorithms import registry
-
-    table = registry()
-    if name not in table:
+    if name not in _ALGORITHM_SETTINGS:
         return  # `_build` reports the unknown algorithm.name
-    own = {f.name for f in dataclasses.fields(table[name].settings_class)}
+    own = {f.name for f in dataclasses.fields(_ALGORITHM_SETTINGS[name])}
     for key in file_algorithm:
         if key not in own and key not in set_keys and key in section and objectives_defining(key):
             del section[key]

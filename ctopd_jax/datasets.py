@@ -229,3 +229,10 @@ def load_dataset(name_or_path: str | os.PathLike, *, limit: int | None = None,
         dataset = EvalDataset(dataset.name, dataset.problems[:limit], dataset.answer_fallbacks,
                               dataset.system_prompt, dataset.grade_fn)
     return dataset
+
+
+def build_prompt(tokenizer_side, problem: EvalProblem, system_prompt: str | None) -> str:
+    """The prompt string for one problem, rendered with the model's own chat template."""
+    if problem.messages is not None:
+        return tokenizer_side.render_prompt(list(problem.messages))
+    return tokenizer_side.render_prompt(problem.problem, system=system_prompt)

@@ -79,25 +79,6 @@ def checkpoint_dir_of(config: TrainConfig) -> Path:
         Path(config.output_dir) / "checkpoints"
 
 
-def checkpoint_steps(directory: Path) -> list[int]:
-    """Committed Orbax steps (integer-named directories; temporary ones carry a suffix)."""
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
-
-
-def checkpoint_metas(directory: Path) -> list[tuple[int, dict | None]]:
-    """(step, meta dict or None when unreadable) for every committed step, oldest first."""
-    out = []
-    for step in checkpoint_steps(directory):
-        try:
-            meta = json.loads((directory / str(step) / "meta" / "metadata").read_text())
-            out.append((step, meta if isinstance(meta, dict) else None))
-        except (OSError, ValueError):
-            out.append((step, None))
-    return out
-
-
 def _check_output_dirs(config: TrainConfig) -> None:
     import jax
 
@@ -114,6 +95,7 @@ def _check_output_dirs(config: TrainConfig) -> None:
 
 
 def _check_checkpoint_state(config: TrainConfig, resume: bool, allow_change: bool):
+    from ctopd_jax.checkpoint import checkpoint_metas
     from ctopd_jax.resume_config import ConfigChangeError, check_resume_config, read_saved_config
 
     directory = checkpoint_dir_of(config)
@@ -465,7 +447,7 @@ def _check_eval_prompts(config: TrainConfig, eval_set, student, student_cfg) -> 
         return
     from ctopd_jax.algorithms import get_objective
     from ctopd_jax.build import context_room
-    from ctopd_jax.evaluate import build_prompt
+    from ctopd_jax.datasets import build_prompt
 
     texts = [build_prompt(student, p, eval_set.system_prompt) for p in eval_set.problems]
     lengths = [len(e.ids) for e in student.tokenizer.encode_batch(texts, add_special_tokens=False)]

@@ -113,7 +113,7 @@ def read_saved_config(run_dir: str | Path, checkpoint_dir: str | Path | None = N
             raise ConfigChangeError(f"{path}: not valid JSON; repair it or remove it to resume "
                                     "against the checkpoint's own config") from None
     if checkpoint_dir is not None:
-        from ctopd_jax.preflight import checkpoint_metas
+        from ctopd_jax.checkpoint import checkpoint_metas
         for step, meta in reversed(checkpoint_metas(Path(checkpoint_dir))):
             if meta and isinstance(meta.get("config"), dict):
                 return meta["config"], f"{checkpoint_dir}/{step}"

@@ -27,10 +27,10 @@ from ctopd_jax.models.kv_cache import prefill_positions
 def teacher_hidden_rows(graphdef, state, ids, mask, rows, mesh=None):
     """Teacher final hidden states [R, H] at flat rows [R] of [B*T] (a constant).
 
-    With `mesh` the arrays are stacked per batch shard (algorithms.pack.stack_shards): each
+    With `mesh` the arrays are stacked per batch shard (step.shards.stack_shards): each
     shard gathers its own rows (shard-local indices) from its own sequences, so no hidden row
     crosses devices."""
-    from ctopd_jax.algorithms.device import BATCH_AXES
+    from ctopd_jax.step.shards import BATCH_AXES
 
     model = nnx.merge(graphdef, jax.lax.stop_gradient(state))
     hidden = model.hidden_states(ids, prefill_positions(mask), mask)

@@ -2,7 +2,7 @@
 
     prompts -> host.Collector (render, generate, re-tokenize, align)
     -> per optimizer batch, per micro-batch: objective.prepare -> teacher hidden rows
-       -> student gradient of the objective's sums (algorithms.device)
+       -> student gradient of the objective's sums (step/)
     -> optax update -> engine.update_weights -> metrics -> checkpoint
 
 Building (models, engines, prompts, optimizer) lives in build.py, host collection in host.py,
@@ -36,15 +36,15 @@ from flax import nnx
 
 from ctopd_jax import build
 from ctopd_jax.algorithms import get_objective
-from ctopd_jax.algorithms.device import micro_grad, scalar, zero_grads
-from ctopd_jax.algorithms.pack import stack_shards
 from ctopd_jax.build import TrainerSetupError  # noqa: F401  (re-exported for callers)
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig
-from ctopd_jax.evaluate import evaluate_during_training
+from ctopd_jax.evaluation import evaluate_during_training
 from ctopd_jax.metrics import MetricsLogger, StartupClock, StepTimer
 from ctopd_jax.models import lora
 from ctopd_jax.optimizer import settings_from_config
+from ctopd_jax.step.grad import micro_grad, scalar, zero_grads
+from ctopd_jax.step.shards import stack_shards
 from ctopd_jax.teacher import lm_head_of, teacher_hidden_rows
 
 
@@ -122,7 +122,7 @@ class Trainer:
         self.update_count = 0
         self.diagnostics = None
         if c.algorithm.diagnostics_every:
-            from ctopd_jax.algorithms.diagnostics import Diagnostics
+            from ctopd_jax.step.diagnostics import Diagnostics
             self.diagnostics = Diagnostics(self)
         startup("ready")
 

@@ -20,6 +20,8 @@ therefore never edits the loop.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -27,24 +29,51 @@ import jax
 import jax.numpy as jnp
 
 from ctopd_jax import losses
-from ctopd_jax.config import AlgorithmSection
+from ctopd_jax.config import AlgorithmSection, register_algorithm_settings
 from ctopd_jax.kernels.token_rows import token_rows
 
 _REGISTRY: dict[str, type["Objective"]] = {}
 
 
 def register(name: str):
+    """Class decorator: the objective `algorithm.name: <name>`, its settings class known to config."""
     def wrap(cls):
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise ValueError(f"algorithm {name!r} registered twice")
         cls.name = name
         _REGISTRY[name] = cls
+        register_algorithm_settings(name, cls.settings_class)
         return cls
     return wrap
 
 
 def registry() -> dict[str, type["Objective"]]:
     return dict(_REGISTRY)
+
+
+# The batch-shard mesh axes while the step runs an objective per batch shard (step.shards.per_shard).
+_SHARD_AXES = contextvars.ContextVar("batch_shard_axes", default=None)
+
+
+@contextlib.contextmanager
+def batch_shard_axes(axes):
+    """While tracing the per-shard loss: `shard_gather` gathers over `axes` (the step sets it)."""
+    token = _SHARD_AXES.set(axes)
+    try:
+        yield
+    finally:
+        _SHARD_AXES.reset(token)
+
+
+def shard_gather(x):
+    """(x of every batch shard stacked along a new leading axis in shard order, this shard's
+    index) inside the step's per-shard loss; (x[None], 0) elsewhere. Shard s holds block s of
+    the micro-batch, so an objective can combine per-shard statistics in the micro-batch's
+    sample order (e.g. MP-OPD's sequential GRASS noise EMA)."""
+    axes = _SHARD_AXES.get()
+    if axes is None:
+        return jnp.asarray(x)[None], jnp.int32(0)
+    return jax.lax.all_gather(x, axes), jax.lax.axis_index(axes)
 
 
 RESPONSE_SOURCES = ("student", "dataset", "teacher", "teacher_prefix")
@@ -86,6 +115,14 @@ class Objective:
     # the objective's sums that are distillation terms (the trained loss is
     # kd_ratio · Σ_k weight_k · sum_k + (1 − kd_ratio) · CE)
     response_logprob_grad: ClassVar[bool] = False
+    # a strict part (SPEC §4) the gradient diagnostics of SPEC §6 can compare with the span term;
+    # its top-k is `topk` (None: the full shared vocabulary)
+    has_strict_part: ClassVar[bool] = False
+
+    @property
+    def topk(self) -> int | None:
+        """k of the strict part's top-k (None: full shared vocabulary); see has_strict_part."""
+        return None
 
     def __init__(self, settings):
         if not isinstance(settings, self.settings_class):
@@ -119,6 +156,12 @@ class Objective:
 
     def prepare(self, host, start: int, stop: int) -> dict:
         raise NotImplementedError
+
+    def after_micro_batch(self, metrics: dict) -> dict:
+        """Host, after each micro-batch's gradient (step.grad.micro_grad), in sample order: an
+        objective with run-state statistics takes them out of `metrics` (already combined over
+        the batch shards) and updates its state; returns the metrics to report."""
+        return metrics
 
     # -- device side ---------------------------------------------------------------------------
     def kd_weights(self) -> dict[str, float]:

@@ -24,7 +24,7 @@ Design (where each quantity lives):
   micro-batch's valid samples in sample order, each sample's α using the EMA after its own
   update. The EMA before the micro-batch comes in as an input array (`grass_noise_in`, written
   by `prepare` from the host state); the per-sample (s², updated) of every batch shard are
-  gathered (device.shard_gather, shard s = block s of the micro-batch) so every shard runs the
+  gathered (base.shard_gather, shard s = block s of the micro-batch) so every shard runs the
   same scan over the whole micro-batch: the result does not depend on how the micro-batch is
   sharded. The same global (s², updated) sequence comes back as a private metric (contributed
   by shard 0 only, so the sum over shards is the sequence itself), and `after_micro_batch`
@@ -55,7 +55,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from ctopd_jax.algorithms import pack
-from ctopd_jax.algorithms.base import Objective, register
+from ctopd_jax.algorithms.base import Objective, register, shard_gather
 from ctopd_jax.config import AlgorithmSection, _require
 from ctopd_jax.kernels.token_rows import token_rows
 
@@ -289,7 +289,7 @@ def atom_arrays(settings, host, start: int, stop: int, student_len: int, teacher
         "atom_teacher_atom": pack.padded(t_atom, t_size)[0],
         "atom_teacher_weight": pack.padded(t_rows, t_size)[1],
         # counts are [1] arrays, not 0-d: per-shard parts are stacked along a leading axis
-        # (pack.stack_shards) and summed on the device
+        # (the step's stack_shards) and summed on the device
         "mp_opd_samples": np.float32([stop - start]),
         "mp_opd_valid_samples": np.float32([atoms.sample_valid[start:stop].sum()]),
     }
@@ -334,7 +334,6 @@ def grass_rates(b, w, live, span, pos, sample, span_sample, span_weight, grams, 
     """GRASS on one batch shard (SPEC §8): (rates, per-sample arrays, per-chunk arrays, the
     micro-batch's (s², updated) sequence, this shard's index). `noise_in` = [ema, t] before the
     micro-batch; `num_samples` the shard's sample slots (atom_sample indexes them)."""
-    from ctopd_jax.algorithms.device import shard_gather
 
     num, spans, g = b.shape[0], span_weight.shape[0], grams.shape[1]
     seg = lambda x, ids, n: jax.ops.segment_sum(x, ids, num_segments=n)  # noqa: E731

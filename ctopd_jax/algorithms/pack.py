@@ -106,18 +106,3 @@ def strict_arrays(host, start: int, stop: int, student_len: int, teacher_len: in
     s_rows, weight = padded(rebase(a.student_rows[sel], host.student.seq_len, start, student_len), size)
     t_rows, _ = padded(rebase(a.teacher_rows[sel], host.teacher.seq_len, start, teacher_len), size)
     return {"strict_student_rows": s_rows, "strict_teacher_rows": t_rows, "strict_weight": weight}
-
-
-def stack_shards(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Per-shard micro-batch arrays (each prepared from its own samples, with shard-local row
-    indices) -> one array per key: each part zero-padded to the largest shape over the parts,
-    then concatenated along the leading axis, so shard s owns block s of every array. Zero
-    padding is inert by the packing convention (weight 0, index 0, pad tokens masked)."""
-    if len(parts) == 1:
-        return parts[0]
-    out = {}
-    for key in parts[0]:
-        shape = np.max([p[key].shape for p in parts], axis=0)
-        out[key] = np.concatenate([np.pad(p[key], [(0, int(n) - d) for n, d in zip(shape, p[key].shape)])
-                                   for p in parts])
-    return out

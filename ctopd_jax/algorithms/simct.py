@@ -112,7 +112,7 @@ def segment_arrays(host, start: int, stop: int, student_len: int, teacher_len: i
         "simct_teacher_token_weight": pack.padded(t_rows, t_size)[1],
         # align_ratio parts (SPEC §7): Σ_segments max(lengths) and Σ_samples max(lengths).
         # Counts are [1] arrays, not 0-d: per-shard parts are stacked along a leading axis
-        # (pack.stack_shards) and summed on the device (psum over shards, sums over micro-batches).
+        # (the step's stack_shards) and summed on the device (psum over shards, sums over micro-batches).
         "simct_aligned_tokens": np.float32([np.maximum(s_len, t_len).sum()]),
         "simct_sample_tokens": np.float32([np.maximum(resp_s, resp_t).sum()]),
         "simct_samples": np.float32([stop - start]),

@@ -104,6 +104,7 @@ def span_sum(student_logprobs, teacher_logprobs, batch):
 class SpanLoss(Objective):
     settings_class = SpanSettings
     response_logprob_grad = True  # the span term differentiates the student's token log-probs
+    has_strict_part = True
 
     @property
     def topk(self) -> int | None:

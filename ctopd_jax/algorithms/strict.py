@@ -60,10 +60,7 @@ def check_topk(topk: int | None, shared_size: int) -> None:
 @register("strict")
 class StrictFull(Objective):
     settings_class = StrictSettings
-
-    @property
-    def topk(self) -> int | None:
-        return None
+    has_strict_part = True
 
     def check(self, overlap) -> None:
         check_topk(self.topk, overlap.shared)

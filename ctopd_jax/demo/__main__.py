@@ -5,7 +5,7 @@
 1. Loads the committed tiny teacher (Qwen2 architecture, byte-level BPE ``tiny_bpe``) and
    student (Llama architecture, Unigram ``tiny_unigram``) named by the config
    (``demo:teacher`` / ``demo:student``; rebuilt by ``python -m ctopd_jax.demo.pretrain``).
-2. Greedy accuracy of both on the task's held-out split (``ctopd_jax.evaluate.evaluate_model``
+2. Greedy accuracy of both on the task's held-out split (``ctopd_jax.evaluation.evaluate_model``
    with the task grader); every graded sample is written under ``<out>/eval/<who>/``.
 3. Runs the real trainer (``ctopd_jax.trainer.Trainer``, what ``python -m ctopd_jax.train``
    runs) with the config: on-policy samples from the student, both-side re-tokenization,
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import ctopd_jax
+from ctopd_jax.demo.compare import gap_closed
 
 DEFAULT_CONFIG = Path(ctopd_jax.__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
 
@@ -38,12 +39,6 @@ def fresh_output_dir(base: Path) -> Path:
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
     return candidate
-
-
-def gap_closed(before: float, after: float, teacher: float) -> float | None:
-    """Share of the teacher-student gap closed; None when the student did not start behind."""
-    gap = teacher - before
-    return None if gap <= 0 else (after - before) / gap
 
 
 def strict_targets_in_shared_vocab(t_tok, s_tok, overlap, problems) -> float:
@@ -109,7 +104,7 @@ def run(argv=None) -> dict:
 
     from ctopd_jax.config import load_config, validate
     from ctopd_jax.datasets import load_dataset
-    from ctopd_jax.evaluate import evaluate_model
+    from ctopd_jax.evaluation import evaluate_model
     from ctopd_jax.models.weights import load_hf_checkpoint
     from ctopd_jax.plot import plot_run
     from ctopd_jax.trainer import Trainer

@@ -58,6 +58,12 @@ SAME_REFERENCE = "opd"
 BASE_PAIR = {"char_lora": "char"}
 
 
+
+def gap_closed(before: float, after: float, teacher: float) -> float | None:
+    """Share of the teacher-student gap closed; None when the student did not start behind."""
+    gap = teacher - before
+    return None if gap <= 0 else (after - before) / gap
+
 def _needs(name: str):
     from ctopd_jax.algorithms import registry
 
@@ -121,7 +127,7 @@ def iteration_seconds(run_dir: Path) -> float | None:
 
 
 def _accuracy(model, side, problems, max_new, out_dir, engine=None) -> float:
-    from ctopd_jax.evaluate import evaluate_model
+    from ctopd_jax.evaluation import evaluate_model
 
     return evaluate_model(model, side, problems, engine=engine, greedy=True, max_new_tokens=max_new,
                           out_dir=out_dir).mean_at_k
@@ -169,7 +175,6 @@ def compare(out: Path, steps: int, names: list[str] | None = None, problems: int
     from ctopd_jax.algorithms import registry
     from ctopd_jax.config import from_dict, load_config
     from ctopd_jax.datasets import load_dataset
-    from ctopd_jax.demo.__main__ import gap_closed
     from ctopd_jax.trainer import Trainer
 
     names = names or sorted(registry())

@@ -184,7 +184,7 @@ def tools_rollout(model: Decoder, side: TokenizerSide, problems: list[tools_task
     the observation of what the model wrote (tools_task.respond), turn 2 until the EOS. A turn 1
     without a complete call ends the episode. One dict per problem: turn1, observation, turn2,
     response (the full transcript), correct."""
-    from ctopd_jax.evaluate import stop_ids
+    from ctopd_jax.evaluation import stop_ids
     from ctopd_jax.rollout import SamplingParams, make_rollout_engine
 
     engine = make_rollout_engine("jax", model, stop_ids(side), side.pad_id)
@@ -245,7 +245,7 @@ def _train_step(model, optimizer, input_ids, labels, attention_mask):
 def held_out_accuracy(model: Decoder, side: TokenizerSide, out_dir: Path | None = None) -> float:
     """Greedy accuracy on the held-out split, graded by the task grader (via evaluate_model)."""
     from ctopd_jax.datasets import load_dataset
-    from ctopd_jax.evaluate import evaluate_model
+    from ctopd_jax.evaluation import evaluate_model
 
     report = evaluate_model(model, side, load_dataset("demo"), greedy=True,
                             max_new_tokens=MAX_NEW_TOKENS, out_dir=out_dir)

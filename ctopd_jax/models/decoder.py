@@ -282,7 +282,7 @@ class Decoder(nnx.Module):
     def hidden_states(self, input_ids, positions, attention_mask=None, cache=None,
                       lora_dropout=None):
         """`lora_dropout` (lora.Dropout): LoRA dropout, given by the student's training forward
-        only (algorithms.device); layer i uses it folded with i.  Not with a cache."""
+        only (step.grad); layer i uses it folded with i.  Not with a cache."""
         cfg = self.cfg
         if lora_dropout is not None and cache is not None:
             raise ValueError("hidden_states: lora_dropout is for the training forward (no cache)")

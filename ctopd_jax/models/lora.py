@@ -11,7 +11,7 @@ Decisions:
   the forward (same function, same gradients up to float rounding, one [in, out] temporary per
   projection like the cast of W itself).
 - Dropout (`lora.dropout` > 0) exists only in the student's training forward
-  (algorithms.device.micro_grad): a `Dropout` (key + rate) handed to
+  (step.grad.micro_grad): a `Dropout` (key + rate) handed to
   ``Decoder.hidden_states(..., lora_dropout=)``; the adapted projections then compute
   ``x W + s * (dropout(x) A) B`` (`lora_weight` leaves the delta out of W and
   `add_lora_path` adds it on the output).  Rollouts, teacher scoring, evaluation, diagnostics
@@ -331,8 +331,6 @@ def base_model(model):
 def _without_adapters(model, fold: bool):
     if not has_adapters(model):
         return model
-    from ctopd_jax.models.decoder import Decoder
-
     values = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if not isinstance(var, LoraParam):
@@ -342,7 +340,8 @@ def _without_adapters(model, fold: bool):
             w = getattr(module, name)[...]
             values[("layers", i, TARGETS[name][0], name)] = lora_weight(
                 module, name, jnp.float32).astype(w.dtype)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(model.cfg, rngs=nnx.Rngs(0))))
+    decoder = type(model)   # models.Decoder, which imports this module
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: decoder(model.cfg, rngs=nnx.Rngs(0))))
     state = nnx.from_flat_state([(tuple(path), var.replace(values[tuple(path)]))
                                  for path, var in nnx.to_flat_state(abstract)])
     return nnx.merge(graphdef, state)

@@ -19,7 +19,7 @@ import torch
 from flax import nnx
 
 from ctopd_jax.algorithms import pack
-from ctopd_jax.algorithms.diagnostics import unit_statistics
+from ctopd_jax.step.diagnostics import unit_statistics
 from ctopd_jax.algorithms.span import SpanLoss, SpanSettings
 from ctopd_jax.align import strict_align
 from ctopd_jax.host import HostBatch

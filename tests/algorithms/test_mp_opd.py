@@ -237,10 +237,10 @@ def test_matches_torch_reference(demo, mode):
 
 
 def test_per_shard_arrays_stack_and_sum_to_the_whole(demo):
-    """The trainer prepares each batch shard on its own and stacks the parts (pack.stack_shards):
+    """The trainer prepares each batch shard on its own and stacks the parts (step.shards.stack_shards):
     the sample and fail-closed counts are [1] arrays (0-d scalars made stack_shards raise: a
     crash of every sharded MP-OPD step) whose per-shard sums equal the whole micro-batch's."""
-    from ctopd_jax.algorithms.pack import stack_shards
+    from ctopd_jax.step.shards import stack_shards
 
     host = demo[0]
     for mode in ("atomic", "grass_chunk"):
@@ -312,8 +312,8 @@ LONG_TEXTS = [f"Tom has {a} apples and buys {b} more, so he has {a} + {b} = {a +
 def run_grass_loss(obj, host, hs3, ws, ht3, wt, mesh):
     """(loss, metrics after the host update, d loss / d (hs3, ws)) of the whole host batch as one
     micro-batch: one unit (mesh None) or one sample per batch shard under device.per_shard."""
-    from ctopd_jax.algorithms.device import per_shard
-    from ctopd_jax.algorithms.pack import stack_shards
+    from ctopd_jax.step.shards import per_shard
+    from ctopd_jax.step.shards import stack_shards
 
     n = host.size
     if mesh is None:

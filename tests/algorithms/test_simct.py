@@ -150,11 +150,11 @@ def test_align_ratio_and_row_counts(demo):
 
 
 def test_per_shard_arrays_stack_and_sum_to_the_whole(demo):
-    """The trainer prepares each batch shard on its own and stacks the parts (pack.stack_shards);
+    """The trainer prepares each batch shard on its own and stacks the parts (step.shards.stack_shards);
     the counts behind align_ratio and segments per sample are [1] arrays (0-d scalars made
     stack_shards raise: a crash of every sharded SimCT step), and their per-shard sums (what
     the device psums) equal the whole micro-batch's."""
-    from ctopd_jax.algorithms.pack import stack_shards
+    from ctopd_jax.step.shards import stack_shards
 
     host = demo[0]
     obj = objective()

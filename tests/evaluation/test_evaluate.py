@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from ctopd_jax import evaluate
-from ctopd_jax.evaluate import pass_at_k, summarize
+from ctopd_jax import evaluate, evaluation
+from ctopd_jax.evaluation import pass_at_k, summarize
 from ctopd_jax.models.config import tiny_llama
 from ctopd_jax.tokenization.side import load_tokenizer_side
 
@@ -209,7 +209,7 @@ def test_evaluate_model_with_injected_engine_and_task_grader():
     # per problem: sample 0 right ("The answer is N."), sample 1 wrong (N+1)
     engine = _ScriptedEngine(tokenizer, ["placeholder"])
     engine.responses = [f"The answer is {a + d}." for a in answers for d in (0, 1)]
-    report = evaluate.evaluate_model(None, tokenizer, demo, engine=engine, k=2, greedy=True,
+    report = evaluation.evaluate_model(None, tokenizer, demo, engine=engine, k=2, greedy=True,
                                      max_new_tokens=16)
     prompts, params = engine.calls[0]
     assert params.n == 2 and params.temperature == 0.0 and params.max_new_tokens == 16

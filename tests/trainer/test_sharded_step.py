@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from ctopd_jax.algorithms import get_objective
-from ctopd_jax.algorithms.device import micro_grad, zero_grads
-from ctopd_jax.algorithms.pack import stack_shards
+from ctopd_jax.step.grad import micro_grad, zero_grads
+from ctopd_jax.step.shards import stack_shards
 from ctopd_jax.build import to_global
 from ctopd_jax.config import from_dict
 from ctopd_jax.mesh import make_mesh, shard_module

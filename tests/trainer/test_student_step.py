@@ -16,7 +16,7 @@ from flax import nnx
 from types import SimpleNamespace
 
 from ctopd_jax.algorithms import get_objective
-from ctopd_jax.algorithms.device import micro_grad, zero_grads
+from ctopd_jax.step.grad import micro_grad, zero_grads
 from ctopd_jax.config import from_dict
 from ctopd_jax.host import HostBatch
 from ctopd_jax.models import Decoder, tiny_llama, tiny_qwen2

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ctopd_jax import build
-from ctopd_jax.algorithms.device import objective_sums, scalar
+from ctopd_jax.step.grad import objective_sums, scalar
 from ctopd_jax.algorithms.span import SpanLoss, SpanSettings
 from ctopd_jax.config import ConfigError
 from ctopd_jax.metrics import StepTimer
@@ -66,8 +66,8 @@ def unit_statistics(params, rest, batch, t_hidden, t_lm_head, overlap, half_a, *
 class Diagnostics:
     def __init__(self, trainer):
         c = trainer.config
-        topk = getattr(trainer.objective, "topk", False)
-        if topk is False:
+        topk = trainer.objective.topk
+        if not trainer.objective.has_strict_part:
             raise ConfigError(f"algorithm.diagnostics_every: objective {c.algorithm.name!r} has no strict "
                               "part to diagnose; use strict, topk_strict or span, or set it to 0")
         fields = {f.name: getattr(c.algorithm, f.name) for f in dataclasses.fields(c.algorithm)

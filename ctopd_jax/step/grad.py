@@ -14,53 +14,16 @@ loss and gradient equal those of the whole batch at once: Σ / N.
 """
 from __future__ import annotations
 
-import contextvars
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from ctopd_jax import losses
 from ctopd_jax.models.kv_cache import prefill_positions
-
-
-BATCH_AXES = ("data", "fsdp")
-_SHARD_AXES = contextvars.ContextVar("batch_shard_axes", default=None)  # set while per_shard traces
-
-
-def shard_gather(x):
-    """(x of every batch shard stacked along a new leading axis in shard order, this shard's
-    index) inside a `per_shard` function; (x[None], 0) elsewhere. Shard s holds block s of the
-    micro-batch (pack.stack_shards), so an objective can combine per-shard statistics in the
-    micro-batch's sample order (e.g. MP-OPD's sequential GRASS noise EMA)."""
-    axes = _SHARD_AXES.get()
-    if axes is None:
-        return jnp.asarray(x)[None], jnp.int32(0)
-    return jax.lax.all_gather(x, axes), jax.lax.axis_index(axes)
-
-
-def per_shard(fn, mesh, n_sharded: int, n_replicated: int):
-    """`fn` on each batch shard (shard_map over data × fsdp) with its results summed over the
-    shards: the first `n_sharded` arguments are split along their leading axis (each shard
-    holds its own samples and shard-local row indices, pack.stack_shards), the next
-    `n_replicated` are whole on every shard. Without a mesh (or one batch shard) it is fn."""
-    if mesh is None or mesh.shape["data"] * mesh.shape["fsdp"] == 1:
-        return fn
-
-    def summed(*args):
-        token = _SHARD_AXES.set(BATCH_AXES)
-        try:
-            out = fn(*args)
-        finally:
-            _SHARD_AXES.reset(token)
-        return jax.tree.map(lambda x: jax.lax.psum(x, BATCH_AXES), out)
-
-    specs = (P(BATCH_AXES),) * n_sharded + (P(),) * n_replicated
-    return jax.shard_map(summed, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+from ctopd_jax.step.shards import per_shard
 
 
 def objective_sums(params, rest, batch, teacher_hidden, teacher_lm_head, overlap, *, graphdef, objective,
@@ -96,7 +59,7 @@ def _micro_grad(params, rest, batch, teacher_hidden, teacher_lm_head, overlap, t
     `grads_sum` is the running gradient of the optimizer batch: it is added inside the step
     and DONATED, so accumulation keeps one gradient buffer (no host-side tree additions, no
     second copy). Start it with `zero_grads(params)`. `mesh`: given when the micro-batch arrays
-    are stacked per batch shard (pack.stack_shards). `dropout` (lora.Dropout, from
+    are stacked per batch shard (shards.stack_shards). `dropout` (lora.Dropout, from
     lora.train_dropout): LoRA dropout of this micro-batch; its rate is static (pytree aux data),
     its key an ordinary argument."""
     def loss_fn(p):
@@ -115,13 +78,12 @@ _micro_grad_jit = jax.jit(_micro_grad, static_argnames=("graphdef", "accumulatio
 
 
 def micro_grad(*args, **kwargs):
-    """`_micro_grad` compiled; then, on the host, the objective's `after_micro_batch(metrics)`
-    where it has one: it takes its run-state statistics (already combined over the batch shards)
+    """`_micro_grad` compiled; then, on the host, the objective's `after_micro_batch(metrics)`:
+    an objective with run-state statistics takes its run-state statistics (already combined over the batch shards)
     out of the metrics and updates its state once per micro-batch, in order (MP-OPD's GRASS
     noise EMA), so no host callback runs inside the sharded loss."""
     loss, sums, metrics, grads = _micro_grad_jit(*args, **kwargs)
-    after = getattr(kwargs.get("objective"), "after_micro_batch", None)
-    return loss, sums, (after(metrics) if after is not None else metrics), grads
+    return loss, sums, kwargs["objective"].after_micro_batch(metrics), grads
 
 
 micro_grad.lower = _micro_grad_jit.lower

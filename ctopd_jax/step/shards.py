@@ -1,0 +1,43 @@
+"""Batch shards of a micro-batch: each shard's samples prepared on their own, stacked, and the
+objective run per shard (shard_map over data x fsdp) with its sums added over the shards."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from ctopd_jax.algorithms.base import batch_shard_axes
+
+BATCH_AXES = ("data", "fsdp")
+
+
+def per_shard(fn, mesh, n_sharded: int, n_replicated: int):
+    """`fn` on each batch shard (shard_map over data × fsdp) with its results summed over the
+    shards: the first `n_sharded` arguments are split along their leading axis (each shard
+    holds its own samples and shard-local row indices, `stack_shards`), the next
+    `n_replicated` are whole on every shard. Without a mesh (or one batch shard) it is fn."""
+    if mesh is None or mesh.shape["data"] * mesh.shape["fsdp"] == 1:
+        return fn
+
+    def summed(*args):
+        with batch_shard_axes(BATCH_AXES):   # base.shard_gather works inside fn
+            out = fn(*args)
+        return jax.tree.map(lambda x: jax.lax.psum(x, BATCH_AXES), out)
+
+    specs = (P(BATCH_AXES),) * n_sharded + (P(),) * n_replicated
+    return jax.shard_map(summed, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+
+
+def stack_shards(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Per-shard micro-batch arrays (each prepared from its own samples, with shard-local row
+    indices) -> one array per key: each part zero-padded to the largest shape over the parts,
+    then concatenated along the leading axis, so shard s owns block s of every array. Zero
+    padding is inert by the packing convention (weight 0, index 0, pad tokens masked)."""
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for key in parts[0]:
+        shape = np.max([p[key].shape for p in parts], axis=0)
+        out[key] = np.concatenate([np.pad(p[key], [(0, int(n) - d) for n, d in zip(shape, p[key].shape)])
+                                   for p in parts])
+    return out
