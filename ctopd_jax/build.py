@@ -167,8 +167,7 @@ def context_room(objective, rollout, side) -> int:
     episode read the response so far, and SAGE-OPD's judge prompt wraps a turn and its feedback."""
     if not (objective.needs.turns or rollout.environment):
         return 0
-    judge = getattr(objective, "judge_prompt_tokens", None)
-    return rollout.generate_max_len + (judge(side, rollout) if judge else 0)
+    return rollout.generate_max_len + objective.judge_prompt_tokens(side, rollout)
 
 
 def make_engine(student, s_tok, rollout, mesh, extra_context: int = 0):
@@ -280,12 +279,13 @@ def check_objective_inputs(config, objective) -> None:
         objective.check_run(config)
     except ValueError as err:
         raise TrainerSetupError(str(err)) from None
-    if config.rollout.environment and (not needs.reuse_sampled_ids or needs.responses != "student"
-                                       or uses_dataset_responses(objective) or getattr(objective.settings, "seq_kd", False)):
+    if config.rollout.environment and not needs.episodes:
+        from ctopd_jax.algorithms import objectives_that
+        can = objectives_that(lambda o: o.needs.episodes)
         raise TrainerSetupError(
             f"rollout.environment={config.rollout.environment}: episodes are sampled by the student and their ids "
-            f"reused, which algorithm.name={name} cannot train on; use opd, opd_full, vopd, opd2, tcod, sod or "
-            "sage_opd, or set rollout.environment=''")
+            f"reused, which algorithm.name={name} cannot train on; use {', '.join(can)}, or set "
+            "rollout.environment=''")
     if needs.teacher_base and not m.teacher_base:
         raise TrainerSetupError(f"model.teacher_base: algorithm.name={name} needs the teacher's pre-tuning "
                                 "base model; set model.teacher_base (e.g. demo_char:teacher_base)")
@@ -305,9 +305,7 @@ def check_objective_inputs(config, objective) -> None:
 
 
 def uses_dataset_responses(objective) -> bool:
-    s = objective.settings
-    return objective.needs.responses == "dataset" or (
-        hasattr(s, "gkd_lambda") and s.gkd_lambda < 1.0 and not s.seq_kd)
+    return objective.needs.responses == "dataset"
 
 
 def response_prompts(config):
@@ -352,11 +350,9 @@ def make_collector(config, objective, s_tok, t_tok, engine, teacher, mesh):
 
     if not objective.needs.reuse_sampled_ids:
         return Collector(s_tok, t_tok, engine, config.rollout)
-    s = objective.settings
     teacher_engine = None
-    if (objective.needs.responses == "teacher" or getattr(s, "seq_kd", False)
-            or getattr(objective, "needs_teacher_engine", False) or getattr(objective, "uses_expert", False)):
-        # (preflight checked that SAGE-OPD's judge calls fit the teacher's positions)
+    if objective.needs.teacher_engine:
+        # (preflight checked the objective's teacher calls fit the teacher's positions: check_models)
         teacher_engine = make_engine(teacher, t_tok, config.rollout, mesh,
                                      context_room(objective, config.rollout, t_tok))
     if objective.needs.turns or config.rollout.environment:

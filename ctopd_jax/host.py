@@ -290,7 +290,7 @@ def identity_alignment(batch):
 class SameTokenizerCollector:
     """Responses for a same-tokenizer objective (`needs.reuse_sampled_ids`): student rollouts,
     teacher rollouts (`seq_kd`, a second engine over the teacher) or dataset responses, per the
-    objective's `response_sources` (GKD's λ draw) when it has one; the sampled ids are reused."""
+    objective's `response_sources` (GKD's λ draw); the sampled ids are reused."""
 
     def __init__(self, side, engine, rollout_section, objective, *, teacher_engine=None,
                  train_batch_size: int = 0, micro_batch_size: int = 0):
@@ -299,14 +299,11 @@ class SameTokenizerCollector:
         self.train_batch_size, self.micro_batch_size = train_batch_size, micro_batch_size
 
     def sample_sources(self, samples: int) -> list[str]:
-        draw = getattr(self.objective, "response_sources", None)
-        if draw is None:
-            return [self.objective.needs.responses] * samples
         out = []
         per = self.train_batch_size or samples
         micro = self.micro_batch_size or per
         for _ in range(0, samples, per):  # one call per optimizer step
-            for source in draw(per // micro):
+            for source in self.objective.response_sources(per // micro):
                 out.extend([source] * micro)
         return out[:samples]
 

@@ -89,7 +89,7 @@ class EpisodeCollector:
         obj = self.objective
         turn_based = obj.needs.turns   # other same-tokenizer objectives (opd, ...) train on plain episodes
         plan = {"turn_limit": obj.turn_limit(rollout_index) if turn_based else None}
-        uses_expert = turn_based and obj.uses_expert
+        uses_expert = turn_based and obj.uses_expert()
         with timer("rollout"):
             if uses_expert:
                 paths = self._experts(samples, encoded, seed)
@@ -101,8 +101,7 @@ class EpisodeCollector:
             batch = token_batch(self.side, encoded, [a.ids for a in laid], [a.trained for a in laid])
             values = np.concatenate([a.logprobs[a.trained] for a in laid])
             weights = np.concatenate([a.known[a.trained] for a in laid]).astype(np.float32)
-            uses_rewards = self.environment is not None or (
-                getattr(obj.settings, "sod_outcome", False) is not False and n > 1)
+            uses_rewards = self.environment is not None or (obj.needs.outcome_rewards and n > 1)
             rewards = self.rewards(samples, episodes) if uses_rewards else np.zeros(len(samples), np.float32)
             turns = TurnRows(turn=np.concatenate([a.turn[a.trained] for a in laid]), rewards=rewards,
                              outcome=group_advantage(rewards, n))
@@ -110,10 +109,10 @@ class EpisodeCollector:
                 obj.annotate(turns, episodes, samples, self)
         stats = {"reward": float(rewards.mean()) if uses_rewards else None,
                  "student_turns": float(np.mean([ep.student_turns for ep in episodes])),
-                 "tcod_turn_limit": plan["turn_limit"],
-                 "tcod_prefix_turns": float(np.mean([len(x) for x in plan["expert_turns"]]))
+                 "turn_limit": plan["turn_limit"],
+                 "expert_prefix_turns": float(np.mean([len(x) for x in plan["expert_turns"]]))
                  if "expert_turns" in plan else None,
-                 "tcod_teacher_expert": self.notes.get("teacher_expert_samples") if uses_expert else None}
+                 "teacher_expert_samples": self.notes.get("teacher_expert_samples") if uses_expert else None}
         return HostBatch(batch, batch, identity_alignment(batch), (values, weights),
                          [self.side.decode(a.ids) for a in laid], [ep.finish_reason for ep in episodes],
                          turns=turns, turn_stats=stats)

@@ -467,24 +467,15 @@ def _check_eval_prompts(config: TrainConfig, eval_set, student, student_cfg) -> 
                     f"max_position_embeddings {positions}; lower rollout.generate_max_len")
 
 
-def _check_judge_context(config: TrainConfig, teacher_side, teacher_cfg) -> None:
-    """SAGE-OPD's teacher judge reads a whole turn and its feedback inside a template: the
-    longest judge call must fit the teacher's positions."""
+def _check_objective_models(config: TrainConfig, teacher_side, teacher_cfg) -> None:
+    """The objective's checks against the teacher's config and tokenizer (before any weight)."""
     from ctopd_jax.algorithms import get_objective
-    from ctopd_jax.build import context_room
 
-    objective = get_objective(config.algorithm)
-    if not getattr(objective, "needs_teacher_engine", False):
-        return
-    teacher_cfg = _model_cfg(config, "teacher", teacher_cfg)
-    rollout = config.rollout
-    longest = (rollout.max_prompt_len + context_room(objective, rollout, teacher_side)
-               + rollout.generate_max_len)
-    if longest > teacher_cfg.max_position_embeddings:
-        raise _fail(f"algorithm.sage_judge=teacher: a judge call needs up to {longest} positions "
-                    f"but the teacher's max_position_embeddings is "
-                    f"{teacher_cfg.max_position_embeddings}; use sage_judge=proxy for a small "
-                    "model, or shorter rollout.max_prompt_len / generate_max_len")
+    try:
+        get_objective(config.algorithm).check_models(config, _model_cfg(config, "teacher", teacher_cfg),
+                                                     teacher_side)
+    except ValueError as err:
+        raise _fail(str(err)) from None
 
 
 def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change: bool = False,
@@ -508,7 +499,7 @@ def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change:
     sides, overlap = _check_pair(config, dirs, cfgs)
     _check_prompt_lengths(config, prompts, sides, cfgs, data_path)
     _check_eval_prompts(config, eval_set, sides["student"], cfgs["student"])
-    _check_judge_context(config, sides["teacher"], cfgs["teacher"])
+    _check_objective_models(config, sides["teacher"], cfgs["teacher"])
     return Preflight(config=config, prompts=prompts, data_path=data_path,
                      student_tokenizer=sides["student"], teacher_tokenizer=sides["teacher"],
                      overlap=overlap, mesh_shape=mesh_shape, checkpoint_dir=ck_dir,

@@ -18,4 +18,18 @@ def get_objective(settings) -> Objective:
     return table[settings.name](settings)
 
 
-__all__ = ["Needs", "Objective", "StepInputs", "get_objective", "register", "registry"]
+def default_objective(name: str) -> Objective:
+    """The objective `name` with its section's defaults (what a config naming only it gets)."""
+    table = registry()
+    if name not in table:
+        raise ValueError(f"algorithm.name={name!r} is not registered; choose one of {sorted(table)}")
+    return table[name](table[name].settings_class(name=name))
+
+
+def objectives_that(predicate) -> list[str]:
+    """Names of the registered objectives whose default instance satisfies `predicate` (sorted)."""
+    return sorted(name for name in registry() if predicate(default_objective(name)))
+
+
+__all__ = ["Needs", "Objective", "StepInputs", "default_objective", "get_objective",
+           "objectives_that", "register", "registry"]

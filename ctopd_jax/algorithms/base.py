@@ -88,6 +88,11 @@ class Needs:
     rollout_logprobs: bool = False       # engine log-probs of the sampled tokens (π_old)
     reuse_sampled_ids: bool = False      # same tokenizer: sampled ids reused, no re-tokenization
     turns: bool = False                  # turn-structured episodes (host_episodes.EpisodeCollector)
+    episodes: bool = False               # may train on an environment's episodes (rollout.environment)
+    teacher_engine: bool = False         # the teacher also samples (its responses, expert turns or
+                                         # judge calls): a second rollout engine over the teacher
+    outcome_rewards: bool = False        # episode rewards for an outcome advantage, even without an
+                                         # environment (then graded by the task's answer grader)
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,9 @@ class StepInputs:
 class Objective:
     name: ClassVar[str] = ""
     settings_class: ClassVar[type] = AlgorithmSection
-    needs: ClassVar[Needs] = Needs()
+    # What the host side collects. Read it from an instance: an objective whose needs depend on
+    # its settings (gkd's λ and seq_kd) computes it in a property.
+    needs: Needs = Needs()
     # the objective's sums that are distillation terms (the trained loss is
     # kd_ratio · Σ_k weight_k · sum_k + (1 − kd_ratio) · CE)
     response_logprob_grad: ClassVar[bool] = False
@@ -154,8 +161,38 @@ class Objective:
         """Raise one clear ValueError for settings that cannot work with the rest of the run
         config (before any model loads)."""
 
+    def check_models(self, config, teacher_cfg, teacher_side) -> None:
+        """Raise one clear ValueError for settings that cannot work with the teacher's model
+        config (models.ModelConfig, read from its files) and tokenizer (before any weight loads)."""
+
     def prepare(self, host, start: int, stop: int) -> dict:
         raise NotImplementedError
+
+    def response_sources(self, micro_batches: int) -> list[str]:
+        """Host, once per optimizer step of a same-tokenizer objective: where each of its
+        `micro_batches` micro-batches takes its responses from (RESPONSE_SOURCES)."""
+        return [self.needs.responses] * micro_batches
+
+    # -- turn-structured episodes (host_episodes.EpisodeCollector, when needs.turns) ------------
+    def turn_limit(self, rollout_index: int) -> int | None:
+        """How many turns the student plays in rollout batch `rollout_index` (None: no limit)."""
+        return None
+
+    def expert_prefix(self, rollout_index: int, length: int) -> int:
+        """How many of an expert path's `length` turns are replayed before the student starts
+        (needs.teacher_engine supplies expert paths a row lacks)."""
+        return 0
+
+    def uses_expert(self) -> bool:
+        """Whether rollouts replay expert turns first (then `expert_prefix` counts them)."""
+        return False
+
+    def judge_prompt_tokens(self, side, rollout) -> int:
+        """Prompt tokens a teacher judge call adds beyond an episode's context (0: no judge)."""
+        return 0
+
+    def annotate(self, turns, episodes, samples, collector) -> None:
+        """Add host-side labels to `turns` (turns.TurnRows) after collection."""
 
     def after_micro_batch(self, metrics: dict) -> dict:
         """Host, after each micro-batch's gradient (step.grad.micro_grad), in sample order: an

@@ -69,7 +69,7 @@ class Gkd(SameTokenizerObjective):
     def needs(self) -> Needs:  # the off-policy source depends on seq_kd
         off = "teacher" if self.settings.seq_kd else "dataset"
         return Needs(responses="student" if self.settings.gkd_lambda >= 1.0 else off, teacher=True,
-                     rollout_logprobs=False, reuse_sampled_ids=True)
+                     rollout_logprobs=False, reuse_sampled_ids=True, teacher_engine=self.settings.seq_kd)
 
     # -- the λ draw (host side) ----------------------------------------------------------------
     def off_policy_source(self) -> str:

@@ -61,7 +61,7 @@ def opd2_advantages(lp_s, lp_t, lp_b, centre_opd, centre_delta):
 class Opd2(SameTokenizerObjective):
     settings_class = Opd2Settings
     needs = Needs(responses="student", teacher=True, teacher_base=True, rollout_logprobs=False,
-                  reuse_sampled_ids=True)
+                  reuse_sampled_ids=True, episodes=True)
     response_logprob_grad = True
 
     def kd_weights(self):

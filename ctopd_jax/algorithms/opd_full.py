@@ -13,7 +13,8 @@ from ctopd_jax.algorithms.same_tokenizer import SameTokenizerObjective, full_voc
 
 @register("opd_full")
 class OpdFull(SameTokenizerObjective):
-    needs = Needs(responses="student", teacher=True, rollout_logprobs=False, reuse_sampled_ids=True)
+    needs = Needs(responses="student", teacher=True, rollout_logprobs=False, reuse_sampled_ids=True,
+                  episodes=True)
 
     def kd_weights(self):
         return {"opd_full": 1.0}

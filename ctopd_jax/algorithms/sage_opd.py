@@ -68,15 +68,30 @@ class SageSettings(SameTokenizerSettings):
 @register("sage_opd")
 class SageOpd(TurnObjective):
     settings_class = SageSettings
-    needs = Needs(responses="student", teacher=True, rollout_logprobs=False, reuse_sampled_ids=True, turns=True)
     response_logprob_grad = False
 
     @property
-    def needs_teacher_engine(self) -> bool:
-        return self.settings.sage_judge == "teacher"
+    def needs(self) -> Needs:   # a teacher judge samples through an engine of its own
+        return Needs(responses="student", teacher=True, rollout_logprobs=False, reuse_sampled_ids=True,
+                     turns=True, episodes=True, teacher_engine=self.settings.sage_judge == "teacher")
 
     def judgment_weight(self, label: str) -> float:
         return {"skip": 0.0, "weak": self.settings.sage_alpha, "strong": 1.0}[label]
+
+    def check_models(self, config, teacher_cfg, teacher_side) -> None:
+        """The teacher judge reads a whole turn and its feedback inside a template: the longest
+        judge call (prompt, the episode so far, the template, the judged turn) must fit the
+        teacher's positions."""
+        if self.settings.sage_judge != "teacher":
+            return
+        r = config.rollout
+        longest = (r.max_prompt_len + r.generate_max_len + self.judge_prompt_tokens(teacher_side, r)
+                   + r.generate_max_len)
+        if longest > teacher_cfg.max_position_embeddings:
+            raise ValueError(f"algorithm.sage_judge=teacher: a judge call needs up to {longest} "
+                             f"positions but the teacher's max_position_embeddings is "
+                             f"{teacher_cfg.max_position_embeddings}; use sage_judge=proxy for a "
+                             "small model, or shorter rollout.max_prompt_len / generate_max_len")
 
     def judge_prompt_tokens(self, side, rollout) -> int:
         """The judge template around a turn (≤ the response budget) and its feedback (too)."""

@@ -111,7 +111,8 @@ def full_vocab_sum(x, s, divergence: str, temperature: float, jsd_beta: float = 
 class SameTokenizerObjective(Objective):
     """Base of the family: sampled ids reused, rollout log-probs collected."""
     settings_class = SameTokenizerSettings
-    needs = Needs(responses="student", teacher=True, rollout_logprobs=True, reuse_sampled_ids=True)
+    needs = Needs(responses="student", teacher=True, rollout_logprobs=True, reuse_sampled_ids=True,
+                  episodes=True)
 
     def check(self, overlap) -> None:
         if overlap.teacher_vocab_size != overlap.student_vocab_size:

@@ -16,12 +16,14 @@ required, so n_samples_per_prompt must be > 1.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
-from ctopd_jax.algorithms.base import register
+from ctopd_jax.algorithms.base import Needs, register
 from ctopd_jax.algorithms.opd import OpdSettings, gap_metrics, sampled_gap, sampled_terms
 from ctopd_jax.algorithms.turn_based import TurnObjective, segment_means
 from ctopd_jax.config import _require
@@ -49,6 +51,11 @@ def step_weights(d, d_first, epsilon: float, delta: float):
 @register("sod")
 class Sod(TurnObjective):
     settings_class = SodSettings
+
+    @property
+    def needs(self) -> Needs:   # the outcome advantage needs rewards (unset sod_outcome: on)
+        return dataclasses.replace(TurnObjective.needs,
+                                   outcome_rewards=self.settings.sod_outcome is not False)
 
     def check_run(self, config) -> None:
         if self.settings.sod_outcome and config.rollout.n_samples_per_prompt < 2:

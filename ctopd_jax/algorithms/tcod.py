@@ -9,15 +9,16 @@ With n the rollout batch index and P = `tcod_period`:
   its own tokens are distilled.
 Expert paths come from the dataset row (`expert_turns`, or `expert_actions` for an environment,
 or the `response` split into paragraphs); a row without one gets a teacher rollout (ours,
-labelled `tcod_teacher_expert` in the metrics). Single-turn responses are split into paragraph
+labelled `teacher_expert_samples` in the metrics). Single-turn responses are split into paragraph
 turns (ours). The loss is OPD's (algorithms/opd.py, its clip options included).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from ctopd_jax.algorithms.base import register
+from ctopd_jax.algorithms.base import Needs, register
 from ctopd_jax.algorithms.opd import OpdSettings
 from ctopd_jax.algorithms.turn_based import TurnObjective
 from ctopd_jax.config import _require
@@ -57,6 +58,9 @@ class Tcod(TurnObjective):
         return {"tcod": sums["opd"]}, metrics
 
     @property
+    def needs(self) -> Needs:   # B2F: the teacher plays the expert paths rows lack
+        return dataclasses.replace(TurnObjective.needs, teacher_engine=self.uses_expert())
+
     def uses_expert(self) -> bool:
         return self.settings.tcod_mode == "b2f"
 

@@ -53,27 +53,10 @@ class TurnObjective(OpdSampled):
     """OPD's sampled surrogate over turn-structured episodes; subclasses shape the advantage,
     the weights or the curriculum."""
     needs = Needs(responses="student", teacher=True, rollout_logprobs=True, reuse_sampled_ids=True,
-                  turns=True)
+                  turns=True, episodes=True)
 
     def prepare(self, host, start, stop):
         arrays = same_inputs(host, start, stop)
         arrays.update(turn_arrays(host, start, stop, arrays["response_weight"].shape[0]))
         return arrays
 
-    # -- host-side hooks (host_episodes.EpisodeCollector) --------------------------------------
-    uses_expert = False   # B2F curricula replay an expert path first
-
-    def turn_limit(self, rollout_index: int) -> int | None:
-        """How many turns the student plays in rollout batch `rollout_index` (None: no limit)."""
-        return None
-
-    def expert_prefix(self, rollout_index: int, length: int) -> int:
-        """How many of an expert path's `length` turns are replayed before the student starts."""
-        return 0
-
-    def judge_prompt_tokens(self, side, rollout) -> int:
-        """Prompt tokens a judge call adds beyond an episode's context (0: no judge)."""
-        return 0
-
-    def annotate(self, turns, episodes, samples, collector) -> None:
-        """Add host-side labels to `turns` (turns.TurnRows) after collection."""

@@ -65,16 +65,11 @@ def gap_closed(before: float, after: float, teacher: float) -> float | None:
     return None if gap <= 0 else (after - before) / gap
 
 def _needs(name: str):
-    from ctopd_jax.algorithms import registry
+    from ctopd_jax.algorithms import default_objective, registry
 
-    table = registry()
-    if name not in table:
-        raise ValueError(f"--algorithm {name!r} is not registered; choose one of {', '.join(sorted(table))}")
-    cls = table[name]
-    needs = cls.needs if not isinstance(cls.needs, property) else None
-    if needs is None:   # declared per instance (gkd): build one with its defaults
-        needs = cls(cls.settings_class(name=name)).needs
-    return needs
+    if name not in registry():
+        raise ValueError(f"--algorithm {name!r} is not registered; choose one of {', '.join(sorted(registry()))}")
+    return default_objective(name).needs
 
 
 def is_same_tokenizer(name: str) -> bool:

@@ -71,17 +71,17 @@ def test_tcod_b2f_replays_the_dataset_expert_prefix(side):
     host = c.collect([rows("408", **expert)], 0, StepTimer(), rollout_index=0)   # c(0) = 2 − 1 = 1
     context = c.engine.calls[0][0]
     assert side.decode(context, skip_special_tokens=False).endswith("<calc>12*34</calc><result>408</result>")
-    assert list(host.student.response_lens) == [19] and host.turn_stats["tcod_prefix_turns"] == 1.0
+    assert list(host.student.response_lens) == [19] and host.turn_stats["expert_prefix_turns"] == 1.0
     c, _ = collector(side, "tcod", [["<calc>12*34</calc>", "The answer is 408." + EOS]], tcod_mode="b2f",
                      tcod_period=5)
     host = c.collect([rows("408", **expert)], 0, StepTimer(), rollout_index=5)   # c(5) = 0: plain OPD
-    assert list(host.student.response_lens) == [37] and host.turn_stats["tcod_prefix_turns"] == 0.0
+    assert list(host.student.response_lens) == [37] and host.turn_stats["expert_prefix_turns"] == 0.0
 
 
 def test_tcod_f2b_limits_the_turns(side):
     c, _ = collector(side, "tcod", [["<calc>1+1</calc>", "<calc>2+2</calc>"]], tcod_period=5)
     host = c.collect([rows("4")], 0, StepTimer(), rollout_index=4)    # k(4) = 1
-    assert len(c.engine.calls) == 1 and host.turn_stats["tcod_turn_limit"] == 1
+    assert len(c.engine.calls) == 1 and host.turn_stats["turn_limit"] == 1
     assert host.finish_reasons == ["turns"]
 
 

@@ -48,7 +48,7 @@ def test_tcod_and_sage_on_calculator_episodes(tmp_path, name, extra, loss):
     if name == "sage_opd":
         assert metrics["sage_proxy_judge"] == 1.0 and metrics["sage_skip_fraction"] == 1.0  # identical models agree
     else:
-        assert metrics["tcod_teacher_expert"] == 8      # demo rows carry no expert path
+        assert metrics["teacher_expert_samples"] == 8      # demo rows carry no expert path
 
 
 def test_sod_outcome_needs_several_samples(tmp_path):
