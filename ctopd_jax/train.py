@@ -26,7 +26,6 @@ devices for --mesh: XLA_FLAGS=--xla_force_host_platform_device_count=N.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import sys
 
@@ -48,13 +47,6 @@ def build_parser() -> Parser:
                    help="with --resume: accept a config that differs from the saved one in "
                         "fields that matter (the changes are logged to config_changes.jsonl)")
     return p
-
-
-def _accepts(fn, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _main(argv: list[str]) -> int:
@@ -101,15 +93,10 @@ def _train(config, pre, args, writer: bool) -> int:
     from ctopd_jax.run_guard import SignalGuard, Stopped
     from ctopd_jax.trainer import Trainer, TrainingDiverged
 
-    # Until the loop takes these (preflight=, stop=), it runs as before: a SignalGuard is only
-    # installed when the loop checks it, or a SIGTERM would be swallowed.
-    trainer = Trainer(config, preflight=pre) if _accepts(Trainer, "preflight") else Trainer(config)
+    trainer = Trainer(config, preflight=pre)
     try:
-        if _accepts(trainer.train, "stop"):
-            with SignalGuard() as stop:
-                result = trainer.train(resume=args.resume, stop=stop)
-        else:
-            result = trainer.train(resume=args.resume)
+        with SignalGuard() as stop:   # a SIGTERM finishes the step, checkpoints it and stops
+            result = trainer.train(resume=args.resume, stop=stop)
     except TrainingDiverged as err:
         print(f"{PROG}: training stopped: {one_line(err)}", file=sys.stderr)
         return EXIT_DIVERGED

@@ -1,0 +1,105 @@
+"""Same numbers as a baseline commit: each objective's demo run, and a resumed run, trained in
+this tree and in a `git worktree` of the baseline, on the same seed and config file.
+
+    python benchmarks/same_as_baseline.py --baseline c714c0a [--steps 3] [--objectives strict,opd]
+
+For every objective (default: all registered) the config is the one `demo --algorithm NAME`
+runs (demo.compare.write_config, written once here and given to both trees), with `steps`
+iterations, a checkpoint at every step, no HF export. Compared exactly (==, not a tolerance):
+every metrics.jsonl value except wall-clock ones (time_*, wall_time, elapsed_s, tokens_per_s,
+peak memory), and the final checkpoint's parameters. Then, in this tree only, the first
+objective's run is killed after step 1 (a run of 1 step) and resumed to `steps`, which must
+equal the baseline's straight run. Prints one line per check and exits 1 on any difference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CLOCK = ("time_", "wall_time", "elapsed_s", "tokens_per_s", "peak_device_memory_bytes")
+
+
+def train(tree: Path, config: Path, out: Path, steps: int, resume: bool = False) -> None:
+    cmd = [sys.executable, "-m", "ctopd_jax.train", "--config", str(config),
+           "--set", f"output_dir={out}", "--set", f"steps={steps}", "--set", "checkpoint.every=1",
+           "--set", "checkpoint.export_hf=false", "--set", "checkpoint.async_save=false",
+           "--set", "logging.tensorboard=false", "--set", "logging.progress=false"]
+    env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd + (["--resume"] if resume else []), cwd=tree, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tree.name}: {' '.join(cmd[2:])} exited {proc.returncode}:\n"
+                           f"{proc.stderr[-2000:]}")
+
+
+def rows(run: Path) -> list[dict]:
+    out = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out.append({k: v for k, v in row.items() if not k.startswith(CLOCK)})
+    return out
+
+
+def params(run: Path) -> dict:
+    """{leaf path: bytes} of the newest checkpoint's parameters (Orbax, read with numpy)."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    step = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    restored = ocp.StandardCheckpointer().restore(run / "checkpoints" / str(step) / "state")
+    return {k: np.asarray(v).tobytes() for k, v in sorted(restored.items())}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", required=True, help="a commit of this repository")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--objectives", default="", help="comma-separated (default: all)")
+    args = parser.parse_args()
+    from ctopd_jax.algorithms import registry
+    from ctopd_jax.demo.compare import write_config
+
+    names = [n for n in args.objectives.split(",") if n] or sorted(registry())
+    work = Path(tempfile.mkdtemp(prefix="same_as_baseline_"))
+    base = work / "baseline"
+    subprocess.run(["git", "worktree", "add", "--detach", str(base), args.baseline], cwd=ROOT,
+                   check=True, capture_output=True)
+    failed = 0
+    try:
+        for name in names:
+            config = write_config(name, work / "configs")
+            runs = {}
+            for label, tree in (("baseline", base), ("this tree", ROOT)):
+                runs[label] = work / label.replace(" ", "_") / name
+                train(tree, config, runs[label], args.steps)
+            same_rows = rows(runs["baseline"]) == rows(runs["this tree"])
+            same_params = params(runs["baseline"]) == params(runs["this tree"])
+            failed += not (same_rows and same_params)
+            print(f"{name:<12} metrics {'equal' if same_rows else 'DIFFER'}, final parameters "
+                  f"{'equal' if same_params else 'DIFFER'}", flush=True)
+        name = names[0]
+        resumed = work / "resumed" / name
+        config = work / "configs" / f"config_{name}.yaml"
+        train(ROOT, config, resumed, 1)
+        train(ROOT, config, resumed, args.steps, resume=True)
+        same = (rows(resumed) == rows(work / "baseline" / name)
+                and params(resumed) == params(work / "baseline" / name))
+        failed += not same
+        print(f"{name:<12} killed after step 1 and resumed here == baseline straight run: "
+              f"{'equal' if same else 'DIFFER'}", flush=True)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
+                       capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
