@@ -45,6 +45,7 @@ $(VLLM_STAMP): pyproject.toml
 
 test-vllm: $(VLLM_STAMP) assets
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/rollout
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/teacher_service
 
 # jax 0.11-0.12 need Python >= 3.12: the default suite runs again on the newest jax the pins
 # admit (Python 3.12, jax 0.12, flax 0.12.12), from a venv of its own; skipped, with a line

@@ -1,0 +1,102 @@
+"""Start (and stop) a vLLM OpenAI server for a local HF checkpoint on 127.0.0.1.
+
+For tests, benchmarks and runs that serve their own teacher (a config that says
+`teacher.engine: vllm_server` with no server of its own):
+
+    with local_vllm_server("ctopd_jax/assets/demo/teacher", served_name="demo-teacher") as url:
+        ...  # http://127.0.0.1:<free port>
+
+The server runs in its own process group (so its engine process goes with it) from `python`
+(default: this interpreter, which must have vLLM installed: the .venv-vllm of `make test-vllm`).
+Start-up on this 2-core CPU takes ~30-60 s; the server is stopped on exit, also on an error.
+The CPU flags are those the in-process engine uses (float32, eager, 1 GiB of KV cache).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+class LocalServerError(RuntimeError):
+    """The local server did not come up: the last lines of its log say why."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_vllm_server(model_dir, *, served_name: str = "teacher", max_model_len: int = 256,
+                      max_logprobs: int = 64, dtype: str = "float32", python: str | None = None,
+                      port: int | None = None, start_timeout_s: float = 600.0,
+                      log_path=None, extra_args=()):
+    port = port or free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
+               "--max-logprobs", str(max_logprobs), "--served-model-name", served_name,
+               *extra_args]
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.pop("XLA_FLAGS", None)  # the trainer's fake-device flags mean nothing to the server
+    log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm_server_",
+                                                                     suffix=".log")[1])
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
+    try:
+        _wait_until_up(url, process, log_path, start_timeout_s)
+        yield url
+    finally:
+        _stop(process)
+
+
+def _wait_until_up(url: str, process, log_path: Path, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise LocalServerError(f"the vLLM server exited with {process.returncode} before "
+                                   f"answering: {_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=5) as answer:
+                if json.loads(answer.read()).get("data"):
+                    return
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        time.sleep(1.0)
+    raise LocalServerError(f"the vLLM server did not answer within {timeout_s:g} s: "
+                           f"{_tail(log_path)}")
+
+
+def _stop(process):
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)  # the group this module started, nothing else
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+
+def _tail(log_path: Path, lines: int = 5) -> str:
+    try:
+        text = log_path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return f"(no log at {log_path})"
+    return " | ".join(text[-lines:]) + f" (log: {log_path})"
