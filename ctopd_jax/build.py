@@ -187,17 +187,16 @@ def make_engine(student, s_tok, rollout, mesh, extra_context: int = 0):
     return make(student) if jax.process_count() == 1 else ProcessShardedEngine(make, student)
 
 
-def prompt_stream(config, s_tok, prompts=None):
-    """The training prompts (data.path, or `prompts` already read) that fit
-    rollout.max_prompt_len, as a resumable stream."""
+def prompt_stream(config, s_tok, objective, prompts=None):
+    """The training prompts (data.path, or `prompts` already read; with their dataset responses
+    when the objective trains on them) that fit rollout.max_prompt_len, as a resumable stream."""
     from ctopd_jax.data import PromptStream, load_prompts, resolve_named_source
     from ctopd_jax.host import render
 
     d, r = config.data, config.rollout
     path = resolve_named_source(d.path) if sources.is_named(d.path) else d.path
     if prompts is None:
-        from ctopd_jax.algorithms import get_objective
-        prompts = response_prompts(config) if uses_dataset_responses(get_objective(config.algorithm)) \
+        prompts = response_prompts(config) if uses_dataset_responses(objective) \
             else load_prompts(path, d.prompt_key, d.system_prompt)
     encoded = s_tok.tokenizer.encode_batch([render(s_tok, p) for p in prompts], add_special_tokens=False)
     fits = [len(e.ids) <= r.max_prompt_len for e in encoded]
@@ -254,54 +253,6 @@ def export_student(student, s_tok, out_dir: Path, is_writer: bool, config=None) 
     if s_tok.bos_id is not None:
         extra["bos_token_id"] = s_tok.bos_id
     return export_student_hf(model, out_dir, tokenizer_dir=s_tok.path, extra_config=extra)
-
-
-# -- the same-tokenizer OPD family (SPEC §9) ------------------------------------------------------
-
-def _tokenizer_of(spec: str, tokenizer_spec: str, role: str):
-    from ctopd_jax.tokenization.side import load_tokenizer_side
-
-    directory = model_dir(spec)
-    tok = tokenizer_spec or (str(directory) if directory is not None else "")
-    if not tok:
-        raise TrainerSetupError(f"model.{role}_tokenizer: a preset model ({spec}) needs a tokenizer")
-    return load_tokenizer_side(tok)
-
-
-def check_objective_inputs(config, objective) -> None:
-    """Cheap checks of a same-tokenizer objective, before any model loads: one tokenizer and
-    chat template on both sides (and for model.teacher_base), the base present when needed, and
-    every dataset row carrying a response when the objective may train on dataset responses."""
-    from ctopd_jax.host import check_same_tokenizer
-
-    needs, m, name = objective.needs, config.model, config.algorithm.name
-    try:
-        objective.check_run(config)
-    except ValueError as err:
-        raise TrainerSetupError(str(err)) from None
-    if config.rollout.environment and not needs.episodes:
-        from ctopd_jax.algorithms import objectives_that
-        can = objectives_that(lambda o: o.needs.episodes)
-        raise TrainerSetupError(
-            f"rollout.environment={config.rollout.environment}: episodes are sampled by the student and their ids "
-            f"reused, which algorithm.name={name} cannot train on; use {', '.join(can)}, or set "
-            "rollout.environment=''")
-    if needs.teacher_base and not m.teacher_base:
-        raise TrainerSetupError(f"model.teacher_base: algorithm.name={name} needs the teacher's pre-tuning "
-                                "base model; set model.teacher_base (e.g. demo_char:teacher_base)")
-    if not needs.reuse_sampled_ids:
-        return
-    try:
-        student = _tokenizer_of(m.student, m.student_tokenizer, "student")
-        teacher = _tokenizer_of(m.teacher, m.teacher_tokenizer, "teacher")
-        check_same_tokenizer(teacher, student, name)
-        if needs.teacher_base:
-            check_same_tokenizer(_tokenizer_of(m.teacher_base, "", "teacher_base"), student, name,
-                                 what="model.teacher_base")
-    except (ValueError, OSError) as err:
-        raise TrainerSetupError(str(err)) from None
-    if uses_dataset_responses(objective):
-        response_prompts(config)
 
 
 def uses_dataset_responses(objective) -> bool:

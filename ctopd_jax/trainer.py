@@ -35,13 +35,13 @@ import numpy as np
 from flax import nnx
 
 from ctopd_jax import build
-from ctopd_jax.algorithms import get_objective
 from ctopd_jax.build import TrainerSetupError  # noqa: F401  (re-exported for callers)
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig
 from ctopd_jax.evaluation import evaluate_during_training
 from ctopd_jax.metrics import MetricsLogger, StartupClock, StepTimer
 from ctopd_jax.models import lora
+from ctopd_jax.preflight import check_objective
 from ctopd_jax.optimizer import settings_from_config
 from ctopd_jax.step.grad import micro_grad, scalar, zero_grads
 from ctopd_jax.step.shards import stack_shards
@@ -77,8 +77,8 @@ class Trainer:
         self.mesh = mesh if mesh is not None else build.mesh_lib.make_mesh(dict(vars(c.mesh)))
         self.run_dir = Path(c.output_dir)
         self.is_writer = jax.process_index() == 0
-        self.objective = get_objective(c.algorithm)
-        build.check_objective_inputs(c, self.objective)  # same-tokenizer pair: before any model loads
+        # built and checked once, before any model loads (by preflight when it ran)
+        self.objective = preflight.objective if preflight is not None else check_objective(c)
         if preflight is not None:
             student_tokenizer = student_tokenizer or preflight.student_tokenizer
             teacher_tokenizer = teacher_tokenizer or preflight.teacher_tokenizer
@@ -97,7 +97,8 @@ class Trainer:
         self.objective.check(self.overlap)
         self.overlap_arrays = {"s_ids": build.replicated(self.overlap.s_ids.astype(np.int32), self.mesh),
                                "t_ids": build.replicated(self.overlap.t_ids.astype(np.int32), self.mesh)}
-        self.stream = build.prompt_stream(c, self.s_tok, preflight.prompts if preflight is not None else None)
+        self.stream = build.prompt_stream(c, self.s_tok, self.objective,
+                                          preflight.prompts if preflight is not None else None)
         lora.prepare(self.student, c)  # adapters attached before the engine starts (vLLM serves them)
         startup("rollout engine")
         self.engine = engine if engine is not None else build.make_engine(
