@@ -7,25 +7,43 @@ equals them. Objectives cut micro-batches out of it (`Objective.prepare`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from ctopd_jax.rollout.base import SamplingParams
 
 
+if TYPE_CHECKING:
+    from ctopd_jax.align.strict import StrictAlignment
+    from ctopd_jax.tokenization.retokenize import RetokenizedBatch
+    from ctopd_jax.turns import TurnRows
+
+
 @dataclass
 class HostBatch:
-    student: Any                     # tokenization.retokenize.RetokenizedBatch
-    teacher: Any                     # the teacher side, same samples
-    alignment: Any                   # align.StrictAlignment
+    """One iteration's collected samples, what every objective's `prepare` reads."""
+    student: RetokenizedBatch        # the student side of the samples
+    teacher: RetokenizedBatch        # the teacher side, same samples (the same object when
+                                     # one tokenizer serves both)
+    alignment: StrictAlignment       # the strict 1:1 pairs (SPEC §2)
     rollout_logprobs: tuple[np.ndarray, np.ndarray] | None  # (values, weights) per response row
     responses: list[str]
     finish_reasons: list[str]
     shard_samples: int = 0           # samples this process generated itself (its shard)
-    turns: Any = None                # turns.TurnRows of turn-structured episodes (host_episodes)
+    turns: TurnRows | None = None    # turn structure of episodes (host_episodes)
     turn_stats: dict | None = None   # their per-iteration metrics (reward, turns, curriculum)
+    sources: list[str] | None = None  # where each sample's response came from (RESPONSE_SOURCES)
+    derived: dict[str, Any] = field(default_factory=dict, repr=False)   # see `once`
+
+    def once(self, key: str, compute: Callable[["HostBatch"], Any]) -> Any:
+        """compute(self), computed the first time `key` is asked for on this batch: data an
+        objective derives from the whole collected batch (SimCT segments, MP-OPD atoms) and
+        reads for every micro-batch."""
+        if key not in self.derived:
+            self.derived[key] = compute(self)
+        return self.derived[key]
 
     @property
     def size(self) -> int:
@@ -349,7 +367,5 @@ class SameTokenizerCollector:
                     lo, hi = int(batch.response_lens[:b].sum()), int(batch.response_lens[:b + 1].sum())
                     weights[lo:hi] = 0.0
             alignment = identity_alignment(batch)
-        host = HostBatch(batch, batch, alignment, (values, weights), list(batch.responses),
-                         [s[3] for s in slots])
-        host.sources = sources
-        return host
+        return HostBatch(batch, batch, alignment, (values, weights), list(batch.responses),
+                         [s[3] for s in slots], sources=sources)

@@ -223,18 +223,9 @@ def align_sample(b, w, chunks, grams):
 
 # -- host arrays ------------------------------------------------------------------------------------
 def host_atoms(host):
-    cached = host.__dict__.get("_mp_opd_atoms")
-    if cached is None:
-        from ctopd_jax.align.atoms import mpopd_atoms
-        cached = mpopd_atoms(host.teacher, host.student)
-        host.__dict__["_mp_opd_atoms"] = cached
-    return cached
-
-
-def _expand(first, count):
-    group = np.repeat(np.arange(len(first)), count)
-    offset = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-    return np.repeat(np.asarray(first, np.int64), count) + offset, group
+    """MP-OPD atoms of the whole collected batch (computed once per batch)."""
+    from ctopd_jax.align.atoms import mpopd_atoms
+    return host.once("mp_opd_atoms", lambda h: mpopd_atoms(h.teacher, h.student))
 
 
 def atom_arrays(settings, host, start: int, stop: int, student_len: int, teacher_len: int,
@@ -264,12 +255,12 @@ def atom_arrays(settings, host, start: int, stop: int, student_len: int, teacher
             first += 1
     size = pack.rows_bucket(n, min_rows)
     spans = pack.rows_bucket(first, min_rows)
-    s_rows, s_atom = _expand(a[:, 3], w)
+    s_rows, s_atom = pack.expand_ranges(a[:, 3], w)
     s_rows = pack.rebase(s_rows, host.student.seq_len, start, student_len)
     real = response_rows[:int(response_weight.sum())]
     s_index = np.searchsorted(real, s_rows)
     t_count = a[:, 2] - a[:, 1]
-    t_rows, t_atom = _expand(a[:, 1], t_count)
+    t_rows, t_atom = pack.expand_ranges(a[:, 1], t_count)
     t_targets = host.teacher.labels.reshape(-1)[t_rows]
     s_size, t_size = pack.rows_bucket(len(s_index), min_rows), pack.rows_bucket(len(t_rows), min_rows)
     counts = atoms.fail_counts(start, stop)
@@ -308,7 +299,7 @@ def atom_arrays(settings, host, start: int, stop: int, student_len: int, teacher
         valid = np.zeros((spans, k), np.float32)
         sp, sl = tok_span[order], slot
         rows[sp, sl] = real[s_index[order]] if len(order) else 0
-        targets[sp, sl] = host.student.labels.reshape(-1)[_expand(a[:, 3], w)[0][order]] if len(order) else 0
+        targets[sp, sl] = host.student.labels.reshape(-1)[pack.expand_ranges(a[:, 3], w)[0][order]] if len(order) else 0
         pos[sp, sl] = span_pos[s_atom[order]]
         valid[sp, sl] = 1.0
         out.update({"gram_rows": rows, "gram_targets": targets, "gram_pos": pos, "gram_valid": valid})

@@ -106,3 +106,10 @@ def strict_arrays(host, start: int, stop: int, student_len: int, teacher_len: in
     s_rows, weight = padded(rebase(a.student_rows[sel], host.student.seq_len, start, student_len), size)
     t_rows, _ = padded(rebase(a.teacher_rows[sel], host.teacher.seq_len, start, teacher_len), size)
     return {"strict_student_rows": s_rows, "strict_teacher_rows": t_rows, "strict_weight": weight}
+
+
+def expand_ranges(first, count) -> tuple[np.ndarray, np.ndarray]:
+    """Every index first[g] .. first[g] + count[g] − 1 in group order, and its group id g."""
+    group = np.repeat(np.arange(len(first)), count)
+    offset = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    return np.repeat(np.asarray(first, np.int64), count) + offset, group

@@ -58,19 +58,8 @@ class SimCTSettings(AlgorithmSection):
 
 def host_segments(host):
     """SimCT segments of the whole collected batch (computed once per batch)."""
-    cached = host.__dict__.get("_simct_segments")
-    if cached is None:
-        from ctopd_jax.align.simct import simct_segments
-        cached = simct_segments(host.teacher, host.student)
-        host.__dict__["_simct_segments"] = cached
-    return cached
-
-
-def _expand(first, count):
-    """Every index first[g] .. first[g] + count[g] − 1, and its group id."""
-    group = np.repeat(np.arange(len(first)), count)
-    offset = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-    return np.repeat(np.asarray(first, np.int64), count) + offset, group
+    from ctopd_jax.align.simct import simct_segments
+    return host.once("simct_segments", lambda h: simct_segments(h.teacher, h.student))
 
 
 def segment_arrays(host, start: int, stop: int, student_len: int, teacher_len: int,
@@ -86,8 +75,8 @@ def segment_arrays(host, start: int, stop: int, student_len: int, teacher_len: i
     first_s = pack.rebase(g[:, 3], s_seq, start, student_len)
     first_t = pack.rebase(g[:, 1], t_seq, start, teacher_len)
     sg, tg = g[span], np.flatnonzero(span)
-    s_rows, s_group = _expand(sg[:, 3], sg[:, 4] - sg[:, 3])
-    t_rows, t_group = _expand(sg[:, 1], sg[:, 2] - sg[:, 1])
+    s_rows, s_group = pack.expand_ranges(sg[:, 3], sg[:, 4] - sg[:, 3])
+    t_rows, t_group = pack.expand_ranges(sg[:, 1], sg[:, 2] - sg[:, 1])
     s_size, t_size = pack.rows_bucket(len(s_rows), min_rows), pack.rows_bucket(len(t_rows), min_rows)
     s_len, t_len = (g[:, 4] - g[:, 3]), (g[:, 2] - g[:, 1])
     s_count = np.zeros(n, np.float32)
