@@ -1,9 +1,12 @@
 """SGLang's native server: what to send and how to read the answer.
 
 Scoring request (POST /generate), one or several sequences per request:
-    {"input_ids": [[ids...], ...], "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+    {"input_ids": [[ids...], ...],
+     "sampling_params": {"max_new_tokens": 1, "temperature": 1, "top_p": 1},
      "return_logprob": true, "logprob_start_len": [L, ...], "top_logprobs_num": k}
-Ids in, so nothing is tokenized by the server.
+Ids in, so nothing is tokenized by the server. Temperature and top_p are 1 on purpose: a server
+started with temperature-scaled / top-p-normalised log-probs applies the request's sampling
+settings to the returned log-probs too, and the client promises the raw (τ = 1) distribution.
 
 Answer: a list, one object per sequence in request order, with
     meta_info.input_token_logprobs = [[logprob, token_id, text|null], ...]
@@ -36,7 +39,7 @@ TOP_K_FIX = "lower {prefix}.top_k"
 
 def score_request(batch: list[tuple[list[int], int]], top_k: int, model: str) -> dict:
     return {"input_ids": [ids for ids, _ in batch],
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0},
             "return_logprob": True,
             "logprob_start_len": [start - 1 for _, start in batch],
             "top_logprobs_num": top_k}

@@ -94,7 +94,7 @@ SGLANG_ANSWER = [{
 def test_sglang_request_sends_ids_from_the_position_before_start():
     assert sglang_protocol.score_request([([4, 7, 2, 9], 2), ([1, 2], 1)], 2, "") == {
         "input_ids": [[4, 7, 2, 9], [1, 2]],
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0},
         "return_logprob": True, "logprob_start_len": [1, 0], "top_logprobs_num": 2}
 
 
