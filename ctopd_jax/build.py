@@ -212,12 +212,13 @@ def prompt_stream(config, s_tok, objective, prompts=None):
 
 
 @functools.lru_cache(maxsize=8)
-def update_fns(settings, donate: bool):
-    """(tx, schedule, jitted update) per optimizer settings, so equal runs share the compile."""
-    from ctopd_jax.step.grad import make_apply_update
+def update_fns(section, total_steps: int, donate: bool):
+    """(tx, schedule, jitted update) of an `optimizer:` section over `total_steps` updates,
+    cached so equal runs share the compile."""
     from ctopd_jax.optimizer import make_optimizer
+    from ctopd_jax.step.grad import make_apply_update
 
-    tx, schedule = make_optimizer(settings)
+    tx, schedule = make_optimizer(section, total_steps)
     return tx, schedule, make_apply_update(tx, schedule, donate=donate)
 
 

@@ -42,7 +42,6 @@ from ctopd_jax.evaluation import evaluate_during_training
 from ctopd_jax.metrics import MetricsLogger, StartupClock, StepTimer
 from ctopd_jax.models import lora
 from ctopd_jax.preflight import check_objective
-from ctopd_jax.optimizer import settings_from_config
 from ctopd_jax.step.grad import micro_grad, scalar, zero_grads
 from ctopd_jax.step.shards import stack_shards
 from ctopd_jax.teacher import lm_head_of, teacher_hidden_rows
@@ -109,8 +108,8 @@ class Trainer:
         startup("optimizer state")
         responses = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
         self.updates_per_iteration = responses // c.optimizer.train_batch_size
-        settings = settings_from_config(c.optimizer, c.steps * self.updates_per_iteration)
-        self.tx, self.schedule, self.apply_update = build.update_fns(settings, jax.default_backend() != "cpu")
+        self.tx, self.schedule, self.apply_update = build.update_fns(
+            c.optimizer, c.steps * self.updates_per_iteration, jax.default_backend() != "cpu")
         self.graphdef, self.params, self.rest = nnx.split(lora.prepare(self.student, c), lora.trainable_filter(c), ...)
         # scalars of the optimizer state (step counts) come out of init on one device: put them
         # on the mesh too, so saved and restored states carry mesh shardings throughout

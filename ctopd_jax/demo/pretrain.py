@@ -55,7 +55,8 @@ from ctopd_jax.demo import task, tools_task
 from ctopd_jax.demo.data import ASSET_DIR
 from ctopd_jax.models import Decoder, ModelConfig, tiny_llama, tiny_qwen2
 from ctopd_jax.models.weights import export_hf_checkpoint
-from ctopd_jax.optimizer import OptimizerSettings, make_optimizer
+from ctopd_jax.config import OptimizerSection
+from ctopd_jax.optimizer import make_optimizer
 from ctopd_jax.tokenization import IGNORE_INDEX, TokenizerSide, load_tokenizer_side, retokenize
 
 SEQ_LEN = 64            # every demo sequence (prompt + response + EOS) fits on both sides
@@ -261,10 +262,9 @@ def train(spec: PretrainSpec, steps: int | None = None, eval_every: int = 0, log
     side = load_tokenizer_side(spec.tokenizer)
     cfg = spec.make_config(side.vocab_size)
     model = Decoder(cfg, rngs=nnx.Rngs(spec.seed))
-    tx, _ = make_optimizer(OptimizerSettings(learning_rate=spec.lr, total_steps=steps,
-                                             schedule=spec.schedule,
-                                             warmup_ratio=spec.warmup_ratio,
-                                             min_lr=spec.lr / 10, weight_decay=0.0))
+    tx, _ = make_optimizer(OptimizerSection(lr=spec.lr, schedule=spec.schedule,
+                                            warmup_ratio=spec.warmup_ratio, min_lr=spec.lr / 10,
+                                            weight_decay=0.0), steps)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     tools = pair == "char_tools"
     train_problems = (tools_task if tools else task).split("train")

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
-from ctopd_jax.optimizer import (OptimizerSettings, cosine_with_min_lr_schedule, decay_mask,
-                                 make_optimizer, warmup_steps)
+from ctopd_jax.config import ConfigError, OptimizerSection, TrainConfig, validate
+from ctopd_jax.optimizer import cosine_with_min_lr_schedule, decay_mask, make_optimizer, warmup_steps
 
 
 @pytest.mark.parametrize("total,ratio,lr,min_lr", [(100, 0.05, 1e-6, 1e-8), (7, 0.3, 1e-3, 1e-5), (10, 0.0, 2e-4, 0.0)])
@@ -48,14 +48,13 @@ def test_update_matches_torch_adamw_with_clipping_and_masked_decay():
     w0, b0 = rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(4,)).astype(np.float32)
     grads = [(rng.normal(size=(3, 4)).astype(np.float32) * 3, rng.normal(size=(4,)).astype(np.float32) * 3)
              for _ in range(6)]
-    settings = OptimizerSettings(learning_rate=1e-2, weight_decay=0.1, total_steps=6, warmup_ratio=0.34,
-                                 min_lr=1e-4)
+    section = OptimizerSection(lr=1e-2, weight_decay=0.1, warmup_ratio=0.34, min_lr=1e-4)
     # torch reference: decay on the matrix only, clip 1.0, same schedule
     tw, tb = torch.nn.Parameter(torch.tensor(w0)), torch.nn.Parameter(torch.tensor(b0))
     topt = torch.optim.AdamW([{"params": [tw], "weight_decay": 0.1}, {"params": [tb], "weight_decay": 0.0}],
                              lr=1e-2, betas=(0.9, 0.98), eps=1e-8)
     tsched = get_cosine_with_min_lr_schedule_with_warmup(topt, warmup_steps(6, 0.34), 6, min_lr=1e-4)
-    tx, _ = make_optimizer(settings)
+    tx, _ = make_optimizer(section, 6)
     params = {"lin": {"kernel": jnp.asarray(w0), "bias": jnp.asarray(b0)}}
     state = tx.init(params)
     for gw, gb in grads:
@@ -70,5 +69,5 @@ def test_update_matches_torch_adamw_with_clipping_and_masked_decay():
 
 
 def test_bad_settings_rejected():
-    with pytest.raises(ValueError, match="min_lr"):
-        OptimizerSettings(learning_rate=1e-6, min_lr=1e-3)
+    with pytest.raises(ConfigError, match="optimizer.min_lr"):
+        validate(TrainConfig(optimizer=OptimizerSection(lr=1e-6, min_lr=1e-3)))
