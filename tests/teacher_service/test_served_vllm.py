@@ -68,3 +68,38 @@ def test_start_up_check_on_the_real_server(url):
         served(url, top_k=33).start(VOCAB)
     with pytest.raises(TeacherServerCheckError, match="not teacher.model 'Qwen2.5-7B'"):
         served(url, model="Qwen2.5-7B").start(VOCAB)
+
+
+def test_served_rows_equal_the_trainers_teacher_path(url, tiny_bpe):
+    """On a re-tokenized teacher batch (as host.py builds it), the served rows equal what the
+    trainer's own teacher path (teacher.teacher_hidden_rows, then the lm_head) gives at every
+    loss-mask row: the row convention holds end to end."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from ctopd_jax.demo import task
+    from ctopd_jax.teacher import lm_head_of, teacher_hidden_rows
+    from ctopd_jax.teacher_service.batch_rows import score_teacher_batch
+    from ctopd_jax.tokenization.retokenize import retokenize
+
+    problems = task.split("held_out")[:8]
+    prompts = [f"<|im_start|>user\n{p.prompt}<|im_end|>\n<|im_start|>assistant\n"
+               for p in problems]
+    responses = [p.solution if i % 2 else p.solution.replace("=", "=1", 1)
+                 for i, p in enumerate(problems)]
+    batch = retokenize(tiny_bpe, prompts, responses, pad_to_multiple=16)
+    rows = score_teacher_batch(served(url), batch)
+
+    model, _ = load_hf_checkpoint(DEMO_TEACHER)
+    graphdef, state = nnx.split(model)
+    flat = np.nonzero(batch.loss_mask.reshape(-1))[0].astype(np.int32)
+    hidden = teacher_hidden_rows(graphdef, state, jnp.asarray(batch.input_ids),
+                                 jnp.asarray(batch.attention_mask), jnp.asarray(flat))
+    logprobs = np.asarray(jax.nn.log_softmax(hidden @ lm_head_of(graphdef, state), axis=-1))
+    labels = batch.labels.reshape(-1)[flat]
+    np.testing.assert_allclose(rows.token_logprobs[flat],
+                               logprobs[np.arange(len(flat)), labels], atol=1e-3)
+    np.testing.assert_allclose(rows.topk_logprobs[flat], -np.sort(-logprobs, axis=1)[:, :TOP_K],
+                               atol=1e-3)
+    assert rows.row_mask.sum() == len(flat)
