@@ -96,8 +96,11 @@ class RolloutEngine(Protocol):
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int,
-                  max_len: int | None = None) -> list[list[int]]:
-    """Validate prompt token ids before any device work; returns plain int lists."""
+                  max_len: int | None = None, *, max_new_tokens: int = 0,
+                  positions: tuple[int, str] | None = None) -> list[list[int]]:
+    """Validate prompt token ids before any device work; returns plain int lists.
+    `positions`: (limit, what it is) that the longest prompt + `max_new_tokens` must fit, e.g.
+    (max_position_embeddings, "the model's max_position_embeddings")."""
     if len(prompts) == 0:
         raise RolloutConfigError("generate: prompts is empty; pass at least one token id list")
     out = []
@@ -117,6 +120,11 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int,
                 f"generate: prompts[{i}] has {len(ids)} tokens, more than the engine's "
                 f"max prompt length {max_len}; truncate prompts or raise rollout.max_prompt_len")
         out.append(ids)
+    longest = max(len(p) for p in out)
+    if positions is not None and longest + max_new_tokens > positions[0]:
+        raise RolloutConfigError(
+            f"generate: prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"{positions[1]}={positions[0]}; lower rollout.max_prompt_len / rollout.generate_max_len")
     return out
 
 

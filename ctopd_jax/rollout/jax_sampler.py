@@ -256,15 +256,13 @@ class JaxSampler:
         if not isinstance(params, SamplingParams):
             raise RolloutConfigError("generate: params must be a rollout.SamplingParams")
         cfg = self._model.cfg
-        prompts = check_prompts(prompts, cfg.vocab_size, self.max_prompt_len)
+        prompts = check_prompts(prompts, cfg.vocab_size, self.max_prompt_len,
+                                max_new_tokens=params.max_new_tokens,
+                                positions=(cfg.max_position_embeddings,
+                                           "the model's max_position_embeddings"))
         expanded = [p for p in prompts for _ in range(params.n)]
         prompt_index = [i for i in range(len(prompts)) for _ in range(params.n)]
         longest = max(len(p) for p in prompts)
-        if longest + params.max_new_tokens > cfg.max_position_embeddings:
-            raise RolloutConfigError(
-                f"generate: prompt ({longest}) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"the model's max_position_embeddings={cfg.max_position_embeddings}; lower "
-                "rollout.generate_max_len or rollout.max_prompt_len")
         plan = self.plan(len(expanded), longest, params.max_new_tokens)
         check_kv_cache_fits(cfg, plan["slots"], plan["cache_len"], self.kv_cache_budget_gb)
         graphdef, state = nnx.split(self._model)

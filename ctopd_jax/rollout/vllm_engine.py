@@ -387,13 +387,8 @@ class VllmEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutResult:
         if not isinstance(params, SamplingParams):
             raise RolloutConfigError("generate: params must be a rollout.SamplingParams")
-        prompts = check_prompts(prompts, self._vocab)
-        longest = max(len(p) for p in prompts)
-        if longest + params.max_new_tokens > self.max_model_len:
-            raise RolloutConfigError(
-                f"generate: prompt ({longest}) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"the vLLM engine's max_model_len={self.max_model_len}; lower "
-                "rollout.max_prompt_len / rollout.generate_max_len")
+        prompts = check_prompts(prompts, self._vocab, max_new_tokens=params.max_new_tokens,
+                                positions=(self.max_model_len, "the vLLM engine's max_model_len"))
         if self._asleep and self.adapter_sync:  # level 1: everything comes back as it was
             self.llm.wake_up()
             self._asleep = False

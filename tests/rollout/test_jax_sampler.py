@@ -234,3 +234,14 @@ def test_kv_cache_budget_sizes_to_slots_and_fails_in_one_line(llama):
         check_kv_cache_fits(big, 256, 10_240, 80.0)
     with pytest.raises(RolloutConfigError, match="kv_cache_budget_gb"):
         JaxSampler(model, eos_ids=None, kv_cache_budget_gb=0)
+
+
+def test_the_prompt_check_is_one_function_for_every_engine():
+    from ctopd_jax.rollout.base import check_prompts
+
+    ok = check_prompts([[1, 2, 3], [4]], 10, 3, max_new_tokens=5, positions=(8, "the limit"))
+    assert ok == [[1, 2, 3], [4]]
+    with pytest.raises(RolloutConfigError, match=r"prompt \(3\) \+ max_new_tokens \(6\) exceeds the limit=8"):
+        check_prompts([[1, 2, 3]], 10, max_new_tokens=6, positions=(8, "the limit"))
+    with pytest.raises(RolloutConfigError, match="more than the engine's max prompt length 2"):
+        check_prompts([[1, 2, 3]], 10, 2)
