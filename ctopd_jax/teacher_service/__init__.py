@@ -4,7 +4,10 @@ The client sends token ids, never text, so the server scores exactly the ids the
 and returns per response position the realised token's log-prob and the teacher's top-k.
 Modules: settings (the `teacher.*` fields and their checks), transport (HTTP + retries),
 vllm_protocol / sglang_protocol (requests and answers), client (batching and concurrency),
-startup (the check before training), topk (the teacher-top-k strict and top-k GKD math).
+startup (the check before training), topk (the teacher-top-k strict and top-k GKD math),
+batch_rows (served scores on the teacher batch's flat rows), routing (rows to named teachers),
+local_scores / local_server / demo_inputs (the local reference, a local vLLM server, the demo
+workload: for tests and the benchmark).
 See docs/served_teacher.md.
 """
 from ctopd_jax.teacher_service.client import (ServedTeacher, TeacherServiceError,

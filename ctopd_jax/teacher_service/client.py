@@ -3,6 +3,7 @@
     teacher = ServedTeacher(settings)            # settings validated here
     teacher.start(vocab_size=800)                # the start-up check (startup.py), once
     scored = teacher.score(sequences, starts)    # list[ScoredSequence], one per sequence
+    future = teacher.submit(sequences, starts)   # the same in the background; .result()
 
 `sequences[i]` is the teacher's full input ids (prompt + response + EOS, as the local teacher's
 prefill sees them) and `starts[i]` the position of the first response token; see scores.py for
@@ -42,6 +43,20 @@ class ServedTeacher:
         self.transport = Transport(settings.base_url, settings.timeout_s, settings.retries,
                                    settings.backoff_s, sleep=sleep)
         self.info: ServerInfo | None = None
+        self._background: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def submit(self, sequences, starts) -> concurrent.futures.Future:
+        """`score` in a background thread, so the caller can overlap the server's work with
+        its own (the student's forward, the next batch's alignment); `.result()` returns or
+        raises what `score` would. Batches run one after another, in submission order."""
+        if self._background is None:
+            self._background = concurrent.futures.ThreadPoolExecutor(1, "served-teacher")
+        return self._background.submit(self.score, sequences, starts)
+
+    def close(self):
+        if self._background is not None:
+            self._background.shutdown(wait=True, cancel_futures=True)
+            self._background = None
 
     def start(self, vocab_size: int) -> ServerInfo:
         """The start-up check (server up, right engine, right model and vocabulary)."""

@@ -40,6 +40,7 @@ class FakeTeacherServer:
         self.sglang_from_next = sglang_from_next  # an older SGLang: entries start at L + 1
         self.sglang_drop_last = sglang_drop_last  # a broken server: the last position missing
         self.script: list[str] = []               # actions for the next scoring requests
+        self.gate: threading.Event | None = None  # when set: scoring waits until it opens
         self.lock = threading.Lock()
         self.in_flight = self.max_in_flight = 0
         self.scoring_requests: list[dict] = []    # every scoring payload received, in order
@@ -87,6 +88,8 @@ class FakeTeacherServer:
                 return None, None
             if action.isdigit():
                 return int(action), {"error": {"message": f"injected HTTP {action}"}}
+            if self.gate is not None:
+                self.gate.wait(timeout=10)
             time.sleep(self.delay_s)
             return answer(body)
         finally:

@@ -102,6 +102,24 @@ def test_concurrency_is_bounded_and_used(engine, toy):
         fake.close()
 
 
+def test_submit_scores_in_the_background(fake, toy):
+    import threading
+
+    teacher = client(fake)
+    fake.gate = threading.Event()
+    sequences, starts = random_batch(np.random.default_rng(5), 3)
+    future = teacher.submit(sequences, starts)
+    try:
+        assert not future.done()  # the server holds every answer until the gate opens
+    finally:
+        fake.gate.set()
+    assert_scores_equal_reference(toy, future.result(timeout=30), sequences, starts, 5)
+    fake.script = ["400"]
+    with pytest.raises(TeacherServiceError, match="refused a scoring request"):
+        teacher.submit(sequences, starts).result(timeout=30)
+    teacher.close()
+
+
 def request_sequences(fake, request):
     return request["prompt"] if fake.engine == "vllm" else request["input_ids"]
 
