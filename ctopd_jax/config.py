@@ -124,15 +124,15 @@ class ModelSection:
         from ctopd_jax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 
         policies = ("",) + REMAT_POLICIES
-        _require(self.remat_policy in policies, "model.remat_policy",
+        require(self.remat_policy in policies, "model.remat_policy",
                  f"{self.remat_policy!r} is not one of {', '.join(repr(p) for p in policies)} "
                  "(\"\" = follow model.remat)")
-        _require(self.attention in ATTENTION_IMPLEMENTATIONS, "model.attention",
+        require(self.attention in ATTENTION_IMPLEMENTATIONS, "model.attention",
                  f"{self.attention!r} is not one of "
                  f"{', '.join(repr(a) for a in ATTENTION_IMPLEMENTATIONS)}")
-        _require(self.mlp_chunk >= 0, "model.mlp_chunk",
+        require(self.mlp_chunk >= 0, "model.mlp_chunk",
                  f"{self.mlp_chunk} must be >= 0 (0 = no chunking)")
-        _require(self.attention != "cudnn" or self.dtype == "bfloat16", "model.attention",
+        require(self.attention != "cudnn" or self.dtype == "bfloat16", "model.attention",
                  "'cudnn' needs model.dtype: bfloat16; use 'auto' (it picks cuDNN when it can)")
 
     def execution_options(self, role: str) -> dict[str, Any]:
@@ -200,10 +200,10 @@ class AlgorithmSection:
         extend this). Divergence ranges come from losses.py: one place for both."""
         from ctopd_jax import losses
 
-        _require(0 <= self.kd_ratio <= 1, "algorithm.kd_ratio", f"{self.kd_ratio} must be in [0, 1]")
-        _require(self.chunked_loss_size >= 1, "algorithm.chunked_loss_size", "must be >= 1")
-        _require(self.diagnostics_every >= 0, "algorithm.diagnostics_every", "must be >= 0 (0 = off)")
-        _require(self.diagnostics_prompts >= 1, "algorithm.diagnostics_prompts", "must be >= 1")
+        require(0 <= self.kd_ratio <= 1, "algorithm.kd_ratio", f"{self.kd_ratio} must be in [0, 1]")
+        require(self.chunked_loss_size >= 1, "algorithm.chunked_loss_size", "must be >= 1")
+        require(self.diagnostics_every >= 0, "algorithm.diagnostics_every", "must be >= 0 (0 = off)")
+        require(self.diagnostics_prompts >= 1, "algorithm.diagnostics_prompts", "must be >= 1")
         try:
             losses.check_divergence_args(self.kd_loss_fn, temperature=self.kd_temperature,
                                          jsd_beta=self.jsd_beta, skl_lambda=self.skl_lambda,
@@ -566,7 +566,8 @@ def from_dict(tree: Mapping[str, Any]) -> TrainConfig:
     return _finish(_build(TrainConfig, dict(tree)))
 
 
-def _require(condition: bool, field_name: str, message: str) -> None:
+def require(condition: bool, field_name: str, message: str) -> None:
+    """One ConfigError naming `field_name` unless `condition` (objectives' validate() use it too)."""
     if not condition:
         raise ConfigError(f"{field_name}: {message}")
 
@@ -574,75 +575,75 @@ def _require(condition: bool, field_name: str, message: str) -> None:
 def validate(config: TrainConfig, device_count: int | None = None) -> None:
     """Impossible values; with `device_count`, also that the mesh fits the devices."""
     r, a, o = config.rollout, config.algorithm, config.optimizer
-    _require(config.output_dir.strip() != "", "output_dir", "is empty, which would write the run "
+    require(config.output_dir.strip() != "", "output_dir", "is empty, which would write the run "
              "into the current directory; name a folder for it, e.g. runs/my_run")
     _check_seeds(config)
-    _require(config.steps >= 1, "steps", f"{config.steps} must be >= 1")
-    _require(r.rollout_batch_size >= 1, "rollout.rollout_batch_size", "must be >= 1")
-    _require(r.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "must be >= 1")
-    _require(r.temperature >= 0, "rollout.temperature", "must be >= 0 (0 = greedy)")
-    _require(0 < r.top_p <= 1, "rollout.top_p", f"{r.top_p} must be in (0, 1]")
-    _require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "must be -1 (off) or >= 1")
-    _require(r.generate_max_len >= 1, "rollout.generate_max_len", "must be >= 1")
-    _require(r.max_prompt_len >= 1, "rollout.max_prompt_len", "must be >= 1")
-    _require(r.jax_decode_slots >= 1, "rollout.jax_decode_slots", "must be >= 1")
-    _require(r.jax_kv_cache_budget_gb > 0, "rollout.jax_kv_cache_budget_gb", "must be > 0 (GB)")
+    require(config.steps >= 1, "steps", f"{config.steps} must be >= 1")
+    require(r.rollout_batch_size >= 1, "rollout.rollout_batch_size", "must be >= 1")
+    require(r.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "must be >= 1")
+    require(r.temperature >= 0, "rollout.temperature", "must be >= 0 (0 = greedy)")
+    require(0 < r.top_p <= 1, "rollout.top_p", f"{r.top_p} must be in (0, 1]")
+    require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "must be -1 (off) or >= 1")
+    require(r.generate_max_len >= 1, "rollout.generate_max_len", "must be >= 1")
+    require(r.max_prompt_len >= 1, "rollout.max_prompt_len", "must be >= 1")
+    require(r.jax_decode_slots >= 1, "rollout.jax_decode_slots", "must be >= 1")
+    require(r.jax_kv_cache_budget_gb > 0, "rollout.jax_kv_cache_budget_gb", "must be > 0 (GB)")
     from ctopd_jax.envs import ENVIRONMENTS
-    _require(r.environment in ("",) + ENVIRONMENTS, "rollout.environment",
+    require(r.environment in ("",) + ENVIRONMENTS, "rollout.environment",
              f"{r.environment!r} is unknown; use one of {ENVIRONMENTS} or '' (single-turn)")
-    _require(r.max_turns >= 1, "rollout.max_turns", "must be >= 1 turn")
-    _require(r.step_timeout_s > 0, "rollout.step_timeout_s", "must be > 0 seconds")
-    _require(0 < r.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization",
+    require(r.max_turns >= 1, "rollout.max_turns", "must be >= 1 turn")
+    require(r.step_timeout_s > 0, "rollout.step_timeout_s", "must be > 0 seconds")
+    require(0 < r.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization",
              f"{r.vllm_gpu_memory_utilization} must be in (0, 1] (a fraction of the GPU's memory)")
     config.model.validate()
-    _require(config.model.attention != "cudnn" or r.engine != "jax", "model.attention",
+    require(config.model.attention != "cudnn" or r.engine != "jax", "model.attention",
              "'cudnn' cannot decode with a KV cache, which rollout.engine=jax does with the same "
              "model; use 'auto' (cuDNN where it can, blockwise for decoding)")
     a.validate()
-    _require(o.lr > 0, "optimizer.lr", "must be > 0")
-    _require(all(0 <= b < 1 for b in o.betas), "optimizer.betas", "each must be in [0, 1)")
-    _require(o.eps > 0, "optimizer.eps", f"{o.eps} must be > 0 (AdamW divides by it)")
-    _require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
-    _require(o.max_grad_norm > 0, "optimizer.max_grad_norm", "must be > 0")
-    _require(0 <= o.warmup_ratio < 1, "optimizer.warmup_ratio", "must be in [0, 1)")
-    _require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", "must be in [0, optimizer.lr]")
-    _require(o.micro_batch_size >= 1, "optimizer.micro_batch_size", "must be >= 1")
-    _require(o.train_batch_size >= 1, "optimizer.train_batch_size", "must be >= 1")
-    _require(o.train_batch_size % o.micro_batch_size == 0, "optimizer.train_batch_size",
+    require(o.lr > 0, "optimizer.lr", "must be > 0")
+    require(all(0 <= b < 1 for b in o.betas), "optimizer.betas", "each must be in [0, 1)")
+    require(o.eps > 0, "optimizer.eps", f"{o.eps} must be > 0 (AdamW divides by it)")
+    require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
+    require(o.max_grad_norm > 0, "optimizer.max_grad_norm", "must be > 0")
+    require(0 <= o.warmup_ratio < 1, "optimizer.warmup_ratio", "must be in [0, 1)")
+    require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", "must be in [0, optimizer.lr]")
+    require(o.micro_batch_size >= 1, "optimizer.micro_batch_size", "must be >= 1")
+    require(o.train_batch_size >= 1, "optimizer.train_batch_size", "must be >= 1")
+    require(o.train_batch_size % o.micro_batch_size == 0, "optimizer.train_batch_size",
              f"{o.train_batch_size} must be a multiple of optimizer.micro_batch_size "
              f"{o.micro_batch_size}")
     responses = r.rollout_batch_size * r.n_samples_per_prompt
-    _require(responses % o.train_batch_size == 0, "optimizer.train_batch_size",
+    require(responses % o.train_batch_size == 0, "optimizer.train_batch_size",
              f"rollout_batch_size * n_samples_per_prompt = {responses} responses per iteration "
              f"must be a multiple of train_batch_size {o.train_batch_size}")
-    _require(config.checkpoint.every >= 0, "checkpoint.every", "must be >= 0")
-    _require(config.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
-    _require(config.logging.log_every >= 1, "logging.log_every", "must be >= 1")
+    require(config.checkpoint.every >= 0, "checkpoint.every", "must be >= 0")
+    require(config.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+    require(config.logging.log_every >= 1, "logging.log_every", "must be >= 1")
     e = config.evaluation
-    _require(e.samples >= 1, "evaluation.samples", "must be >= 1")
-    _require(e.every >= 0, "evaluation.every", f"{e.every} must be >= 0 (0 = only at the end)")
-    _require(e.max_problems >= 0, "evaluation.max_problems", f"{e.max_problems} must be >= 0 "
+    require(e.samples >= 1, "evaluation.samples", "must be >= 1")
+    require(e.every >= 0, "evaluation.every", f"{e.every} must be >= 0 (0 = only at the end)")
+    require(e.max_problems >= 0, "evaluation.max_problems", f"{e.max_problems} must be >= 0 "
              "(0 = all problems)")
     lo = config.lora
-    _require(lo.rank >= 0, "lora.rank", f"{lo.rank} must be >= 0 (0 = full fine-tuning)")
-    _require(lo.alpha > 0, "lora.alpha", f"{lo.alpha} must be > 0")
-    _require(0 <= lo.dropout < 1, "lora.dropout", f"{lo.dropout} must be in [0, 1)")
-    _require(lo.dropout == 0 or lo.rank > 0, "lora.dropout", f"{lo.dropout} applies to the "
+    require(lo.rank >= 0, "lora.rank", f"{lo.rank} must be >= 0 (0 = full fine-tuning)")
+    require(lo.alpha > 0, "lora.alpha", f"{lo.alpha} must be > 0")
+    require(0 <= lo.dropout < 1, "lora.dropout", f"{lo.dropout} must be in [0, 1)")
+    require(lo.dropout == 0 or lo.rank > 0, "lora.dropout", f"{lo.dropout} applies to the "
              "adapters only: set lora.rank > 0 or lora.dropout: 0.0")
-    _require(not lo.init_adapter or lo.rank > 0, "lora.init_adapter", "loads adapters: set "
+    require(not lo.init_adapter or lo.rank > 0, "lora.init_adapter", "loads adapters: set "
              "lora.rank to the adapter's r (0 = full fine-tuning has none)")
-    _require(bool(lo.target_modules) and set(lo.target_modules) <= set(LORA_TARGETS),
+    require(bool(lo.target_modules) and set(lo.target_modules) <= set(LORA_TARGETS),
              "lora.target_modules", f"{list(lo.target_modules)} must be a non-empty subset of "
              f"{list(LORA_TARGETS)}")
     g = config.guard
-    _require(g.zero_grad_norm_steps >= 0, "guard.zero_grad_norm_steps", "must be >= 0 (0 = off)")
-    _require(g.loss_jump_factor == 0 or g.loss_jump_factor > 1, "guard.loss_jump_factor",
+    require(g.zero_grad_norm_steps >= 0, "guard.zero_grad_norm_steps", "must be >= 0 (0 = off)")
+    require(g.loss_jump_factor == 0 or g.loss_jump_factor > 1, "guard.loss_jump_factor",
              "must be 0 (off) or > 1")
-    _require(g.loss_jump_window >= 1, "guard.loss_jump_window", "must be >= 1")
-    _require(g.loss_jump_warmup >= 1, "guard.loss_jump_warmup", "must be >= 1")
+    require(g.loss_jump_window >= 1, "guard.loss_jump_window", "must be >= 1")
+    require(g.loss_jump_warmup >= 1, "guard.loss_jump_warmup", "must be >= 1")
     for axis in ("data", "fsdp", "tensor"):
         size = getattr(config.mesh, axis)
-        _require(size == -1 or size >= 1, f"mesh.{axis}", "must be >= 1 or -1 (fill)")
+        require(size == -1 or size >= 1, f"mesh.{axis}", "must be >= 1 or -1 (fill)")
     if device_count is not None:
         from ctopd_jax.mesh import MeshError, resolve_mesh_shape
         try:
@@ -661,7 +662,7 @@ def _check_seeds(section: Any, prefix: str = "") -> None:
         if dataclasses.is_dataclass(value):
             _check_seeds(value, dotted + ".")
         elif f.name == "seed" or f.name.endswith("_seed"):
-            _require(0 <= value < SEED_LIMIT, dotted, f"{value} must be in [0, 2**32)")
+            require(0 <= value < SEED_LIMIT, dotted, f"{value} must be in [0, 2**32)")
 
 
 def device_count_hint(device_count: int) -> str:

@@ -30,7 +30,7 @@ import numpy as np
 from ctopd_jax.algorithms.base import Needs, register
 from ctopd_jax.algorithms.same_tokenizer import (SameTokenizerObjective, SameTokenizerSettings,
                                                  full_vocab_sum)
-from ctopd_jax.config import _require
+from ctopd_jax.config import require
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ class GkdSettings(SameTokenizerSettings):
 
     def validate(self) -> None:
         super().validate()
-        _require(0.0 <= self.gkd_beta <= 1.0, "algorithm.gkd_beta", f"{self.gkd_beta} must be in [0, 1]")
-        _require(0.0 <= self.gkd_lambda <= 1.0, "algorithm.gkd_lambda",
+        require(0.0 <= self.gkd_beta <= 1.0, "algorithm.gkd_beta", f"{self.gkd_beta} must be in [0, 1]")
+        require(0.0 <= self.gkd_lambda <= 1.0, "algorithm.gkd_lambda",
                  f"{self.gkd_lambda} must be in [0, 1] (1 = always on-policy)")
 
 

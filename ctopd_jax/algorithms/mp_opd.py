@@ -56,7 +56,7 @@ from jax.experimental import io_callback
 
 from ctopd_jax.algorithms import pack
 from ctopd_jax.algorithms.base import Objective, register, shard_gather
-from ctopd_jax.config import AlgorithmSection, _require
+from ctopd_jax.config import AlgorithmSection, require
 from ctopd_jax.kernels.token_rows import token_rows
 
 MODES = ("atomic", "fixed1", "fixed2", "fixed3", "fixed4", "fixed5", "random1-2", "random2-5",
@@ -75,7 +75,7 @@ class MpOpdSettings(AlgorithmSection):
 
     def validate(self) -> None:
         super().validate()
-        _require(self.grass_chunk_atoms >= 1, "algorithm.grass_chunk_atoms",
+        require(self.grass_chunk_atoms >= 1, "algorithm.grass_chunk_atoms",
                  f"{self.grass_chunk_atoms} must be >= 1 (atoms per GRASS/ALIGN chunk)")
 
 

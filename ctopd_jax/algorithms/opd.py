@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from ctopd_jax.algorithms.base import register
 from ctopd_jax.algorithms.same_tokenizer import (SameTokenizerObjective, SameTokenizerSettings,
                                                  old_logprobs, student_logprobs, teacher_logprobs)
-from ctopd_jax.config import _require
+from ctopd_jax.config import require
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,10 @@ class OpdSettings(SameTokenizerSettings):
 
     def validate(self) -> None:
         super().validate()
-        _require(0.0 < self.opd_clip_eps < 1.0, "algorithm.opd_clip_eps", f"{self.opd_clip_eps} must be in (0, 1)")
-        _require(0.0 < self.icepop_low < 1.0, "algorithm.icepop_low",
+        require(0.0 < self.opd_clip_eps < 1.0, "algorithm.opd_clip_eps", f"{self.opd_clip_eps} must be in (0, 1)")
+        require(0.0 < self.icepop_low < 1.0, "algorithm.icepop_low",
                  f"{self.icepop_low} must be in (0, 1) (below 1 < icepop_high)")
-        _require(self.icepop_high > 1.0, "algorithm.icepop_high",
+        require(self.icepop_high > 1.0, "algorithm.icepop_high",
                  f"{self.icepop_high} must be > 1 (above icepop_low < 1)")
 
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from ctopd_jax.algorithms.base import Needs, register
 from ctopd_jax.algorithms.same_tokenizer import (SameTokenizerObjective, SameTokenizerSettings,
                                                  student_logprobs, teacher_logprobs)
-from ctopd_jax.config import _require
+from ctopd_jax.config import require
 from ctopd_jax.kernels import full_rows
 
 
@@ -45,9 +45,9 @@ class Opd2Settings(SameTokenizerSettings):
 
     def validate(self) -> None:
         super().validate()
-        _require(self.opd2_topk >= 1, "algorithm.opd2_topk", "must be >= 1")
-        _require(self.opd2_reward_scale > 0, "algorithm.opd2_reward_scale", "must be > 0")
-        _require(self.opd2_temperature > 0, "algorithm.opd2_temperature", "must be > 0")
+        require(self.opd2_topk >= 1, "algorithm.opd2_topk", "must be >= 1")
+        require(self.opd2_reward_scale > 0, "algorithm.opd2_reward_scale", "must be > 0")
+        require(self.opd2_temperature > 0, "algorithm.opd2_temperature", "must be > 0")
 
 
 def opd2_advantages(lp_s, lp_t, lp_b, centre_opd, centre_delta):

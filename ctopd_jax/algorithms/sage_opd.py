@@ -32,7 +32,7 @@ import numpy as np
 from ctopd_jax.algorithms.base import Needs, register
 from ctopd_jax.algorithms.same_tokenizer import SameTokenizerSettings, full_vocab_sum
 from ctopd_jax.algorithms.turn_based import TurnObjective, segment_means
-from ctopd_jax.config import _require
+from ctopd_jax.config import require
 from ctopd_jax.kernels.full_rows import row_stats, top1_stats
 
 JUDGE_PROMPT = (
@@ -60,8 +60,8 @@ class SageSettings(SameTokenizerSettings):
 
     def validate(self) -> None:
         super().validate()
-        _require(0.0 <= self.sage_alpha <= 1.0, "algorithm.sage_alpha", f"{self.sage_alpha} must be in [0, 1]")
-        _require(self.sage_judge_tokens >= 1, "algorithm.sage_judge_tokens",
+        require(0.0 <= self.sage_alpha <= 1.0, "algorithm.sage_alpha", f"{self.sage_alpha} must be in [0, 1]")
+        require(self.sage_judge_tokens >= 1, "algorithm.sage_judge_tokens",
                  f"{self.sage_judge_tokens} must be >= 1")
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from ctopd_jax.algorithms import pack
 from ctopd_jax.algorithms.base import Needs, Objective
-from ctopd_jax.config import AlgorithmSection, _require
+from ctopd_jax.config import AlgorithmSection, require
 from ctopd_jax.kernels.api import strict_kd_rows
 from ctopd_jax.kernels.token_rows import token_rows
 
@@ -42,7 +42,7 @@ class SameTokenizerSettings(AlgorithmSection):
 
     def validate(self) -> None:
         super().validate()
-        _require(self.gap_logprobs == "recomputed" or self.kd_temperature == 1.0,
+        require(self.gap_logprobs == "recomputed" or self.kd_temperature == 1.0,
                  "algorithm.gap_logprobs",
                  f"'rollout' log-probs are engine log-probs at temperature 1, but "
                  f"algorithm.kd_temperature={self.kd_temperature}; set gap_logprobs=recomputed "

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from ctopd_jax.algorithms.base import Needs, register
 from ctopd_jax.algorithms.opd import OpdSettings, gap_metrics, sampled_gap, sampled_terms
 from ctopd_jax.algorithms.turn_based import TurnObjective, segment_means
-from ctopd_jax.config import _require
+from ctopd_jax.config import require
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,9 @@ class SodSettings(OpdSettings):
 
     def validate(self) -> None:
         super().validate()
-        _require(self.sod_epsilon > 0, "algorithm.sod_epsilon", f"{self.sod_epsilon} must be > 0")
-        _require(self.sod_delta >= 0, "algorithm.sod_delta", f"{self.sod_delta} must be >= 0")
-        _require(self.sod_coef >= 0, "algorithm.sod_coef", f"{self.sod_coef} must be >= 0")
+        require(self.sod_epsilon > 0, "algorithm.sod_epsilon", f"{self.sod_epsilon} must be > 0")
+        require(self.sod_delta >= 0, "algorithm.sod_delta", f"{self.sod_delta} must be >= 0")
+        require(self.sod_coef >= 0, "algorithm.sod_coef", f"{self.sod_coef} must be >= 0")
 
 
 def step_weights(d, d_first, epsilon: float, delta: float):

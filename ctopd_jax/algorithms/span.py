@@ -27,7 +27,7 @@ import numpy as np
 from ctopd_jax.algorithms import pack
 from ctopd_jax.algorithms.base import Objective, register
 from ctopd_jax.algorithms.strict import StrictSettings, check_topk, strict_inputs, strict_sum
-from ctopd_jax.config import _require
+from ctopd_jax.config import require
 from ctopd_jax.kernels.token_rows import token_rows
 
 
@@ -38,7 +38,7 @@ class SpanSettings(StrictSettings):
 
     def validate(self) -> None:
         super().validate()
-        _require(np.isfinite(self.span_lambda) and self.span_lambda >= 0, "algorithm.span_lambda",
+        require(np.isfinite(self.span_lambda) and self.span_lambda >= 0, "algorithm.span_lambda",
                  f"{self.span_lambda} must be a finite number >= 0")
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from ctopd_jax.algorithms import pack
 from ctopd_jax.algorithms.base import Objective, register
-from ctopd_jax.config import AlgorithmSection, _require
+from ctopd_jax.config import AlgorithmSection, require
 from ctopd_jax.kernels.api import strict_kd_rows
 
 
@@ -23,7 +23,7 @@ class StrictSettings(AlgorithmSection):
 
     def validate(self) -> None:
         super().validate()
-        _require(self.ctkd_topk >= 1, "algorithm.ctkd_topk",
+        require(self.ctkd_topk >= 1, "algorithm.ctkd_topk",
                  "must be >= 1 (and <= |V∩|, checked once the tokenizers are loaded)")
 
 

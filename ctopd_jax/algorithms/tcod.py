@@ -21,7 +21,7 @@ from typing import Literal
 from ctopd_jax.algorithms.base import Needs, register
 from ctopd_jax.algorithms.opd import OpdSettings
 from ctopd_jax.algorithms.turn_based import TurnObjective
-from ctopd_jax.config import _require
+from ctopd_jax.config import require
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,8 @@ class TcodSettings(OpdSettings):
 
     def validate(self) -> None:
         super().validate()
-        _require(self.tcod_period >= 1, "algorithm.tcod_period", f"{self.tcod_period} must be >= 1 rollout batches")
-        _require(self.tcod_turn_cap >= 1, "algorithm.tcod_turn_cap", f"{self.tcod_turn_cap} must be >= 1 turn")
+        require(self.tcod_period >= 1, "algorithm.tcod_period", f"{self.tcod_period} must be >= 1 rollout batches")
+        require(self.tcod_turn_cap >= 1, "algorithm.tcod_turn_cap", f"{self.tcod_turn_cap} must be >= 1 turn")
 
 
 def f2b_turns(n: int, period: int, cap: int) -> int:

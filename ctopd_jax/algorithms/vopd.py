@@ -20,7 +20,7 @@ import jax
 from ctopd_jax.algorithms.base import register
 from ctopd_jax.algorithms.opd import OpdSettings, gap_metrics, sampled_gap, sampled_terms
 from ctopd_jax.algorithms.same_tokenizer import SameTokenizerObjective
-from ctopd_jax.config import _require
+from ctopd_jax.config import require
 from ctopd_jax.kernels import full_rows
 
 
@@ -31,7 +31,7 @@ class VopdSettings(OpdSettings):
 
     def validate(self) -> None:
         super().validate()
-        _require(self.vopd_topk >= 1, "algorithm.vopd_topk", "must be >= 1 (and <= the vocabulary)")
+        require(self.vopd_topk >= 1, "algorithm.vopd_topk", "must be >= 1 (and <= the vocabulary)")
 
 
 def kl_baseline(x, s):
