@@ -13,6 +13,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from typing import Callable
 
 BACKOFF_CAP_S = 30.0
 
@@ -33,7 +34,7 @@ class Transport:
     timeout_s: float
     retries: int
     backoff_s: float
-    sleep: callable = time.sleep
+    sleep: Callable[[float], None] = time.sleep
 
     def get(self, path: str) -> dict:
         return self._with_retries("GET", path, None)
