@@ -20,7 +20,7 @@ answer is caught instead of silently misaligned.
 Server facts: GET /get_model_info gives {"model_path", "tokenizer_path", ...}; GET
 /get_server_info the server arguments (`served_model_name`, `context_length`) where the release
 has it. An input id >= the vocabulary size is refused: "The input_ids ... contains values
-greater than the vocab size (V)". No SGLang build installs on this CPU (see
+greater than the vocab size (V)". SGLang does not install on this project's machines (see
 docs/served_teacher.md): this module is tested against answers written after that shape.
 """
 from __future__ import annotations
