@@ -76,6 +76,53 @@ def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, ro
     return model, tokenizer
 
 
+@dataclasses.dataclass
+class Parts:
+    """What a run is assembled from (`assemble`); the loop adds its own state."""
+    mesh: Any
+    objective: Any                  # algorithms.Objective, built and checked once
+    student: Any                    # models.Decoder on the mesh (LoRA adapters attached)
+    teacher: Any
+    teacher_base: Any               # (graphdef, state, lm_head) of model.teacher_base, or None
+    student_tokenizer: Any          # tokenization.TokenizerSide
+    teacher_tokenizer: Any
+    overlap: Any                    # tokenization.OverlapMap
+    overlap_arrays: dict            # its id arrays on the mesh: {"s_ids", "t_ids"}
+    stream: Any                     # data.PromptStream
+    engine: Any                     # the rollout engine over the student
+    collector: Any                  # host.Collector / SameTokenizerCollector / EpisodeCollector
+
+
+def assemble(config, objective, preflight=None, startup=lambda phase: None) -> Parts:
+    """Everything a run of `objective` (built and checked: preflight.check_objective) needs,
+    built in order (`startup(phase)` as each phase begins); what `preflight`
+    (preflight.Preflight) already loaded is reused, not built again."""
+    from ctopd_jax.models import lora
+    from ctopd_jax.tokenization.overlap import overlap_map
+
+    c, pre = config, preflight
+    mesh = mesh_lib.make_mesh(dict(vars(c.mesh)))
+    startup("student model")
+    student, s_tok = load_side(c.model.student, c.model.student_tokenizer, c.model, mesh, c.seed,
+                               "student", pre.student_tokenizer if pre is not None else None)
+    startup("teacher model")
+    teacher, t_tok = load_side(c.model.teacher, c.model.teacher_tokenizer, c.model, mesh, c.seed + 1,
+                               "teacher", pre.teacher_tokenizer if pre is not None else None)
+    startup("shared vocabulary and prompts")
+    overlap = pre.overlap if pre is not None else overlap_map(t_tok, s_tok)
+    if pre is None:
+        objective.check(overlap)
+    overlap_arrays = {"s_ids": replicated(overlap.s_ids.astype(np.int32), mesh),
+                      "t_ids": replicated(overlap.t_ids.astype(np.int32), mesh)}
+    stream = prompt_stream(c, s_tok, objective, pre.prompts if pre is not None else None)
+    lora.prepare(student, c)  # adapters attached before the engine starts (vLLM serves them)
+    startup("rollout engine")
+    engine = make_engine(student, s_tok, c.rollout, mesh, context_room(objective, c.rollout, s_tok))
+    collector = make_collector(c, objective, s_tok, t_tok, engine, teacher, mesh)
+    return Parts(mesh, objective, student, teacher, load_teacher_base(c, mesh), s_tok, t_tok, overlap,
+                 overlap_arrays, stream, engine, collector)
+
+
 def replicated(value: np.ndarray, mesh) -> jax.Array:
     """Identical host data on every process -> one array replicated over the mesh."""
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

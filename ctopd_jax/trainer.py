@@ -61,56 +61,31 @@ class TrainResult:
 
 
 class Trainer:
-    """Builds everything from a TrainConfig (or takes injected parts) and runs `train()`."""
+    """The loop of one run: its parts come from build.assemble; `train()` runs it."""
 
-    def __init__(self, config: TrainConfig, mesh=None, *, engine=None, student=None, teacher=None,
-                 student_tokenizer=None, teacher_tokenizer=None, preflight=None):
-        """`preflight` (preflight.Preflight): reuse what the cheap checks already loaded
-        (tokenizers, overlap map, prompts) instead of loading them again."""
+    def __init__(self, config: TrainConfig, preflight=None):
+        """`preflight` (preflight.Preflight): reuse the objective and what the cheap checks
+        already loaded (tokenizers, overlap map, prompts) instead of building them again."""
         from ctopd_jax.align import CoverageMeter
         from ctopd_jax.run_guard import DivergenceGuard
-        from ctopd_jax.tokenization.overlap import overlap_map
 
         c = self.config = config
-        startup = StartupClock(jax.process_index() == 0)
-        self.mesh = mesh if mesh is not None else build.mesh_lib.make_mesh(dict(vars(c.mesh)))
         self.run_dir = Path(c.output_dir)
         self.is_writer = jax.process_index() == 0
-        # built and checked once, before any model loads (by preflight when it ran)
-        self.objective = preflight.objective if preflight is not None else check_objective(c)
-        if preflight is not None:
-            student_tokenizer = student_tokenizer or preflight.student_tokenizer
-            teacher_tokenizer = teacher_tokenizer or preflight.teacher_tokenizer
-        startup("student model")
-        if student is None:
-            student, student_tokenizer = build.load_side(c.model.student, c.model.student_tokenizer, c.model,
-                                                         self.mesh, c.seed, "student", student_tokenizer)
-        startup("teacher model")
-        if teacher is None:
-            teacher, teacher_tokenizer = build.load_side(c.model.teacher, c.model.teacher_tokenizer, c.model,
-                                                         self.mesh, c.seed + 1, "teacher", teacher_tokenizer)
-        self.student, self.teacher = student, teacher
-        self.s_tok, self.t_tok = student_tokenizer, teacher_tokenizer
-        startup("shared vocabulary and prompts")
-        self.overlap = preflight.overlap if preflight is not None else overlap_map(self.t_tok, self.s_tok)
-        self.objective.check(self.overlap)
-        self.overlap_arrays = {"s_ids": build.replicated(self.overlap.s_ids.astype(np.int32), self.mesh),
-                               "t_ids": build.replicated(self.overlap.t_ids.astype(np.int32), self.mesh)}
-        self.stream = build.prompt_stream(c, self.s_tok, self.objective,
-                                          preflight.prompts if preflight is not None else None)
-        lora.prepare(self.student, c)  # adapters attached before the engine starts (vLLM serves them)
-        startup("rollout engine")
-        self.engine = engine if engine is not None else build.make_engine(
-            self.student, self.s_tok, c.rollout, self.mesh, build.context_room(self.objective, c.rollout, self.s_tok))
-        self.collector = build.make_collector(c, self.objective, self.s_tok, self.t_tok, self.engine,
-                                              self.teacher, self.mesh)
-        self.base = build.load_teacher_base(c, self.mesh)   # OPD²'s third model, or None
+        startup = StartupClock(self.is_writer)
+        # the objective is built and checked once, before any model loads (by preflight if it ran)
+        objective = preflight.objective if preflight is not None else check_objective(c)
+        parts = build.assemble(c, objective, preflight, startup)
+        self.mesh, self.objective, self.stream = parts.mesh, parts.objective, parts.stream
+        self.student, self.teacher, self.base = parts.student, parts.teacher, parts.teacher_base
+        self.s_tok, self.t_tok, self.overlap = parts.student_tokenizer, parts.teacher_tokenizer, parts.overlap
+        self.overlap_arrays, self.engine, self.collector = parts.overlap_arrays, parts.engine, parts.collector
         startup("optimizer state")
         responses = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
         self.updates_per_iteration = responses // c.optimizer.train_batch_size
         self.tx, self.schedule, self.apply_update = build.update_fns(
             c.optimizer, c.steps * self.updates_per_iteration, jax.default_backend() != "cpu")
-        self.graphdef, self.params, self.rest = nnx.split(lora.prepare(self.student, c), lora.trainable_filter(c), ...)
+        self.graphdef, self.params, self.rest = nnx.split(self.student, lora.trainable_filter(c), ...)
         # scalars of the optimizer state (step counts) come out of init on one device: put them
         # on the mesh too, so saved and restored states carry mesh shardings throughout
         self.opt_state = jax.tree.map(lambda x: build.on_mesh(x, self.mesh), jax.jit(self.tx.init)(self.params))
@@ -123,7 +98,7 @@ class Trainer:
         self.diagnostics = None
         if c.algorithm.diagnostics_every:
             from ctopd_jax.step.diagnostics import Diagnostics
-            self.diagnostics = Diagnostics(self)
+            self.diagnostics = Diagnostics(c, self.objective, self.stream.prompts)
         startup("ready")
 
     # -- checkpoint state -----------------------------------------------------------------
@@ -297,7 +272,9 @@ class Trainer:
         diagnostics = {}
         if self.diagnostics is not None and self.diagnostics.due(step - 1):
             with timer("diagnostics"):
-                diagnostics = self.diagnostics.run()
+                diagnostics = self.diagnostics.run(
+                    self.collector, self.mesh, (self.graphdef, self.params, self.rest),
+                    (self.t_graphdef, self.t_state, self.t_lm_head), self.overlap_arrays)
         metrics, samples = self.iteration(timer, step - 1)   # rollout batch n = step − 1 (TCOD's curriculum)
         metrics.update(diagnostics)
         metrics["tokens_per_s"] = metrics["student_response_tokens"] / max(time.perf_counter() - began, 1e-9)

@@ -64,19 +64,21 @@ def unit_statistics(params, rest, batch, t_hidden, t_lm_head, overlap, half_a, *
 
 
 class Diagnostics:
-    def __init__(self, trainer):
-        c = trainer.config
-        topk = trainer.objective.topk
-        if not trainer.objective.has_strict_part:
+    """The replay set of one run (`prompts`: the run's prompt pool) and its statistics."""
+
+    def __init__(self, config, objective, prompts):
+        c = config
+        topk = objective.topk
+        if not objective.has_strict_part:
             raise ConfigError(f"algorithm.diagnostics_every: objective {c.algorithm.name!r} has no strict "
                               "part to diagnose; use strict, topk_strict or span, or set it to 0")
         fields = {f.name: getattr(c.algorithm, f.name) for f in dataclasses.fields(c.algorithm)
                   if f.name in {g.name for g in dataclasses.fields(SpanSettings)}}
         fields.update(name="span", span_base="strict" if topk is None else "topk_strict")
         self.objective = SpanLoss(SpanSettings(**fields))
-        self.trainer, self.every = trainer, c.algorithm.diagnostics_every
+        self.config, self.every = c, c.algorithm.diagnostics_every
         rng = np.random.default_rng([c.seed, 6])
-        pool = trainer.stream.prompts
+        pool = prompts
         pick = rng.choice(len(pool), size=min(c.algorithm.diagnostics_prompts, len(pool)), replace=False)
         self.prompts = [pool[i] for i in sorted(pick)]
         self.seed = int(rng.integers(2 ** 31 - 1))
@@ -85,24 +87,27 @@ class Diagnostics:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def run(self) -> dict[str, float]:
-        t = self.trainer
+    def run(self, collector, mesh, student, teacher, overlap) -> dict[str, float]:
+        """Medians over the replay units. `student`: (graphdef, params, rest); `teacher`:
+        (graphdef, state, lm_head); `overlap`: the V∩ id arrays on the mesh."""
+        graphdef, params, rest = student
+        t_graphdef, t_state, t_lm_head = teacher
         if self.host is None:
-            self.host = t.collector.collect(self.prompts, self.seed, StepTimer())
-        host, micro = self.host, t.config.optimizer.micro_batch_size
+            self.host = collector.collect(self.prompts, self.seed, StepTimer())
+        host, micro = self.host, self.config.optimizer.micro_batch_size
         rows = []
         for unit, start in enumerate(range(0, host.size, micro)):
             stop = min(start + micro, host.size)
             arrays = self.objective.prepare(host, start, stop)
             weight = arrays["strict_weight"]
-            split = np.random.default_rng([t.config.seed, 7, unit]).permutation(int(weight.sum()))
+            split = np.random.default_rng([self.config.seed, 7, unit]).permutation(int(weight.sum()))
             half_a = np.zeros_like(weight)
             half_a[split[: len(split) // 2]] = 1.0
-            batch = build.to_global(arrays, t.mesh)
-            t_hidden = teacher_hidden_rows(t.t_graphdef, t.t_state, batch["teacher_ids"],
+            batch = build.to_global(arrays, mesh)
+            t_hidden = teacher_hidden_rows(t_graphdef, t_state, batch["teacher_ids"],
                                            batch["teacher_mask"], batch["teacher_rows"])
-            stats = unit_statistics(t.params, t.rest, batch, t_hidden, t.t_lm_head, t.overlap_arrays,
-                                    build.replicated(half_a, t.mesh), graphdef=t.graphdef,
+            stats = unit_statistics(params, rest, batch, t_hidden, t_lm_head, overlap,
+                                    build.replicated(half_a, mesh), graphdef=graphdef,
                                     objective=self.objective)
             rows.append([scalar(v) for v in stats])
         med = np.median(np.asarray(rows), axis=0)
