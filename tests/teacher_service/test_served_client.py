@@ -69,6 +69,24 @@ def test_scores_equal_the_teachers_own_logprobs(fake, toy):
     assert_scores_equal_reference(toy, teacher.score(sequences, starts), sequences, starts, 7)
 
 
+def test_token_logprobs_only(fake, toy):
+    """top_k=0: the realised tokens' log-probs alone (what the sampled objectives need)."""
+    teacher = client(fake, top_k=6)
+    sequences, starts = random_batch(np.random.default_rng(6), 5)
+    scored = teacher.score(sequences, starts, top_k=0)
+    k = fake.scoring_requests[-1].get("prompt_logprobs", fake.scoring_requests[-1].get(
+        "top_logprobs_num"))
+    assert k == 0
+    for got, ids, start in zip(scored, sequences, starts):
+        token, _, _ = reference_scores(toy, ids, start, 1)
+        np.testing.assert_allclose(got.token_logprobs, token, atol=1e-5)
+        assert got.topk_ids.shape == (len(ids) - start, 0)
+    assert_scores_equal_reference(toy, teacher.score(sequences, starts, top_k=3), sequences,
+                                  starts, 3)
+    with pytest.raises(ValueError, match=r"top_k=7 must be in \[0, teacher.top_k=6\]"):
+        teacher.score(sequences, starts, top_k=7)
+
+
 @pytest.mark.parametrize("variant", ["from_next", "shifted"])
 def test_sglang_entry_offsets(toy, variant):
     """An older SGLang starts its entries one position later: still read right. A server whose

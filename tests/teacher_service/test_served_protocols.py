@@ -39,6 +39,24 @@ def test_vllm_recorded_answer():
     assert second.topk_logprobs[0, 2] == second.token_logprobs[0]
 
 
+def test_vllm_recorded_answer_without_top_k():
+    """prompt_logprobs 0 (recorded): one entry per position, the realised token's."""
+    batch = [([5, 17, 40, 3], 1), ([9, 8], 1)]
+    first, second = vllm_protocol.parse_scores(load("vllm_completions_k0.json"), batch, 0)
+    np.testing.assert_allclose(first.token_logprobs,
+                               [-6.533865451812744, -15.832195281982422, -14.670294761657715])
+    np.testing.assert_allclose(second.token_logprobs, [-2.2889628410339355])
+    assert first.topk_ids.shape == (3, 0) and second.topk_logprobs.shape == (1, 0)
+
+
+def test_sglang_without_top_k_may_omit_the_top_logprobs():
+    answer = json.loads(json.dumps(SGLANG_ANSWER))
+    del answer[0]["meta_info"]["input_top_logprobs"]
+    (scored,) = sglang_protocol.parse_scores(answer, [([4, 7, 2, 9], 2)], 0)
+    np.testing.assert_array_equal(scored.token_logprobs, [-0.25, -3.0])
+    assert scored.topk_ids.shape == (2, 0)
+
+
 def test_vllm_scoring_from_a_later_start_keeps_the_later_rows():
     batch = [([5, 17, 40, 3], 3), ([9, 8], 1)]
     first, _ = vllm_protocol.parse_scores(load("vllm_completions_k3.json"), batch, 2)
