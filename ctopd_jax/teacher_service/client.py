@@ -9,9 +9,10 @@
 prefill sees them) and `starts[i]` the position of the first response token; see scores.py for
 what each row holds. `top_k` defaults to `teacher.top_k`; `top_k=0` asks for the realised tokens'
 log-probs only (what the sampled objectives need: opd, sod, tcod, mp_opd), a much smaller
-answer (vLLM then returns one entry per position instead of k + 1). The batch is packed into requests of at most
-`max_tokens_per_request` tokens (whole sequences; a sequence never straddles two requests, as
-its scores depend on its whole prefix), sent `max_concurrency` at a time from a thread pool, and
+answer (vLLM then returns one entry per position instead of k + 1).
+
+The batch is packed into requests of at most `max_tokens_per_request` tokens (whole sequences:
+a sequence never straddles two requests, as its scores depend on its whole prefix), sent `max_concurrency` at a time from a thread pool, and
 reassembled in input order. A request that still fails after its retries stops the batch with
 one line naming `teacher.url` (TeacherServiceError).
 """

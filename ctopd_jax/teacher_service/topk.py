@@ -9,7 +9,8 @@ in the student's values) renormalises and takes the divergence per row. Rows are
    At an aligned pair (t, s) the columns are the pairs i of the overlap map (SPEC §3) whose
    teacher id t_ids[i] is among the teacher's top-k at t: the V∩ projection restricted to the
    teacher's top-k. Both sides are renormalised over those columns:
-       p̄_T = softmax(log p_T[t_ids[i]] / τ),  p̄_S = softmax(z_S[s, s_ids[i]] / τ),  D(p̄_S, p̄_T).
+       p̄_T = softmax(log p_T[t_ids[i]] / τ),   p̄_S = softmax(z_S[s, s_ids[i]] / τ),
+       loss D(p̄_S, p̄_T).
    Exact at any τ: log p_T differs from the teacher logit by one constant per row, which the
    renormalisation removes, so the served τ = 1 log-probs suffice. With k >= |V_T| it is Strict
    full (SPEC §4) on V∩. A row whose top-k holds no shared token has no column: it adds 0 and

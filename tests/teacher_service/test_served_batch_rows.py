@@ -35,7 +35,8 @@ def test_rows_follow_the_batch_row_convention(tiny_bpe, toy, engine):
         assert rows.token_logprobs[r] == pytest.approx(lp[batch.labels[b, p]], abs=1e-5)
         np.testing.assert_array_equal(rows.topk_ids[r], np.argsort(-lp, kind="stable")[:4])
     outside = ~rows.row_mask
-    assert (rows.token_logprobs[outside] == 0).all() and np.isneginf(rows.topk_logprobs[outside]).all()
+    assert (rows.token_logprobs[outside] == 0).all()
+    assert np.isneginf(rows.topk_logprobs[outside]).all()
 
 
 def test_teacher_sequences_strip_padding_and_keep_the_eos(tiny_bpe):
