@@ -13,8 +13,9 @@ answer (vLLM then returns one entry per position instead of k + 1).
 
 The batch is packed into requests of at most `max_tokens_per_request` tokens (whole sequences:
 a sequence never straddles two requests, as its scores depend on its whole prefix), sent
-`max_concurrency` at a time from a thread pool, and reassembled in input order. A request that still fails after its retries stops the batch with
-one line naming `teacher.url` (TeacherServiceError).
+`max_concurrency` at a time from a thread pool, and reassembled in input order. A request
+that still fails after its retries stops the batch with one line naming `teacher.url`
+(TeacherServiceError).
 """
 from __future__ import annotations
 
