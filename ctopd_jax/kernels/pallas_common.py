@@ -112,6 +112,7 @@ class Tiles:
     tile: int
     n_tiles: int
     mode: str
+    block: object = None   # this program's row block once read (`fixed`), else read per stream
 
     @property
     def gpu(self) -> bool:
@@ -163,7 +164,14 @@ class Tiles:
 
     def block_index(self):
         """This program's row block: a grid axis of plgpu.kernel on Mosaic GPU."""
+        if self.block is not None:
+            return self.block
         return jax.lax.axis_index(ROW_AXIS) if self.gpu else pl.program_id(0)
+
+    def fixed(self) -> "Tiles":
+        """These tiles with the row block read once, for streams inside a loop body (where
+        interpret mode cannot read a program id)."""
+        return dataclasses.replace(self, block=self.block_index())
 
     def stream(self, body: Callable, ins, outs=(), init=None):
         """carry = body(j, *in_tiles, *out_tiles, carry) for every tile j of this row block.

@@ -27,24 +27,24 @@ BLOCK_COLS = pc.BLOCK_COLS
 RADIX_BITS = 4  # bits of the threshold fixed per pass (2**RADIX_BITS - 1 candidates)
 
 
-def _wrap_int32(x: int) -> int:
-    return (x - pc.INT32_MIN) % 2 ** 32 + pc.INT32_MIN
-
-
 def _radix_search(tiles, zs_ref, lo, total_bits: int, member, accept):
     """Per row, the largest t in [lo, lo + 2**total_bits) with accept(count(t)), where
     count(t) = Σ over the row of member(keys, cols, t) (elementwise bool).
 
-    2**RADIX_BITS-ary search, one streaming pass per digit. accept(count(lo)) must hold and
-    accept must be monotone in t (the accepted candidates form a prefix).
+    2**RADIX_BITS-ary search, one streaming pass per digit, the digits a loop (not unrolled:
+    unrolled, the 13 passes made the top-k kernel 8x the full one and it did not finish
+    compiling in 39 s on an H200). accept(count(lo)) must hold and accept must be monotone in t
+    (the accepted candidates form a prefix). int32 arithmetic wraps, so the sums are exact.
     """
     if total_bits % RADIX_BITS:
         raise ValueError(f"RADIX_BITS={RADIX_BITS} must divide the {total_bits} searched bits")
     n_cand = 2 ** RADIX_BITS - 1
-    for shift in range(total_bits - RADIX_BITS, -1, -RADIX_BITS):
-        cands = [lo + jnp.int32(_wrap_int32(c << shift)) for c in range(1, n_cand + 1)]
 
-        def count(j, s_ref, counts, cands=cands):
+    def digit(d, lo):
+        step = jnp.left_shift(jnp.int32(1), jnp.int32(total_bits - RADIX_BITS) - d * RADIX_BITS)
+        cands = [lo + jnp.int32(c) * step for c in range(1, n_cand + 1)]
+
+        def count(j, s_ref, counts):
             keys = pc.float_keys(tiles.load(s_ref))
             cols = tiles.cols(j)
             return tuple(cnt + jnp.sum(jnp.where(member(keys, cols, tiles.bcast(c)), 1.0, 0.0),
@@ -54,12 +54,14 @@ def _radix_search(tiles, zs_ref, lo, total_bits: int, member, accept):
         counts = tiles.stream(count, (zs_ref,), init=tuple(tiles.row_vec(0.0)
                                                            for _ in range(n_cand)))
         ahead = sum(jnp.where(accept(cnt), 1, 0) for cnt in counts)
-        lo = lo + ahead * jnp.int32(_wrap_int32(1 << shift))  # int32 wraps, the sum is exact
-    return lo
+        return lo + ahead * step
+
+    return jax.lax.fori_loop(0, total_bits // RADIX_BITS, digit, lo)
 
 
 def _kernel(zs_ref, zt_ref, w_ref, loss_ref, grad_ref, *, tiles, name, temperature, k, kw):
     kf = float(k)
+    tiles = tiles.fixed()   # the radix searches stream inside a loop
     # T: the largest key with at least k entries at or above it (the k-th largest key)
     thresh = _radix_search(tiles, zs_ref, tiles.row_vec(pc.INT32_MIN, jnp.int32), 32,
                            lambda keys, cols, c: keys >= c, lambda cnt: cnt >= kf)
