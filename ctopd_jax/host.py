@@ -197,7 +197,7 @@ def response_text(prompt) -> str:
             return value
     raise RecordError(f"{prompt.source}: no dataset response: the row needs a non-empty "
                       f"'response' or 'completion' string or chat messages ending in an assistant "
-                      "turn (GKD with gkd_lambda < 1 and seq_kd false uses dataset responses)")
+                      "turn (the objective trains on dataset responses: needs.responses)")
 
 
 def load_response_prompts(path, prompt_key: str = "prompt", system_prompt: str = ""):
@@ -346,7 +346,7 @@ class SameTokenizerCollector:
                 engine = self.engine if source == "student" else self.teacher_engine
                 if engine is None:
                     raise ValueError(f"response source {source!r} needs an engine over the teacher "
-                                     "(algorithm.seq_kd); none was built")
+                                     "(the objective's needs.teacher_engine); none was built")
                 params = sampling_params(self.rollout, seed + k)
                 if len(idx) == total:   # every slot: n samples per prompt, prompt-major
                     p_index, toks, lps, reasons = self._generate(engine, encoded, params)
