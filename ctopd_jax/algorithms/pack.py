@@ -97,6 +97,18 @@ def teacher_tokens(host, start: int, stop: int, length_multiple: int = 64) -> di
     return {"teacher_ids": ids, "teacher_mask": mask}
 
 
+def served_token_logprobs(host, start: int, stop: int, size: int) -> np.ndarray:
+    """A served teacher's log π_T of every response token of samples [start, stop), in the
+    order of student_arrays' response rows (loss-mask order), zero-padded to `size`.
+
+    For the same-tokenizer objectives, whose teacher side is the student side: the served
+    scores (host.served_teacher_rows, teacher_service.batch_rows) lie on the teacher batch's
+    flat rows, the row that predicts each token, as the loss mask marks them."""
+    t = host.teacher
+    rows = np.flatnonzero(t.loss_mask[start:stop].reshape(-1)) + start * t.seq_len
+    return padded(host.served_teacher_rows.token_logprobs[rows], size, np.float32)[0]
+
+
 def strict_arrays(host, start: int, stop: int, student_len: int, teacher_len: int,
                   min_rows: int = 64) -> dict[str, np.ndarray]:
     """The strict 1:1 pairs (SPEC §2) of samples [start, stop) in micro-batch rows."""

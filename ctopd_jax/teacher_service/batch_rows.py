@@ -38,12 +38,14 @@ def teacher_sequences(batch) -> tuple[list[list[int]], list[int]]:
     return sequences, [int(p) for p in batch.prompt_lens]
 
 
-def score_teacher_batch(teacher, batch) -> ServedRows:
+def score_teacher_batch(teacher, batch, top_k: int | None = None) -> ServedRows:
     """`teacher`: anything with `.score(sequences, starts)` and `.settings.top_k` (ServedTeacher;
-    LocalTeacherScorer with `top_k`)."""
+    LocalTeacherScorer with `top_k`). `top_k`: passed to `score` when given (0: the realised
+    tokens' log-probs only, what the sampled objectives read; the top-k arrays are then [B*T, 0])."""
     sequences, starts = teacher_sequences(batch)
-    scored = teacher.score(sequences, starts)
-    k = scored[0].topk_ids.shape[1] if scored else _top_k(teacher)
+    scored = teacher.score(sequences, starts) if top_k is None else \
+        teacher.score(sequences, starts, top_k=top_k)
+    k = scored[0].topk_ids.shape[1] if scored else (_top_k(teacher) if top_k is None else top_k)
     rows = batch.batch_size * batch.seq_len
     token = np.zeros(rows, np.float32)
     top_ids = np.zeros((rows, k), np.int32)
