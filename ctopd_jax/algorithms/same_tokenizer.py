@@ -60,7 +60,7 @@ def same_inputs(host, start: int, stop: int) -> dict:
     arrays["teacher_rows"] = arrays["response_rows"]
     if host.served_teacher_rows is not None:   # a served teacher: log π_T(y) already scored
         arrays["teacher_token_logprobs"] = pack.served_token_logprobs(
-            host, start, stop, arrays["response_rows"].shape[0])
+            host, pack.response_batch_rows(host.teacher, start, stop), arrays["response_rows"].shape[0])
     return arrays
 
 

@@ -26,6 +26,8 @@ from ctopd_jax.config import load_config  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 SAME = ROOT / "configs" / "tiny_cpu_same.yaml"
 CHAR_TEACHER = ROOT / "ctopd_jax" / "assets" / "demo_char" / "teacher"
+CROSS = ROOT / "configs" / "tiny_cpu.yaml"                      # the demo's cross-tokenizer pair
+DEMO_TEACHER = ROOT / "ctopd_jax" / "assets" / "demo" / "teacher"
 TOP_K_CAP = 20   # the fake's --max-logprobs
 
 
@@ -81,8 +83,16 @@ def served_char_teacher():
     server.close()
 
 
-def small_run(out: Path, name: str, *extra: str):
-    return load_config(SAME, [f"output_dir={out}", "steps=2", f"algorithm.name={name}",
+@pytest.fixture(scope="module")
+def served_demo_teacher():
+    server = LocalModelVllmServer("vllm", LocalModelScores(DEMO_TEACHER), model="demo-teacher",
+                                  max_model_len=256, max_logprobs=TOP_K_CAP)
+    yield server
+    server.close()
+
+
+def small_run(out: Path, name: str, *extra: str, base: Path = SAME):
+    return load_config(base, [f"output_dir={out}", "steps=2", f"algorithm.name={name}",
                               "rollout.rollout_batch_size=8", "rollout.generate_max_len=16",
                               "optimizer.train_batch_size=8", "optimizer.micro_batch_size=4",
                               "logging.progress=false", "logging.tensorboard=false",
@@ -127,6 +137,23 @@ def test_a_served_teacher_trains_as_the_local_teacher(tmp_path, served_char_teac
     assert np.abs(losses_of(tmp_path / "local", "opd_gap")).max() > 1e-3   # a real teacher signal
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["atomic", "grass_chunk"])
+def test_a_served_teacher_trains_mp_opd_as_the_local_teacher(tmp_path, served_demo_teacher, mode):
+    """Cross-tokenizer: the atoms' teacher rows index the served scores of the teacher side."""
+    extra = (f"algorithm.mp_opd_mode={mode}",)
+    local = small_run(tmp_path / "local", "mp_opd", *extra, base=CROSS)
+    served = small_run(tmp_path / "served", "mp_opd", *extra, "teacher.engine=vllm_server",
+                       f"teacher.url={served_demo_teacher.url}", base=CROSS)
+    train(local, served=False)
+    train(served, served=True)
+    for key in ("mp_opd_loss", "loss", "grad_norm"):
+        want, got = losses_of(tmp_path / "local", key), losses_of(tmp_path / "served", key)
+        assert len(want) == 2 and len(got) == 2
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    assert np.abs(losses_of(tmp_path / "local", "mp_opd_loss")).max() > 1e-4
+
+
 def test_an_objective_that_needs_full_rows_is_refused_with_a_served_teacher(tmp_path):
     from ctopd_jax.preflight import PreflightError, check_objective
 
@@ -137,7 +164,7 @@ def test_an_objective_that_needs_full_rows_is_refused_with_a_served_teacher(tmp_
     line = str(err.value)
     assert "\n" not in line
     assert line.startswith("teacher.engine=vllm_server: algorithm.name=gkd needs the teacher's full rows")
-    assert "use opd, sod, tcod," in line
+    assert "use mp_opd, opd, sod, tcod," in line
 
 
 @pytest.mark.parametrize("setting,message", [
