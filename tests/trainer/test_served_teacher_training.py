@@ -232,3 +232,27 @@ def test_a_server_failing_mid_run_is_one_line_and_the_run_resumes(tmp_path, serv
     result = Trainer(config).train(resume=True)   # the server answers again
     assert result.final_step == 3
     assert losses_of(tmp_path / "run", "opd_loss").shape == (3,)
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("teacher.engine=vllm_server", r"^teacher\.url: is empty; teacher\.engine: vllm_server needs"),
+    ("teacher.url=http://127.0.0.1:8000", r"^teacher\.url: is set .* but teacher\.engine is local"),
+    ("teacher.engine=tgi", r"^teacher\.engine: 'tgi' is not an engine"),
+    ("teacher.max_concurrency=0", None)])
+def test_teacher_settings_are_checked_by_the_clients_rules(setting, message):
+    from ctopd_jax.config import ConfigError
+
+    served = ["teacher.engine=sglang_server", "teacher.url=http://127.0.0.1:30000"]
+    extra = served + [setting] if message is None else [setting]
+    with pytest.raises(ConfigError, match=message or r"^teacher\.max_concurrency: 0 is outside \[1, 256\]"):
+        load_config(SAME, extra)
+
+
+def test_resuming_against_a_moved_server_is_harmless_but_another_top_k_is_not():
+    from ctopd_jax.resume_config import config_changes
+
+    served = ["teacher.engine=vllm_server", "teacher.url=http://a:1"]
+    saved = load_config(SAME, served).to_dict()
+    moved = load_config(SAME, served + ["teacher.url=http://b:2", "teacher.retries=9", "teacher.top_k=8"])
+    changes = {c.field: c.harmless for c in config_changes(saved, moved.to_dict())}
+    assert changes == {"teacher.url": True, "teacher.retries": True, "teacher.top_k": False}
