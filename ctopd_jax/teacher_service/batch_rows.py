@@ -32,8 +32,10 @@ class ServedRows:
 
 def teacher_sequences(batch) -> tuple[list[list[int]], list[int]]:
     """Each sample's unpadded teacher input (prompt + response + EOS) and first response
-    position, from a RetokenizedBatch."""
-    ends = batch.prompt_lens.astype(np.int64) + batch.response_lens.astype(np.int64)
+    position, from a RetokenizedBatch. The whole attended sequence: in an episode
+    (host.token_batch) environment observations sit between the trained tokens, and
+    response_lens counts only the trained ones."""
+    ends = batch.attention_mask.sum(axis=1).astype(np.int64)
     sequences = [batch.input_ids[b, :ends[b]].tolist() for b in range(batch.batch_size)]
     return sequences, [int(p) for p in batch.prompt_lens]
 
@@ -50,13 +52,13 @@ def score_teacher_batch(teacher, batch, top_k: int | None = None) -> ServedRows:
     token = np.zeros(rows, np.float32)
     top_ids = np.zeros((rows, k), np.int32)
     top_lps = np.full((rows, k), -np.inf, np.float32)
-    mask = np.zeros(rows, bool)
     for b, (got, start) in enumerate(zip(scored, starts)):
         first = b * batch.seq_len + start - 1
         span = slice(first, first + len(got))
         token[span], top_ids[span], top_lps[span] = (got.token_logprobs, got.topk_ids,
                                                      got.topk_logprobs)
-        mask[span] = True
+    mask = batch.loss_mask.reshape(-1).astype(bool)
+    token[~mask], top_ids[~mask], top_lps[~mask] = 0.0, 0, -np.inf   # observations, padding
     return ServedRows(token, top_ids, top_lps, mask)
 
 
