@@ -130,7 +130,7 @@ def test_a_served_teacher_trains_as_the_local_teacher(tmp_path, served_char_teac
     scoring = served_char_teacher.scoring_requests[before:]
     # the start-up probes ask for top_k; each training step asks for the token log-probs only
     assert sum(r["prompt_logprobs"] == 0 for r in scoring) == 2   # one request per step
-    for key in (f"{name}_loss", "loss", "opd_gap"):
+    for key in (f"{name}_loss", "loss", "opd_gap", "grad_norm"):
         want, got = losses_of(tmp_path / "local", key), losses_of(tmp_path / "served", key)
         assert len(want) == 2 and len(got) == 2
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
