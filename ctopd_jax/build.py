@@ -76,13 +76,45 @@ def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, ro
     return model, tokenizer
 
 
+def served_teacher_model_config(config):
+    """The teacher's ModelConfig read from model.teacher's config.json, for a teacher behind a
+    server (`teacher.engine` vllm_server / sglang_server): the trainer then needs the teacher's
+    folder for its config.json and tokenizer only, never its weights."""
+    from ctopd_jax.models.config import ModelConfig
+
+    engine, spec = config.teacher.engine, config.model.teacher
+    directory = model_dir(spec)
+    config_file = directory / "config.json" if directory is not None else None
+    if config_file is None or not config_file.is_file():
+        raise TrainerSetupError(
+            f"model.teacher={spec!r}: with teacher.engine={engine} the trainer reads the served "
+            "teacher's config.json (its vocabulary) and tokenizer from model.teacher's folder "
+            "(no weights needed); point model.teacher at that folder")
+    try:
+        return ModelConfig.from_hf_dict(json.loads(config_file.read_text(encoding="utf-8")))
+    except (ValueError, UnicodeDecodeError) as err:   # JSON or ModelConfigError
+        raise TrainerSetupError(f"model.teacher: {config_file}: {err}") from None
+
+
+def start_served_teacher(config, vocab_size: int):
+    """The teacher behind a server (teacher_service.ServedTeacher over the `teacher:` section),
+    after its start-up check (up, right engine, model and vocabulary; one line naming
+    teacher.url and the fix otherwise: TeacherServerCheckError)."""
+    from ctopd_jax.teacher_service import ServedTeacher
+
+    teacher = ServedTeacher(config.teacher)
+    teacher.start(vocab_size=vocab_size)
+    return teacher
+
+
 @dataclasses.dataclass
 class Parts:
     """What a run is assembled from (`assemble`); the loop adds its own state."""
     mesh: Any
     objective: Any                  # algorithms.Objective, built and checked once
     student: Any                    # models.Decoder on the mesh (LoRA adapters attached)
-    teacher: Any
+    teacher: Any                    # models.Decoder on the mesh; None when the teacher is served
+    served_teacher: Any             # teacher_service.ServedTeacher (started), or None (local)
     teacher_base: Any               # (graphdef, state, lm_head) of model.teacher_base, or None
     student_tokenizer: Any          # tokenization.TokenizerSide
     teacher_tokenizer: Any
@@ -105,9 +137,16 @@ def assemble(config, objective, preflight=None, startup=lambda phase: None) -> P
     startup("student model")
     student, s_tok = load_side(c.model.student, c.model.student_tokenizer, c.model, mesh, c.seed,
                                "student", pre.student_tokenizer if pre is not None else None)
-    startup("teacher model")
-    teacher, t_tok = load_side(c.model.teacher, c.model.teacher_tokenizer, c.model, mesh, c.seed + 1,
-                               "teacher", pre.teacher_tokenizer if pre is not None else None)
+    teacher = served = None
+    if c.teacher.served:   # its weights stay on the server: only its tokenizer is needed here
+        startup("served teacher")
+        served = pre.served_teacher if pre is not None else \
+            start_served_teacher(c, served_teacher_model_config(c).vocab_size)
+        t_tok = pre.teacher_tokenizer if pre is not None else teacher_tokenizer_side(c)
+    else:
+        startup("teacher model")
+        teacher, t_tok = load_side(c.model.teacher, c.model.teacher_tokenizer, c.model, mesh, c.seed + 1,
+                                   "teacher", pre.teacher_tokenizer if pre is not None else None)
     startup("shared vocabulary and prompts")
     overlap = pre.overlap if pre is not None else overlap_map(t_tok, s_tok)
     if pre is None:
@@ -119,8 +158,21 @@ def assemble(config, objective, preflight=None, startup=lambda phase: None) -> P
     startup("rollout engine")
     engine = make_engine(student, s_tok, c.rollout, mesh, context_room(objective, c.rollout, s_tok))
     collector = make_collector(c, objective, s_tok, t_tok, engine, teacher, mesh)
-    return Parts(mesh, objective, student, teacher, load_teacher_base(c, mesh), s_tok, t_tok, overlap,
-                 overlap_arrays, stream, engine, collector)
+    return Parts(mesh, objective, student, teacher, served, load_teacher_base(c, mesh), s_tok, t_tok,
+                 overlap, overlap_arrays, stream, engine, collector)
+
+
+def teacher_tokenizer_side(config):
+    """The teacher's TokenizerSide: model.teacher_tokenizer, else model.teacher's folder."""
+    from ctopd_jax.tokenization.side import load_tokenizer_side
+
+    m = config.model
+    directory = model_dir(m.teacher)
+    spec = m.teacher_tokenizer or (str(directory) if directory is not None else "")
+    if not spec:
+        raise TrainerSetupError(f"model.teacher_tokenizer: model.teacher={m.teacher!r} has no folder "
+                                "to read a tokenizer from; set model.teacher_tokenizer")
+    return load_tokenizer_side(spec)
 
 
 def replicated(value: np.ndarray, mesh) -> jax.Array:

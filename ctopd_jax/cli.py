@@ -53,6 +53,7 @@ USER_ERRORS: tuple[tuple[str, str], ...] = (
     ("ctopd_jax.rollout.vllm_engine", "VllmNotInstalledError"),
     ("ctopd_jax.metrics", "MetricsError"),
     ("ctopd_jax.align", "ByteMismatchError"),
+    ("ctopd_jax.teacher_service.client", "TeacherServiceError"),   # a served teacher failed mid-run
 )
 # Plain OS errors about a path the user gave (the message holds the path), and any OSError of
 # a write the file system refused (run_dir.DISK_ERRNOS).

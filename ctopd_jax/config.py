@@ -22,6 +22,8 @@ from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 
+from ctopd_jax.teacher_service.settings import TeacherServiceSettings, TeacherSettingError
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the field and the fix."""
@@ -145,6 +147,21 @@ class ModelSection:
             options.update(remat=self.remat, remat_policy=self.remat_policy,
                            scan_layers=self.scan_layers)
         return options
+
+
+@dataclass(frozen=True)
+class TeacherSection(TeacherServiceSettings):
+    """Where the teacher runs (`teacher:`): `engine: local` (the default, today's path: the
+    teacher model on the trainer's mesh) or behind a server (`vllm_server`, `sglang_server`,
+    at `url`), scored through ctopd_jax.teacher_service. The fields and their checks are the
+    client's own (TeacherServiceSettings.validate, docs/served_teacher.md), so the config and
+    the client cannot disagree on what a valid setting is."""
+
+    def validate(self, prefix: str = "teacher") -> "TeacherSection":
+        try:
+            return super().validate(prefix)
+        except TeacherSettingError as err:   # one ConfigError line, like every other section
+            raise ConfigError(str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -356,6 +373,7 @@ class TrainConfig:
     seed: int = 0
     steps: int = 10                      # on-policy iterations (optimizer steps)
     model: ModelSection = field(default_factory=ModelSection)
+    teacher: TeacherSection = field(default_factory=TeacherSection)
     mesh: MeshSection = field(default_factory=MeshSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     # the default objective's own section (its settings class), as a file without `algorithm:` gets
@@ -596,6 +614,7 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     require(0 < r.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization",
              f"{r.vllm_gpu_memory_utilization} must be in (0, 1] (a fraction of the GPU's memory)")
     config.model.validate()
+    config.teacher.validate()
     require(config.model.attention != "cudnn" or r.engine != "jax", "model.attention",
              "'cudnn' cannot decode with a KV cache, which rollout.engine=jax does with the same "
              "model; use 'auto' (cuDNN where it can, blockwise for decoding)")

@@ -35,6 +35,9 @@ class HostBatch:
     turns: TurnRows | None = None    # turn structure of episodes (host_episodes)
     turn_stats: dict | None = None   # their per-iteration metrics (reward, turns, curriculum)
     sources: list[str] | None = None  # where each sample's response came from (RESPONSE_SOURCES)
+    # a served teacher's scores of the teacher side (teacher_service.batch_rows.ServedRows),
+    # set by the loop after collection; None with a local teacher (its hidden rows run on device)
+    served_teacher_rows: Any = None
     derived: dict[str, Any] = field(default_factory=dict, repr=False)   # see `once`
 
     def once(self, key: str, compute: Callable[["HostBatch"], Any]) -> Any:

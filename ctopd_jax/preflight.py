@@ -19,7 +19,11 @@ naming the field or file and the fix) for the first problem in this order:
 5. each model (`model.teacher_base` too, when set): a checkpoint directory (`config.json`
    valid, every `*.safetensors` shard's header readable and not truncated, every tensor the
    config implies present with its shape) or a preset name; `lora.init_adapter`'s folder, its
-   settings against `lora:` and its weights header;
+   settings against `lora:` and its weights header. A teacher behind a server
+   (`teacher.engine` vllm_server / sglang_server): its folder's config.json only, then the
+   server's start-up check (ServedTeacher.start: up, right engine, model and vocabulary) and
+   the objective's fitness for it (`Needs.teacher_scores` token_logprobs, no teacher sampling,
+   kd_temperature 1);
 6. the tokenizers (`model.*_tokenizer`, or the model directory's own), each model's vocabulary
    against its tokenizer, the shared vocabulary V∩ non-empty, and the objective's own check
    against the pair (`algorithm.ctkd_topk <= |V∩|` for top-k objectives);
@@ -68,6 +72,8 @@ class Preflight:
     saved_config_source: str = ""
     model_dirs: dict[str, Path | None] = field(default_factory=dict)   # role -> HF dir or None
     objective: Any = None               # algorithms.Objective, built and checked once
+    served_teacher: Any = None          # teacher_service.ServedTeacher, started (teacher.engine
+                                        # vllm_server / sglang_server), else None
 
 
 def _fail(message: str) -> PreflightError:
@@ -102,6 +108,8 @@ def check_objective(config: TrainConfig):
         objective.check_run(config)
     except ValueError as err:
         raise _fail(str(err)) from None
+    if config.teacher.served:
+        _check_served_objective(config, objective)
     if config.rollout.environment and not needs.episodes:
         can = objectives_that(lambda o: o.needs.episodes)
         raise _fail(
@@ -128,6 +136,46 @@ def check_objective(config: TrainConfig):
         except ValueError as err:
             raise _fail(str(err)) from None
     return objective
+
+
+def _check_served_objective(config: TrainConfig, objective) -> None:
+    """A teacher behind a server returns the realised tokens' log-probs at temperature 1: the
+    objective must need no more of it (Needs.teacher_scores), not have it sample, and read it
+    at kd_temperature 1; the gradient diagnostics need its hidden rows."""
+    from ctopd_jax.algorithms import objectives_that
+
+    engine, name, needs = config.teacher.engine, config.algorithm.name, objective.needs
+    where = f"teacher.engine={engine}: algorithm.name={name}"
+    if needs.teacher_scores != "token_logprobs":
+        can = objectives_that(lambda o: o.needs.teacher_scores == "token_logprobs")
+        raise _fail(f"{where} needs the teacher's full rows, which a served teacher does not "
+                    f"return (it returns token log-probs); with a served teacher use "
+                    f"{', '.join(can)}, or set teacher.engine=local")
+    if needs.teacher_engine:
+        raise _fail(f"{where} has the teacher sample (expert turns, responses or judge calls), "
+                    "which a served teacher does not do yet; change those settings (e.g. "
+                    "algorithm.tcod_mode=f2b) or set teacher.engine=local")
+    if config.algorithm.kd_temperature != 1.0:
+        raise _fail(f"algorithm.kd_temperature: {config.algorithm.kd_temperature} with teacher.engine="
+                    f"{engine}, but a server returns log-probs at temperature 1 only (a realised "
+                    "token's log-prob at another temperature needs the full row); set "
+                    "algorithm.kd_temperature=1.0 or teacher.engine=local")
+    if config.algorithm.diagnostics_every:
+        raise _fail(f"algorithm.diagnostics_every: the gradient diagnostics need the teacher's "
+                    f"hidden rows, which teacher.engine={engine} does not give; set it to 0")
+
+
+def _check_served_teacher(config: TrainConfig):
+    """(teacher folder, its ModelConfig, the started ServedTeacher): the folder's config.json
+    only (its weights stay on the server), then the server's start-up check against that
+    vocabulary, before any model loads."""
+    from ctopd_jax.build import model_dir, served_teacher_model_config, start_served_teacher
+
+    try:
+        cfg = served_teacher_model_config(config)
+        return model_dir(config.model.teacher), cfg, start_served_teacher(config, cfg.vocab_size)
+    except (ValueError, OSError) as err:   # TrainerSetupError, TeacherServerCheckError, SourceError
+        raise _fail(str(err)) from None
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -538,9 +586,12 @@ def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change:
     _check_output_dirs(config)
     ck_dir, steps, changes, where = _check_checkpoint_state(config, resume, allow_config_change)
     data_path, prompts, eval_set = _check_data(config)
-    dirs, cfgs = {}, {}
-    for role in ("student", "teacher"):
-        dirs[role], cfgs[role] = _check_model(getattr(config.model, role), role)
+    dirs, cfgs, served = {}, {}, None
+    dirs["student"], cfgs["student"] = _check_model(config.model.student, "student")
+    if config.teacher.served:
+        dirs["teacher"], cfgs["teacher"], served = _check_served_teacher(config)
+    else:
+        dirs["teacher"], cfgs["teacher"] = _check_model(config.model.teacher, "teacher")
     if config.model.teacher_base:   # OPD²'s third model: its files, before any model loads
         _check_model(config.model.teacher_base, "teacher_base")
     _check_init_adapter(config)
@@ -552,4 +603,5 @@ def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change:
                      student_tokenizer=sides["student"], teacher_tokenizer=sides["teacher"],
                      overlap=overlap, mesh_shape=mesh_shape, checkpoint_dir=ck_dir,
                      checkpoint_steps=steps, resume=resume, config_changes=changes,
-                     saved_config_source=where, model_dirs=dirs, objective=objective)
+                     saved_config_source=where, model_dirs=dirs, objective=objective,
+                     served_teacher=served)

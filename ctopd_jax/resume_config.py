@@ -10,7 +10,10 @@ Harmless (they change neither the data order, the models, the objective nor the 
 trajectory): every `logging.*`, `evaluation.*` and `guard.*` field; `checkpoint.every / keep /
 async_save / export_hf`; `run_name`; `mesh.*` (the checkpoint is resharded on restore);
 `model.remat`, `algorithm.implementation`, `algorithm.chunked_loss_size` (same numbers up to
-float rounding); `rollout.vllm_gpu_memory_utilization`. `steps` may grow when
+float rounding); `rollout.vllm_gpu_memory_utilization`; how a served teacher is reached
+(`teacher.url`, `timeout_s`, `max_concurrency`, `retries`, `backoff_s`,
+`max_tokens_per_request`: a server restarted elsewhere scores the same ids alike; its engine,
+model and top_k still count). `steps` may grow when
 `optimizer.schedule` is `constant`; with a cosine schedule the lr curve is defined over the
 total number of steps, so a different `steps` bends the remaining schedule and needs
 `--allow-config-change`. A field that the saved config lacks (written by an older version) is
@@ -29,7 +32,9 @@ HARMLESS_PREFIXES = ("logging.", "evaluation.", "guard.", "mesh.")
 HARMLESS_FIELDS = frozenset({
     "run_name", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
     "checkpoint.export_hf", "model.remat", "algorithm.implementation",
-    "algorithm.chunked_loss_size", "rollout.vllm_gpu_memory_utilization"})
+    "algorithm.chunked_loss_size", "rollout.vllm_gpu_memory_utilization",
+    "teacher.url", "teacher.timeout_s", "teacher.max_concurrency", "teacher.retries",
+    "teacher.backoff_s", "teacher.max_tokens_per_request"})
 CHANGES_FILE = "config_changes.jsonl"
 _ABSENT = "<absent>"
 

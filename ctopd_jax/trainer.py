@@ -1,7 +1,8 @@
 """The on-policy loop of SPEC §1, nothing else.
 
     prompts -> host.Collector (render, generate, re-tokenize, align)
-    -> per optimizer batch, per micro-batch: objective.prepare -> teacher hidden rows
+    -> (a teacher behind a server: its token log-probs of the batch, on the host)
+    -> per optimizer batch, per micro-batch: objective.prepare -> teacher hidden rows (local teacher)
        -> student gradient of the objective's sums (step/)
     -> optax update -> engine.update_weights -> metrics -> checkpoint
 
@@ -45,6 +46,8 @@ from ctopd_jax.preflight import check_objective
 from ctopd_jax.step.grad import micro_grad, scalar, zero_grads
 from ctopd_jax.step.shards import stack_shards
 from ctopd_jax.teacher import lm_head_of, teacher_hidden_rows
+from ctopd_jax.teacher_service import TeacherServiceError
+from ctopd_jax.teacher_service.batch_rows import score_teacher_batch
 
 
 class TrainingDiverged(RuntimeError):
@@ -78,6 +81,7 @@ class Trainer:
         parts = build.assemble(c, objective, preflight, startup)
         self.mesh, self.objective, self.stream = parts.mesh, parts.objective, parts.stream
         self.student, self.teacher, self.base = parts.student, parts.teacher, parts.teacher_base
+        self.served_teacher = parts.served_teacher   # None: the teacher runs on the mesh
         self.s_tok, self.t_tok, self.overlap = parts.student_tokenizer, parts.teacher_tokenizer, parts.overlap
         self.overlap_arrays, self.engine, self.collector = parts.overlap_arrays, parts.engine, parts.collector
         startup("optimizer state")
@@ -89,8 +93,10 @@ class Trainer:
         # scalars of the optimizer state (step counts) come out of init on one device: put them
         # on the mesh too, so saved and restored states carry mesh shardings throughout
         self.opt_state = jax.tree.map(lambda x: build.on_mesh(x, self.mesh), jax.jit(self.tx.init)(self.params))
-        self.t_graphdef, self.t_state = nnx.split(self.teacher)
-        self.t_lm_head = lm_head_of(self.t_graphdef, self.t_state)
+        self.t_graphdef = self.t_state = self.t_lm_head = None
+        if self.teacher is not None:
+            self.t_graphdef, self.t_state = nnx.split(self.teacher)
+            self.t_lm_head = lm_head_of(self.t_graphdef, self.t_state)
         self.rng = jax.random.key(c.seed)
         self.coverage = CoverageMeter()
         self.guard = DivergenceGuard.from_config(c.guard)
@@ -127,9 +133,11 @@ class Trainer:
         batch = build.to_global(stack_shards(parts), self.mesh)
         mesh = self.mesh if shards > 1 else None
         with timer("teacher"), jax.set_mesh(self.mesh):  # the models' activation constraints bind
-            t_hidden = teacher_hidden_rows(self.t_graphdef, self.t_state, batch["teacher_ids"],
-                                           batch["teacher_mask"], batch["teacher_rows"], mesh=mesh)
-            t_hidden.block_until_ready()
+            t_hidden = None   # a served teacher's log-probs came with the host batch (iteration)
+            if self.served_teacher is None:
+                t_hidden = teacher_hidden_rows(self.t_graphdef, self.t_state, batch["teacher_ids"],
+                                               batch["teacher_mask"], batch["teacher_rows"], mesh=mesh)
+                t_hidden.block_until_ready()
             batch, overlap = build.add_teacher_base(self.base, batch, self.overlap_arrays, mesh)
         with timer("student"), jax.set_mesh(self.mesh):
             return micro_grad(self.params, self.rest, batch, t_hidden, self.t_lm_head, overlap,
@@ -142,6 +150,9 @@ class Trainer:
         seed = int(jax.random.randint(sub, (), 0, 2 ** 31 - 1))
         dropout_key = jax.random.fold_in(sub, 1)  # LoRA dropout masks of this iteration's micro-batches
         host = self.collector.collect(self.stream.next_batch(), seed, timer, rollout_index=rollout_index)
+        if self.served_teacher is not None:   # the realised tokens' log-probs, before any step
+            with timer("teacher"):
+                host.served_teacher_rows = score_teacher_batch(self.served_teacher, host.teacher, top_k=0)
         coverage = self.coverage.update(host.alignment)
         accumulation = o.train_batch_size // o.micro_batch_size
         sums: dict[str, float] = {}
@@ -240,7 +251,12 @@ class Trainer:
         try:
             for step in range(start + 1, c.steps + 1):
                 timer = StepTimer()
-                metrics, samples = self.step(step, timer)
+                try:
+                    metrics, samples = self.step(step, timer)
+                except TeacherServiceError as err:   # the server failed: say where to resume
+                    raise TeacherServiceError(f"step {step}: {err} (last checkpoint: "
+                                              f"{checkpointer.newest_whole()} in {ck_dir}; continue "
+                                              "with --resume once the server answers)") from None
                 reason = self.guard.check(step, metrics)
                 if reason:
                     logger.log(step, metrics, samples)  # the failing step's values are kept

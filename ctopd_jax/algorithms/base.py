@@ -79,6 +79,15 @@ def shard_gather(x):
 RESPONSE_SOURCES = ("student", "dataset", "teacher", "teacher_prefix")
 
 
+# What an objective needs from the teacher's scores (`Needs.teacher_scores`):
+# - "full_rows": teacher rows over the whole vocabulary (hidden rows + lm_head on the mesh): only
+#   a local teacher (`teacher.engine: local`) gives them;
+# - "token_logprobs": log π_T of the realised tokens only (at temperature 1), which a teacher
+#   behind a server returns too (docs/served_teacher.md); the host then puts them on the rows as
+#   batch["teacher_token_logprobs"] and the step passes no teacher hidden rows (None).
+TEACHER_SCORES = ("full_rows", "token_logprobs")
+
+
 @dataclass(frozen=True)
 class Needs:
     """What the host side collects for an objective."""
@@ -93,6 +102,7 @@ class Needs:
                                          # judge calls): a second rollout engine over the teacher
     outcome_rewards: bool = False        # episode rewards for an outcome advantage, even without an
                                          # environment (then graded by the task's answer grader)
+    teacher_scores: str = "full_rows"    # one of TEACHER_SCORES: what it reads of the teacher
 
 
 @dataclass(frozen=True)
@@ -101,7 +111,8 @@ class StepInputs:
 
     hidden: student final hidden states [M*T, H] (flat rows); lm_head: [H, V_S];
     teacher_hidden: teacher hidden states [R_t, H_T] at batch["teacher_rows"]; teacher_lm_head:
-    [H_T, V_T]; response_logprobs: log π_S(y) at batch["response_rows"] over the full vocabulary
+    [H_T, V_T] (both None with a served teacher: then an objective whose needs.teacher_scores is
+    "token_logprobs" reads batch["teacher_token_logprobs"] at its response rows); response_logprobs: log π_S(y) at batch["response_rows"] over the full vocabulary
     (differentiable when the objective asks for it, see `response_logprob_grad`);
     overlap: {"s_ids", "t_ids"} [V∩] device arrays."""
     hidden: Any

@@ -55,7 +55,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from ctopd_jax.algorithms import pack
-from ctopd_jax.algorithms.base import Objective, register, shard_gather
+from ctopd_jax.algorithms.base import Needs, Objective, register, shard_gather
 from ctopd_jax.config import AlgorithmSection, require
 from ctopd_jax.kernels.token_rows import token_rows
 
@@ -284,6 +284,8 @@ def atom_arrays(settings, host, start: int, stop: int, student_len: int, teacher
         "mp_opd_samples": np.float32([stop - start]),
         "mp_opd_valid_samples": np.float32([atoms.sample_valid[start:stop].sum()]),
     }
+    if host.served_teacher_rows is not None:   # a served teacher: the atoms' log π_T already scored
+        out["atom_teacher_token_logprobs"] = pack.served_token_logprobs(host, t_rows, t_size)
     for k, name in enumerate(FAIL_REASONS):
         out[f"mp_opd_fail_{name}"] = np.float32([counts[name]])
     if s.mp_opd_mode in ("grass_chunk", "align"):
@@ -418,6 +420,8 @@ def lm_head_gram(hidden, lm_head, rows, targets, pos, valid, atoms_per_chunk: in
 class MpOpd(Objective):
     settings_class = MpOpdSettings
     response_logprob_grad = True   # h_i differentiates the student's token log-probs
+    # l_T of an atom is a sum of the teacher's token log-probs: a served teacher can supply them
+    needs = Needs(teacher_scores="token_logprobs")
 
     def __init__(self, settings):
         super().__init__(settings)
@@ -500,9 +504,12 @@ class MpOpd(Objective):
         num = bt["atom_weight"].shape[0]
         lp_s = jnp.take(x.response_logprobs, bt["atom_student_index"], axis=0) * bt["atom_student_weight"]
         h = -jax.ops.segment_sum(lp_s, bt["atom_student_atom"], num_segments=num)
-        t_lp, _ = token_rows(x.teacher_hidden, jax.lax.stop_gradient(x.teacher_lm_head),
-                             bt["atom_teacher_targets"], chunk_rows=s.chunked_loss_size,
-                             implementation=s.implementation)
+        if x.teacher_hidden is None:   # a served teacher (temperature 1, as token_rows here)
+            t_lp = bt["atom_teacher_token_logprobs"]
+        else:
+            t_lp, _ = token_rows(x.teacher_hidden, jax.lax.stop_gradient(x.teacher_lm_head),
+                                 bt["atom_teacher_targets"], chunk_rows=s.chunked_loss_size,
+                                 implementation=s.implementation)
         l_t = jax.ops.segment_sum(jax.lax.stop_gradient(t_lp) * bt["atom_teacher_weight"],
                                   bt["atom_teacher_atom"], num_segments=num)
         live = bt["atom_weight"]

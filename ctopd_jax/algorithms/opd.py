@@ -22,7 +22,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from ctopd_jax.algorithms.base import register
+from ctopd_jax.algorithms.base import Needs, register
 from ctopd_jax.algorithms.same_tokenizer import (SameTokenizerObjective, SameTokenizerSettings,
                                                  old_logprobs, student_logprobs, teacher_logprobs)
 from ctopd_jax.config import require
@@ -78,6 +78,9 @@ def gap_metrics(x, gap, flags):
 class OpdSampled(SameTokenizerObjective):
     settings_class = OpdSettings
     response_logprob_grad = True
+    # g_t reads only log π_T(y_t): a teacher behind a server can supply it
+    needs = Needs(responses="student", teacher=True, rollout_logprobs=True, reuse_sampled_ids=True,
+                  episodes=True, teacher_scores="token_logprobs")
 
     def kd_weights(self):
         return {"opd": 1.0}

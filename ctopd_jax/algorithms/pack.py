@@ -73,9 +73,8 @@ def student_arrays(host, start: int, stop: int, length_multiple: int = 64,
     s = host.student
     ts = micro_length(s, start, stop, length_multiple)
     ids, mask = tokens(s, start, stop, ts)
-    loss_mask = s.loss_mask[start:stop].reshape(-1)
-    batch_rows = np.flatnonzero(loss_mask) + start * s.seq_len
-    targets = s.labels[start:stop].reshape(-1)[np.flatnonzero(loss_mask)]
+    batch_rows = response_batch_rows(s, start, stop)
+    targets = s.labels.reshape(-1)[batch_rows]
     size = rows_bucket(len(batch_rows), min_rows)
     rows, weight = padded(rebase(batch_rows, s.seq_len, start, ts), size)
     before = int(s.loss_mask[:start].sum())
@@ -95,6 +94,19 @@ def teacher_tokens(host, start: int, stop: int, length_multiple: int = 64) -> di
     t = host.teacher
     ids, mask = tokens(t, start, stop, micro_length(t, start, stop, length_multiple))
     return {"teacher_ids": ids, "teacher_mask": mask}
+
+
+def response_batch_rows(side, start: int, stop: int) -> np.ndarray:
+    """Flat rows of the collected batch that predict a response token (EOS included) of
+    samples [start, stop), in loss-mask order (student_arrays' response-row order)."""
+    return np.flatnonzero(side.loss_mask[start:stop].reshape(-1)) + start * side.seq_len
+
+
+def served_token_logprobs(host, teacher_rows: np.ndarray, size: int) -> np.ndarray:
+    """A served teacher's log π_T of the token each of `teacher_rows` predicts (flat rows of the
+    collected teacher batch), zero-padded to `size`: the served scores
+    (host.served_teacher_rows, teacher_service.batch_rows) lie on exactly those rows."""
+    return padded(host.served_teacher_rows.token_logprobs[teacher_rows], size, np.float32)[0]
 
 
 def strict_arrays(host, start: int, stop: int, student_len: int, teacher_len: int,

@@ -58,6 +58,9 @@ def same_inputs(host, start: int, stop: int) -> dict:
         raise ValueError("same-tokenizer objectives need a host batch whose teacher side is the "
                          "student side (host.SameTokenizerCollector)")
     arrays["teacher_rows"] = arrays["response_rows"]
+    if host.served_teacher_rows is not None:   # a served teacher: log π_T(y) already scored
+        arrays["teacher_token_logprobs"] = pack.served_token_logprobs(
+            host, pack.response_batch_rows(host.teacher, start, stop), arrays["response_rows"].shape[0])
     return arrays
 
 
@@ -71,7 +74,11 @@ def student_logprobs(x, s, temperature: float):
 
 
 def teacher_logprobs(x, s, temperature: float, hidden=None, lm_head=None):
-    """log π_T(y) at the response rows (a constant); `hidden`/`lm_head` for another model."""
+    """log π_T(y) at the response rows (a constant); `hidden`/`lm_head` for another model.
+    A served teacher (no hidden rows) scored them on the host, at temperature 1 (preflight
+    refuses another kd_temperature with a served teacher)."""
+    if hidden is None and x.teacher_hidden is None:
+        return x.batch["teacher_token_logprobs"]
     hidden = x.teacher_hidden if hidden is None else hidden
     lm_head = x.teacher_lm_head if lm_head is None else lm_head
     lp, _ = token_rows(jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(lm_head),

@@ -53,7 +53,7 @@ class TurnObjective(OpdSampled):
     """OPD's sampled surrogate over turn-structured episodes; subclasses shape the advantage,
     the weights or the curriculum."""
     needs = Needs(responses="student", teacher=True, rollout_logprobs=True, reuse_sampled_ids=True,
-                  turns=True, episodes=True)
+                  turns=True, episodes=True, teacher_scores="token_logprobs")
 
     def prepare(self, host, start, stop):
         arrays = same_inputs(host, start, stop)

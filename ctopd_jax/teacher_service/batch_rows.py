@@ -32,29 +32,33 @@ class ServedRows:
 
 def teacher_sequences(batch) -> tuple[list[list[int]], list[int]]:
     """Each sample's unpadded teacher input (prompt + response + EOS) and first response
-    position, from a RetokenizedBatch."""
-    ends = batch.prompt_lens.astype(np.int64) + batch.response_lens.astype(np.int64)
+    position, from a RetokenizedBatch. The whole attended sequence: in an episode
+    (host.token_batch) environment observations sit between the trained tokens, and
+    response_lens counts only the trained ones."""
+    ends = batch.attention_mask.sum(axis=1).astype(np.int64)
     sequences = [batch.input_ids[b, :ends[b]].tolist() for b in range(batch.batch_size)]
     return sequences, [int(p) for p in batch.prompt_lens]
 
 
-def score_teacher_batch(teacher, batch) -> ServedRows:
+def score_teacher_batch(teacher, batch, top_k: int | None = None) -> ServedRows:
     """`teacher`: anything with `.score(sequences, starts)` and `.settings.top_k` (ServedTeacher;
-    LocalTeacherScorer with `top_k`)."""
+    LocalTeacherScorer with `top_k`). `top_k`: passed to `score` when given (0: the realised
+    tokens' log-probs only, what the sampled objectives read; the top-k arrays are then [B*T, 0])."""
     sequences, starts = teacher_sequences(batch)
-    scored = teacher.score(sequences, starts)
-    k = scored[0].topk_ids.shape[1] if scored else _top_k(teacher)
+    scored = teacher.score(sequences, starts) if top_k is None else \
+        teacher.score(sequences, starts, top_k=top_k)
+    k = scored[0].topk_ids.shape[1] if scored else (_top_k(teacher) if top_k is None else top_k)
     rows = batch.batch_size * batch.seq_len
     token = np.zeros(rows, np.float32)
     top_ids = np.zeros((rows, k), np.int32)
     top_lps = np.full((rows, k), -np.inf, np.float32)
-    mask = np.zeros(rows, bool)
     for b, (got, start) in enumerate(zip(scored, starts)):
         first = b * batch.seq_len + start - 1
         span = slice(first, first + len(got))
         token[span], top_ids[span], top_lps[span] = (got.token_logprobs, got.topk_ids,
                                                      got.topk_logprobs)
-        mask[span] = True
+    mask = batch.loss_mask.reshape(-1).astype(bool)
+    token[~mask], top_ids[~mask], top_lps[~mask] = 0.0, 0, -np.inf   # observations, padding
     return ServedRows(token, top_ids, top_lps, mask)
 
 

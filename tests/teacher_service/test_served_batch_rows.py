@@ -45,3 +45,31 @@ def test_teacher_sequences_strip_padding_and_keep_the_eos(tiny_bpe):
     for b, (seq, start) in enumerate(zip(sequences, starts)):
         assert seq[-1] == batch.eos_id and len(seq) == start + batch.response_lens[b]
         assert seq == batch.input_ids[b, :len(seq)].tolist() and start == batch.prompt_lens[b]
+
+
+def test_episode_rows_skip_observations_and_keep_the_trained_tokens_after_them(tiny_bpe, toy):
+    """host.token_batch (episodes): observations are context between trained tokens, so the
+    whole sequence is scored and only the loss-mask rows carry values."""
+    from ctopd_jax.host import token_batch
+
+    prompts = [tiny_bpe.encode("Compute 2 + 3."), tiny_bpe.encode("Go:")]
+    responses = [tiny_bpe.encode("<calc>2+3</calc>") + tiny_bpe.encode("<result>5</result>")
+                 + tiny_bpe.encode("The answer is 5.") + [tiny_bpe.eos_id],
+                 tiny_bpe.encode("ok") + [tiny_bpe.eos_id]]
+    n_calc, n_obs = len(tiny_bpe.encode("<calc>2+3</calc>")), len(tiny_bpe.encode("<result>5</result>"))
+    trained = [np.r_[np.ones(n_calc, bool), np.zeros(n_obs, bool),
+                     np.ones(len(responses[0]) - n_calc - n_obs, bool)], np.ones(len(responses[1]), bool)]
+    batch = token_batch(tiny_bpe, prompts, responses, trained, pad_to_multiple=16)
+    fake = FakeTeacherServer("vllm", toy, max_model_len=512)
+    try:
+        teacher = ServedTeacher(TeacherServiceSettings(engine="vllm_server", url=fake.url, top_k=2))
+        rows = score_teacher_batch(teacher, batch, top_k=0)
+    finally:
+        fake.close()
+    assert rows.topk_ids.shape == (batch.batch_size * batch.seq_len, 0)
+    np.testing.assert_array_equal(rows.row_mask, batch.loss_mask.reshape(-1))
+    assert batch.loss_mask[0].sum() < batch.attention_mask[0].sum() - len(prompts[0])  # a gap
+    for b, p in zip(*np.nonzero(batch.loss_mask)):
+        lp = toy.logprobs(batch.input_ids[b, :p + 1].tolist())
+        assert rows.token_logprobs[b * batch.seq_len + p] == pytest.approx(lp[batch.labels[b, p]], abs=1e-5)
+    assert (rows.token_logprobs[~rows.row_mask] == 0).all()

