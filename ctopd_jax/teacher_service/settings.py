@@ -49,6 +49,13 @@ class TeacherServiceSettings:
 
         if self.engine not in ENGINES:
             bad("engine", f"{self.engine!r} is not an engine; use one of {', '.join(ENGINES)}")
+        # every number in range whatever the engine: a wrong value is wrong before it is used
+        _check_number(bad, "timeout_s", self.timeout_s, 0.0, 3600.0, "seconds", open_low=True)
+        _check_int(bad, "max_concurrency", self.max_concurrency, 1, MAX_CONCURRENCY)
+        _check_int(bad, "retries", self.retries, 0, MAX_RETRIES)
+        _check_number(bad, "backoff_s", self.backoff_s, 0.0, 60.0, "seconds")
+        _check_int(bad, "top_k", self.top_k, 1, MAX_TOP_K)
+        _check_int(bad, "max_tokens_per_request", self.max_tokens_per_request, 2, 10_000_000)
         if not self.served:
             if self.url:
                 bad("url", f"is set ({self.url!r}) but {prefix}.engine is local; set "
@@ -68,12 +75,6 @@ class TeacherServiceSettings:
         if parsed.path not in ("", "/") or parsed.query or parsed.fragment:
             bad("url", f"{self.url!r} has a path; give the server root (http://host:port), the "
                        f"client adds /v1/completions or /generate itself")
-        _check_number(bad, "timeout_s", self.timeout_s, 0.0, 3600.0, "seconds", open_low=True)
-        _check_int(bad, "max_concurrency", self.max_concurrency, 1, MAX_CONCURRENCY)
-        _check_int(bad, "retries", self.retries, 0, MAX_RETRIES)
-        _check_number(bad, "backoff_s", self.backoff_s, 0.0, 60.0, "seconds")
-        _check_int(bad, "top_k", self.top_k, 1, MAX_TOP_K)
-        _check_int(bad, "max_tokens_per_request", self.max_tokens_per_request, 2, 10_000_000)
         return self
 
     @property
