@@ -107,7 +107,9 @@ class FakeTeacherServer:
                                                   f"than the vocab size ({self.toy.vocab})."}}
         return None
 
-    def vllm_completions(self, body):
+    def vllm_request_error(self, body):
+        """vLLM's answer to a request it refuses (unknown model, too many log-probs, an id out
+        of the vocabulary), else None."""
         if body.get("model") not in (None, self.model):
             return 404, {"error": {"message": f"The model `{body['model']}` does not exist."}}
         k = body["prompt_logprobs"]
@@ -117,6 +119,13 @@ class FakeTeacherServer:
         error = self.check_ids(body["prompt"])
         if error:
             return error
+        return None
+
+    def vllm_completions(self, body):
+        error = self.vllm_request_error(body)
+        if error:
+            return error
+        k = body["prompt_logprobs"]
         choices = []
         for index, ids in enumerate(body["prompt"]):
             rows = [None]

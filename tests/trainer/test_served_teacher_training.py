@@ -49,15 +49,10 @@ class LocalModelVllmServer(FakeTeacherServer):
     prompt's own id, null at t = 0) computed by the local teacher model."""
 
     def vllm_completions(self, body):
-        if body.get("model") not in (None, self.model):
-            return 404, {"error": {"message": f"The model `{body['model']}` does not exist."}}
-        k = body["prompt_logprobs"]
-        if k > self.max_logprobs:
-            return 400, {"error": {"message": f"Requested prompt logprobs of {k}, which is greater "
-                                              f"than max allowed: {self.max_logprobs}"}}
-        error = self.check_ids(body["prompt"])
+        error = self.vllm_request_error(body)
         if error:
             return error
+        k = body["prompt_logprobs"]
         prompts = body["prompt"]
         scored = self.toy.scorer.score(prompts, [1] * len(prompts))   # row t - 1 predicts ids[t]
         choices = []
