@@ -38,12 +38,23 @@ def model_dir(spec: str) -> Path | None:
     return path if path.is_dir() else None
 
 
+def tokenizer_side(spec: str, tokenizer_spec: str, role: str):
+    """The TokenizerSide of `model.<role>`: `model.<role>_tokenizer`, else the model's folder."""
+    from ctopd_jax.tokenization.side import load_tokenizer_side
+
+    directory = model_dir(spec)
+    tok_spec = tokenizer_spec or (str(directory) if directory is not None else "")
+    if not tok_spec:
+        raise TrainerSetupError(f"model.{role}_tokenizer: a preset model ({spec}) needs a tokenizer; "
+                                f"set model.{role}_tokenizer (e.g. tiny_bpe)")
+    return load_tokenizer_side(tok_spec)
+
+
 def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, role: str, tokenizer=None):
     """(Decoder on the mesh, TokenizerSide) for `model.student` / `model.teacher` (`tokenizer`:
     an already loaded side, e.g. from preflight)."""
     from ctopd_jax.models import PRESETS
     from ctopd_jax.models.init import init_decoder
-    from ctopd_jax.tokenization.side import load_tokenizer_side
 
     directory = model_dir(spec)
     name = spec.split(":", 1)[1] if spec.startswith("preset:") else spec
@@ -51,11 +62,7 @@ def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, ro
         raise TrainerSetupError(
             f"model.{role}={spec!r}: not a checkpoint directory, a named source (demo:{role}), or a "
             f"preset ({', '.join(sorted(PRESETS))})")
-    tok_spec = tokenizer_spec or (str(directory) if directory is not None else "")
-    if not tok_spec:
-        raise TrainerSetupError(f"model.{role}_tokenizer: a preset model ({spec}) needs a tokenizer; "
-                                f"set model.{role}_tokenizer (e.g. tiny_bpe)")
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer_side(tok_spec)
+    tokenizer = tokenizer if tokenizer is not None else tokenizer_side(spec, tokenizer_spec, role)
     param_dtype = model_section.param_dtype
     if role == "teacher" and model_section.teacher_param_dtype:
         param_dtype = model_section.teacher_param_dtype
@@ -142,7 +149,8 @@ def assemble(config, objective, preflight=None, startup=lambda phase: None) -> P
         startup("served teacher")
         served = pre.served_teacher if pre is not None else \
             start_served_teacher(c, served_teacher_model_config(c).vocab_size)
-        t_tok = pre.teacher_tokenizer if pre is not None else teacher_tokenizer_side(c)
+        t_tok = pre.teacher_tokenizer if pre is not None else \
+            tokenizer_side(c.model.teacher, c.model.teacher_tokenizer, "teacher")
     else:
         startup("teacher model")
         teacher, t_tok = load_side(c.model.teacher, c.model.teacher_tokenizer, c.model, mesh, c.seed + 1,
@@ -160,19 +168,6 @@ def assemble(config, objective, preflight=None, startup=lambda phase: None) -> P
     collector = make_collector(c, objective, s_tok, t_tok, engine, teacher, mesh)
     return Parts(mesh, objective, student, teacher, served, load_teacher_base(c, mesh), s_tok, t_tok,
                  overlap, overlap_arrays, stream, engine, collector)
-
-
-def teacher_tokenizer_side(config):
-    """The teacher's TokenizerSide: model.teacher_tokenizer, else model.teacher's folder."""
-    from ctopd_jax.tokenization.side import load_tokenizer_side
-
-    m = config.model
-    directory = model_dir(m.teacher)
-    spec = m.teacher_tokenizer or (str(directory) if directory is not None else "")
-    if not spec:
-        raise TrainerSetupError(f"model.teacher_tokenizer: model.teacher={m.teacher!r} has no folder "
-                                "to read a tokenizer from; set model.teacher_tokenizer")
-    return load_tokenizer_side(spec)
 
 
 def replicated(value: np.ndarray, mesh) -> jax.Array:

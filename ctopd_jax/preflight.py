@@ -82,24 +82,13 @@ def _fail(message: str) -> PreflightError:
 
 # ----------------------------------------------------------------------------- the objective
 
-def _tokenizer_of(spec: str, tokenizer_spec: str, role: str):
-    from ctopd_jax.build import model_dir
-    from ctopd_jax.tokenization.side import load_tokenizer_side
-
-    directory = model_dir(spec)
-    tok = tokenizer_spec or (str(directory) if directory is not None else "")
-    if not tok:
-        raise _fail(f"model.{role}_tokenizer: a preset model ({spec}) needs a tokenizer")
-    return load_tokenizer_side(tok)
-
-
 def check_objective(config: TrainConfig):
     """The run's objective, built once here and checked before any model loads: its own
     `check_run`, training on an environment's episodes, the teacher's base when it needs one,
     one tokenizer and chat template on both sides of a same-tokenizer objective (and for
     model.teacher_base), and a response in every dataset row when it trains on them."""
     from ctopd_jax.algorithms import get_objective, objectives_that
-    from ctopd_jax.build import response_prompts, uses_dataset_responses
+    from ctopd_jax.build import response_prompts, tokenizer_side, uses_dataset_responses
     from ctopd_jax.host import check_same_tokenizer
 
     objective = get_objective(config.algorithm)
@@ -118,15 +107,15 @@ def check_objective(config: TrainConfig):
             "rollout.environment=''")
     if needs.teacher_base and not m.teacher_base:
         raise _fail(f"model.teacher_base: algorithm.name={name} needs the teacher's pre-tuning "
-                                "base model; set model.teacher_base (e.g. demo_char:teacher_base)")
+                    "base model; set model.teacher_base (e.g. demo_char:teacher_base)")
     if not needs.reuse_sampled_ids:
         return objective
     try:
-        student = _tokenizer_of(m.student, m.student_tokenizer, "student")
-        teacher = _tokenizer_of(m.teacher, m.teacher_tokenizer, "teacher")
+        student = tokenizer_side(m.student, m.student_tokenizer, "student")
+        teacher = tokenizer_side(m.teacher, m.teacher_tokenizer, "teacher")
         check_same_tokenizer(teacher, student, name)
         if needs.teacher_base:
-            check_same_tokenizer(_tokenizer_of(m.teacher_base, "", "teacher_base"), student, name,
+            check_same_tokenizer(tokenizer_side(m.teacher_base, "", "teacher_base"), student, name,
                                  what="model.teacher_base")
     except (ValueError, OSError) as err:
         raise _fail(str(err)) from None
