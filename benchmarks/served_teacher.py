@@ -4,7 +4,7 @@ run (issue 25, item 5).
     .venv-vllm/bin/python benchmarks/served_teacher.py [--rollouts 64] [--top-k 16] [--reps 5]
 
 The workload is one demo step: `--rollouts` teacher inputs (the teacher's chat rendering of a
-demo prompt + a response + EOS, demo_inputs.py), each scored from its first response position
+demo prompt + a response + EOS, demo/served_inputs.py), each scored from its first response position
 with the realised token's log-prob and the top-k. "local" is this repository's Decoder forward
 + log-softmax + top-k (local_scores.py, jit-compiled, warm); "served" is ServedTeacher against
 `vllm serve` of the same checkpoint on 127.0.0.1 (float32, eager, CPU), started by this script,
@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 from ctopd_jax.models.weights import load_hf_checkpoint  # noqa: E402
 from ctopd_jax.teacher_service import ServedTeacher, TeacherServiceSettings  # noqa: E402
-from ctopd_jax.teacher_service.demo_inputs import DEMO_TEACHER, demo_teacher_inputs  # noqa: E402
+from ctopd_jax.demo.served_inputs import DEMO_TEACHER, demo_teacher_inputs  # noqa: E402
 from ctopd_jax.teacher_service.local_scores import LocalTeacherScorer  # noqa: E402
 from ctopd_jax.teacher_service.local_server import local_vllm_server  # noqa: E402
 

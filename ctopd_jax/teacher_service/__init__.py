@@ -6,8 +6,8 @@ Modules: settings (the `teacher.*` fields and their checks), transport (HTTP + r
 vllm_protocol / sglang_protocol (requests and answers), client (batching and concurrency),
 startup (the check before training), topk (the teacher-top-k strict and top-k GKD math),
 batch_rows (served scores on the teacher batch's flat rows), routing (rows to named teachers),
-local_scores / local_server / demo_inputs (the local reference, a local vLLM server, the demo
-workload: for tests and the benchmark).
+local_scores / local_server (the local reference and a local vLLM server, for tests and the
+benchmark; the demo workload they score is demo/served_inputs.py).
 See docs/served_teacher.md.
 """
 from ctopd_jax.teacher_service.client import (ServedTeacher, TeacherServiceError,

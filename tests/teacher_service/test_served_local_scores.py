@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ctopd_jax.models.weights import load_hf_checkpoint
-from ctopd_jax.teacher_service.demo_inputs import DEMO_TEACHER, demo_teacher_inputs
+from ctopd_jax.demo.served_inputs import DEMO_TEACHER, demo_teacher_inputs
 from ctopd_jax.teacher_service.local_scores import LocalTeacherScorer
 
 

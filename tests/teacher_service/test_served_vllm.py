@@ -14,7 +14,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed in this environment")
 from ctopd_jax.models.weights import load_hf_checkpoint  # noqa: E402
 from ctopd_jax.teacher_service import (ServedTeacher, TeacherServerCheckError,  # noqa: E402
                                        TeacherServiceSettings)
-from ctopd_jax.teacher_service.demo_inputs import DEMO_TEACHER, demo_teacher_inputs  # noqa: E402
+from ctopd_jax.demo.served_inputs import DEMO_TEACHER, demo_teacher_inputs  # noqa: E402
 from ctopd_jax.teacher_service.local_scores import LocalTeacherScorer  # noqa: E402
 from ctopd_jax.teacher_service.local_server import local_vllm_server  # noqa: E402
 
