@@ -70,20 +70,21 @@ class LocalModelVllmServer(FakeTeacherServer):
                      "choices": choices}
 
 
-@pytest.fixture(scope="module")
-def served_char_teacher():
-    server = LocalModelVllmServer("vllm", LocalModelScores(CHAR_TEACHER), model="char-teacher",
+def _local_model_server(folder: Path, model: str):
+    server = LocalModelVllmServer("vllm", LocalModelScores(folder), model=model,
                                   max_model_len=256, max_logprobs=TOP_K_CAP)
     yield server
     server.close()
+
+
+@pytest.fixture(scope="module")
+def served_char_teacher():
+    yield from _local_model_server(CHAR_TEACHER, "char-teacher")
 
 
 @pytest.fixture(scope="module")
 def served_demo_teacher():
-    server = LocalModelVllmServer("vllm", LocalModelScores(DEMO_TEACHER), model="demo-teacher",
-                                  max_model_len=256, max_logprobs=TOP_K_CAP)
-    yield server
-    server.close()
+    yield from _local_model_server(DEMO_TEACHER, "demo-teacher")
 
 
 def small_run(out: Path, name: str, *extra: str, base: Path = SAME):
