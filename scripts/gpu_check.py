@@ -552,7 +552,9 @@ def stage_train_step(report: Report) -> None:
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, value
 
-        def stepper(carry=[params, opt_state]):     # threads the donated state through calls
+        carry = [params, opt_state]     # the donated state, threaded through the calls
+
+        def stepper():
             carry[0], carry[1], value = update(carry[0], carry[1], ids)
             return value
         value, t = _compile_run(stepper, repeat=2 if report.dry else 3)
