@@ -123,12 +123,14 @@ def _prefill_slots(state, cache, logits, rows, input_ids, attention_mask, *, gra
     model = nnx.merge(graphdef, state)
     r, p = input_ids.shape
     small = init_cache(model.cfg, r, p, dtype=cache.k.dtype)
-    new_logits, small = model(input_ids, prefill_positions(attention_mask), attention_mask, small)
+    hidden, small = model.hidden_states(input_ids, prefill_positions(attention_mask),
+                                        attention_mask, small)
+    last_logits = model.logits(hidden[:, -1:])[:, 0]   # only the next token's row is sampled
     k = cache.k.at[:, rows, :p].set(small.k, mode="drop")
     v = cache.v.at[:, rows, :p].set(small.v, mode="drop")
     valid_rows = jnp.zeros((r, cache.max_len), bool).at[:, :p].set(attention_mask)
     valid = cache.valid.at[rows].set(valid_rows, mode="drop")
-    logits = logits.at[rows].set(new_logits[:, -1], mode="drop")
+    logits = logits.at[rows].set(last_logits, mode="drop")
     return cache._replace(k=k, v=v, valid=valid), logits
 
 
