@@ -115,59 +115,78 @@ def start_served_teacher(config, vocab_size: int):
 
 
 @dataclasses.dataclass
+class TeacherParts:
+    """One teacher of a run (one per `teachers:` entry, else the one of model.teacher)."""
+    name: str
+    model: Any                      # models.Decoder on the mesh; None when the teacher is served
+    served: Any                     # teacher_service.ServedTeacher (started), or None (local)
+    tokenizer: Any                  # tokenization.TokenizerSide
+    overlap: Any                    # tokenization.OverlapMap with the student
+    overlap_arrays: dict            # its id arrays on the mesh: {"s_ids", "t_ids"}
+    collector: Any                  # host.Collector / SameTokenizerCollector / EpisodeCollector
+
+
+@dataclasses.dataclass
 class Parts:
     """What a run is assembled from (`assemble`); the loop adds its own state."""
     mesh: Any
     objective: Any                  # algorithms.Objective, built and checked once
     student: Any                    # models.Decoder on the mesh (LoRA adapters attached)
-    teacher: Any                    # models.Decoder on the mesh; None when the teacher is served
-    served_teacher: Any             # teacher_service.ServedTeacher (started), or None (local)
+    teachers: dict                  # name -> TeacherParts, in `teachers:` order
     teacher_base: Any               # (graphdef, state, lm_head) of model.teacher_base, or None
     student_tokenizer: Any          # tokenization.TokenizerSide
-    teacher_tokenizer: Any
-    overlap: Any                    # tokenization.OverlapMap
-    overlap_arrays: dict            # its id arrays on the mesh: {"s_ids", "t_ids"}
     stream: Any                     # data.PromptStream
     engine: Any                     # the rollout engine over the student
-    collector: Any                  # host.Collector / SameTokenizerCollector / EpisodeCollector
 
 
 def assemble(config, objective, preflight=None, startup=lambda phase: None) -> Parts:
     """Everything a run of `objective` (built and checked: preflight.check_objective) needs,
     built in order (`startup(phase)` as each phase begins); what `preflight`
     (preflight.Preflight) already loaded is reused, not built again."""
+    from ctopd_jax.config import teacher_views
     from ctopd_jax.models import lora
-    from ctopd_jax.tokenization.overlap import overlap_map
 
     c, pre = config, preflight
     mesh = mesh_lib.make_mesh(dict(vars(c.mesh)))
     startup("student model")
     student, s_tok = load_side(c.model.student, c.model.student_tokenizer, c.model, mesh, c.seed,
                                "student", pre.student_tokenizer if pre is not None else None)
-    teacher = served = None
-    if c.teacher.served:   # its weights stay on the server: only its tokenizer is needed here
-        startup("served teacher")
-        served = pre.served_teacher if pre is not None else \
-            start_served_teacher(c, served_teacher_model_config(c).vocab_size)
-        t_tok = pre.teacher_tokenizer if pre is not None else \
-            tokenizer_side(c.model.teacher, c.model.teacher_tokenizer, "teacher")
-    else:
-        startup("teacher model")
-        teacher, t_tok = load_side(c.model.teacher, c.model.teacher_tokenizer, c.model, mesh, c.seed + 1,
-                                   "teacher", pre.teacher_tokenizer if pre is not None else None)
-    startup("shared vocabulary and prompts")
-    overlap = pre.overlap if pre is not None else overlap_map(t_tok, s_tok)
-    if pre is None:
-        objective.check(overlap)
-    overlap_arrays = {"s_ids": replicated(overlap.s_ids.astype(np.int32), mesh),
-                      "t_ids": replicated(overlap.t_ids.astype(np.int32), mesh)}
+    teachers = {}
+    for i, (name, view) in enumerate(teacher_views(c).items()):
+        startup("served teacher" if view.teacher.served else "teacher model")
+        teachers[name] = load_teacher(view, name, objective, s_tok, mesh, c.seed + 1 + i,
+                                      pre.teachers[name] if pre is not None else None)
+    startup("prompts")
     stream = prompt_stream(c, s_tok, objective, pre.prompts if pre is not None else None)
     lora.prepare(student, c)  # adapters attached before the engine starts (vLLM serves them)
     startup("rollout engine")
     engine = make_engine(student, s_tok, c.rollout, mesh, context_room(objective, c.rollout, s_tok))
-    collector = make_collector(c, objective, s_tok, t_tok, engine, teacher, mesh)
-    return Parts(mesh, objective, student, teacher, served, load_teacher_base(c, mesh), s_tok, t_tok,
-                 overlap, overlap_arrays, stream, engine, collector)
+    for t in teachers.values():
+        t.collector = make_collector(c, objective, s_tok, t.tokenizer, engine, t.model, mesh)
+    return Parts(mesh, objective, student, teachers, load_teacher_base(c, mesh), s_tok, stream, engine)
+
+
+def load_teacher(view, name: str, objective, s_tok, mesh, seed: int, checked=None) -> TeacherParts:
+    """One teacher from `view` (the run's config as it sees it: config.teacher_views): its
+    model on the mesh or its started server, its tokenizer and overlap map (`checked`:
+    preflight.TeacherChecks, reused); the collector is added once the engine exists."""
+    from ctopd_jax.tokenization.overlap import overlap_map
+
+    model = served = None
+    if view.teacher.served:   # its weights stay on the server: only its tokenizer is needed here
+        served = checked.served if checked is not None else \
+            start_served_teacher(view, served_teacher_model_config(view).vocab_size)
+        t_tok = checked.tokenizer if checked is not None else \
+            tokenizer_side(view.model.teacher, view.model.teacher_tokenizer, "teacher")
+    else:
+        model, t_tok = load_side(view.model.teacher, view.model.teacher_tokenizer, view.model, mesh,
+                                 seed, "teacher", checked.tokenizer if checked is not None else None)
+    overlap = checked.overlap if checked is not None else overlap_map(t_tok, s_tok)
+    if checked is None:
+        objective.check(overlap)
+    arrays = {"s_ids": replicated(overlap.s_ids.astype(np.int32), mesh),
+              "t_ids": replicated(overlap.t_ids.astype(np.int32), mesh)}
+    return TeacherParts(name, model, served, t_tok, overlap, arrays, None)
 
 
 def replicated(value: np.ndarray, mesh) -> jax.Array:

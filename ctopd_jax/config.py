@@ -165,6 +165,23 @@ class TeacherSection(TeacherServiceSettings):
 
 
 @dataclass(frozen=True)
+class NamedTeacherSection(TeacherSection):
+    """One entry of `teachers:` (several teachers in one run): a name that data rows pick it by
+    (`data.teacher_key`), its model and tokenizer (as model.teacher / model.teacher_tokenizer)
+    and where it runs (the `teacher:` fields). Each gets its own tokenizer side, overlap map,
+    alignment and metrics (`<name>/...`)."""
+    name: str = ""
+    checkpoint: str = ""            # a checkpoint directory, named source or preset
+    tokenizer: str = ""             # "" = the checkpoint's own
+
+    def validate(self, prefix: str = "teachers") -> "NamedTeacherSection":
+        where = f"teachers[{self.name}]"
+        require(bool(self.checkpoint), f"{where}.checkpoint", "is empty; give the teacher's "
+                "checkpoint directory, named source (demo:teacher) or preset")
+        return super().validate(where)
+
+
+@dataclass(frozen=True)
 class MeshSection:
     """Mesh axis sizes; one may be -1 to take the remaining devices."""
     data: int = -1
@@ -302,6 +319,8 @@ class DataSection:
     path: str = "demo:train"             # jsonl / parquet file, or a named set
     prompt_key: str = "prompt"           # string prompt or chat `messages` list
     system_prompt: str = ""
+    teacher_key: str = "teacher"         # with `teachers:`: the row field naming its teacher
+    default_teacher: str = ""            # the teacher of rows without it; "" = the first one
     shuffle: bool = True
     seed: int = 0
 
@@ -374,6 +393,8 @@ class TrainConfig:
     steps: int = 10                      # on-policy iterations (optimizer steps)
     model: ModelSection = field(default_factory=ModelSection)
     teacher: TeacherSection = field(default_factory=TeacherSection)
+    # several named teachers (each prompt picks one); () = the one of model.teacher + teacher:
+    teachers: tuple[NamedTeacherSection, ...] = ()
     mesh: MeshSection = field(default_factory=MeshSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     # the default objective's own section (its settings class), as a file without `algorithm:` gets
@@ -615,6 +636,7 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
              f"{r.vllm_gpu_memory_utilization} must be in (0, 1] (a fraction of the GPU's memory)")
     config.model.validate()
     config.teacher.validate()
+    _check_teachers(config)
     require(config.model.attention != "cudnn" or r.engine != "jax", "model.attention",
              "'cudnn' cannot decode with a KV cache, which rollout.engine=jax does with the same "
              "model; use 'auto' (cuDNN where it can, blockwise for decoding)")
@@ -669,6 +691,42 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
             resolve_mesh_shape(dataclasses.asdict(config.mesh), device_count)
         except MeshError as err:
             raise ConfigError(f"{err}{device_count_hint(device_count)}") from None
+
+
+def _check_teachers(config: TrainConfig) -> None:
+    """`teachers:` entries: names, settings, the default; the single-teacher fields unset."""
+    if not config.teachers:
+        return
+    from ctopd_jax.teacher_service.routing import check_teacher_names
+    try:
+        check_teacher_names([t.name for t in config.teachers],
+                            config.data.default_teacher or None, field="teachers")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    for t in config.teachers:
+        t.validate()
+    require(config.teacher == TeacherSection(), "teacher",
+            "is set beside teachers:; give each teacher's engine, url, ... in its teachers: entry")
+    require(not config.model.teacher_tokenizer, "model.teacher_tokenizer",
+            "is set beside teachers:; give each teacher's tokenizer in its teachers: entry")
+
+
+def teacher_views(config: TrainConfig) -> dict[str, TrainConfig]:
+    """name -> the run's config as one teacher sees it (model.teacher, model.teacher_tokenizer
+    and `teacher:` from its entry), so every single-teacher check and builder serves each of
+    several teachers unchanged. Without `teachers:`, the one teacher, named "teacher"."""
+    if not config.teachers:
+        return {"teacher": config}
+    return {t.name: dataclasses.replace(
+        config, teachers=(),
+        model=dataclasses.replace(config.model, teacher=t.checkpoint, teacher_tokenizer=t.tokenizer),
+        teacher=TeacherSection(**{f.name: getattr(t, f.name) for f in dataclasses.fields(TeacherSection)}))
+        for t in config.teachers}
+
+
+def default_teacher(config: TrainConfig) -> str:
+    """The name of the teacher of rows that name none (data.default_teacher, else the first)."""
+    return config.data.default_teacher or next(iter(teacher_views(config)))
 
 
 SEED_LIMIT = 2 ** 32   # numpy's and the data loader's seeds are unsigned 32-bit

@@ -1,7 +1,7 @@
 """Every cheap check of a run, before any model weight is loaded.
 
     pre = preflight(config, resume=args.resume, allow_config_change=args.allow_config_change)
-    # pre.prompts, pre.student_tokenizer, pre.teacher_tokenizer, pre.overlap, pre.mesh_shape ...
+    # pre.prompts, pre.student_tokenizer, pre.teachers[name].tokenizer / .overlap, pre.mesh_shape ...
 
 `preflight` reads no tensor data and writes nothing. It raises `PreflightError` (one line
 naming the field or file and the fix) for the first problem in this order:
@@ -14,7 +14,7 @@ naming the field or file and the fix) for the first problem in this order:
 3. the checkpoint directory: checkpoints present without `--resume`; `--resume` with none, or
    with none whose meta is readable; the saved config against the new one
    (`resume_config.check_resume_config`, `--allow-config-change`);
-4. the prompt file and every row of it; the evaluation set when `evaluation.dataset` is set
+4. the prompt file and every row of it (with `teachers:`, each row's teacher); the evaluation set when `evaluation.dataset` is set
    (its prompts must also fit the training engine and the student's positions, step 7);
 5. each model (`model.teacher_base` too, when set): a checkpoint directory (`config.json`
    valid, every `*.safetensors` shard's header readable and not truncated, every tensor the
@@ -32,6 +32,11 @@ naming the field or file and the fix) for the first problem in this order:
    student's `max_position_embeddings`; every rendered prompt encodes on both sides without
    the unknown token (a tokenizer without byte fallback meeting a character it lacks).
 
+With `teachers:` steps 5-7 run for each teacher on its view of the config
+(`config.teacher_views`); a failure names the entry (`teachers[math] (as model.teacher /
+teacher:): ...`). Several teachers are refused for objectives built for one teacher
+(`_check_several_teachers`).
+
 Decisions: vLLM is checked with `importlib.util.find_spec` (importing it takes tens of seconds;
 a broken install still fails at engine start with its own message). The demo prompt file
 (`data.path: demo:train`) is written to the cache by its owner module as before.
@@ -46,7 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from ctopd_jax.build import TrainerSetupError
-from ctopd_jax.config import ConfigError, TrainConfig, device_count_hint, validate
+from ctopd_jax.config import (ConfigError, TrainConfig, default_teacher, device_count_hint,
+                              teacher_views, validate)
 
 MAX_HEADER_BYTES = 100 * 2 ** 20   # the safetensors format's own limit
 
@@ -62,8 +68,7 @@ class Preflight:
     prompts: list                       # data.Prompt, validated
     data_path: Path
     student_tokenizer: Any              # tokenization.TokenizerSide
-    teacher_tokenizer: Any
-    overlap: Any                        # tokenization.OverlapMap
+    teachers: dict[str, "TeacherChecks"]   # name -> what was loaded of it (config.teacher_views)
     mesh_shape: dict[str, int]
     checkpoint_dir: Path
     checkpoint_steps: list[int]         # committed steps with a readable meta
@@ -72,7 +77,21 @@ class Preflight:
     saved_config_source: str = ""
     model_dirs: dict[str, Path | None] = field(default_factory=dict)   # role -> HF dir or None
     objective: Any = None               # algorithms.Objective, built and checked once
-    served_teacher: Any = None          # teacher_service.ServedTeacher, started (teacher.engine
+
+    @property
+    def teacher(self) -> "TeacherChecks":
+        """The default teacher's checks (the only one without `teachers:`)."""
+        return self.teachers[default_teacher(self.config)]
+
+
+@dataclass
+class TeacherChecks:
+    """What the checks loaded of one teacher."""
+    config: TrainConfig                 # the run's config as this teacher sees it
+    tokenizer: Any                      # tokenization.TokenizerSide
+    overlap: Any                        # tokenization.OverlapMap with the student
+    model_dir: Path | None              # its HF folder, or None (a preset)
+    served: Any = None                  # teacher_service.ServedTeacher, started (teacher.engine
                                         # vllm_server / sglang_server), else None
 
 
@@ -97,8 +116,12 @@ def check_objective(config: TrainConfig):
         objective.check_run(config)
     except ValueError as err:
         raise _fail(str(err)) from None
-    if config.teacher.served:
-        _check_served_objective(config, objective)
+    views = teacher_views(config)
+    if len(views) > 1:
+        _check_several_teachers(config, objective)
+    for view in views.values():
+        if view.teacher.served:
+            _check_served_objective(view, objective)
     if config.rollout.environment and not needs.episodes:
         can = objectives_that(lambda o: o.needs.episodes)
         raise _fail(
@@ -112,8 +135,9 @@ def check_objective(config: TrainConfig):
         return objective
     try:
         student = tokenizer_side(m.student, m.student_tokenizer, "student")
-        teacher = tokenizer_side(m.teacher, m.teacher_tokenizer, "teacher")
-        check_same_tokenizer(teacher, student, name)
+        for view in views.values():
+            teacher = tokenizer_side(view.model.teacher, view.model.teacher_tokenizer, "teacher")
+            check_same_tokenizer(teacher, student, name)
         if needs.teacher_base:
             check_same_tokenizer(tokenizer_side(m.teacher_base, "", "teacher_base"), student, name,
                                  what="model.teacher_base")
@@ -125,6 +149,30 @@ def check_objective(config: TrainConfig):
         except ValueError as err:
             raise _fail(str(err)) from None
     return objective
+
+
+def _check_several_teachers(config: TrainConfig, objective) -> None:
+    """With `teachers:` each optimizer batch trains on every teacher's samples of one
+    iteration, one teacher per micro-batch: one update per iteration, and no objective part
+    that is built for a single teacher (its sampling, its base, turn episodes, diagnostics)."""
+    needs, name = objective.needs, config.algorithm.name
+    single = [what for what, used in (
+        ("has the teacher sample (a rollout engine over it)", needs.teacher_engine),
+        ("needs the teacher's base model", needs.teacher_base),
+        ("trains on turn-structured episodes", needs.turns or needs.episodes
+         or bool(config.rollout.environment))) if used]
+    if single:
+        raise _fail(f"teachers: algorithm.name={name} {single[0]}, which runs with one teacher "
+                    "only; use one teacher (model.teacher) or another objective")
+    if config.algorithm.diagnostics_every:
+        raise _fail("algorithm.diagnostics_every: the gradient diagnostics run with one teacher; "
+                    "set it to 0 with teachers:")
+    r, o = config.rollout, config.optimizer
+    responses = r.rollout_batch_size * r.n_samples_per_prompt
+    if o.train_batch_size != responses:
+        raise _fail(f"optimizer.train_batch_size: {o.train_batch_size}, but with teachers: one "
+                    f"update trains on all {responses} responses of an iteration (each teacher's "
+                    f"micro-batches in turn); set it to {responses}")
 
 
 def _check_served_objective(config: TrainConfig, objective) -> None:
@@ -352,7 +400,18 @@ def _check_model(spec: str, role: str):
     return None, None
 
 
-def _load_tokenizer(config: TrainConfig, role: str, directory: Path | None):
+def _load_tokenizer(config: TrainConfig, role: str, directory: Path | None, cfg=None):
+    """model.<role>'s tokenizer side, no larger than the model's vocabulary (`cfg`: its
+    config.json's ModelConfig, None for a preset)."""
+    side = _tokenizer_side(config, role, directory)
+    if cfg is not None and cfg.vocab_size < side.vocab_size:
+        raise _fail(f"model.{role}: vocabulary {cfg.vocab_size} (config.json) is smaller than "
+                    f"its tokenizer's {side.vocab_size}; pair the model with the tokenizer "
+                    f"it was trained with (model.{role}_tokenizer)")
+    return side
+
+
+def _tokenizer_side(config: TrainConfig, role: str, directory: Path | None):
     from ctopd_jax.tokenization.side import load_tokenizer_side
 
     field_name = f"model.{role}_tokenizer"
@@ -406,6 +465,13 @@ def _check_data(config: TrainConfig):
         if "data.path" not in text and str(d.path) not in text:
             text = f"data.path {d.path}: {text}"
         raise _fail(text) from None
+    if config.teachers:   # every row's teacher is one of them (one line naming the row)
+        from ctopd_jax.teacher_service.routing import route_rows
+        try:
+            route_rows([p.extra for p in prompts], list(teacher_views(config)),
+                       default_teacher(config), d.teacher_key, row_names=[p.source for p in prompts])
+        except ValueError as err:
+            raise _fail(str(err)) from None
     e = config.evaluation
     eval_set = None
     if e.dataset:
@@ -452,20 +518,11 @@ def _check_init_adapter(config: TrainConfig) -> None:
     read_safetensors_header(folder / ADAPTER_WEIGHTS)
 
 
-def _check_pair(config: TrainConfig, objective, dirs, cfgs):
+def _check_overlap(objective, teacher, student):
     from ctopd_jax.tokenization.overlap import NoOverlapError, overlap_map
 
-    sides = {}
-    for role in ("student", "teacher"):
-        side = _load_tokenizer(config, role, dirs[role])
-        cfg = cfgs[role]
-        if cfg is not None and cfg.vocab_size < side.vocab_size:
-            raise _fail(f"model.{role}: vocabulary {cfg.vocab_size} (config.json) is smaller than "
-                        f"its tokenizer's {side.vocab_size}; pair the model with the tokenizer "
-                        f"it was trained with (model.{role}_tokenizer)")
-        sides[role] = side
     try:
-        overlap = overlap_map(sides["teacher"], sides["student"])
+        overlap = overlap_map(teacher, student)
     except NoOverlapError as err:
         raise _fail(f"model.teacher_tokenizer / model.student_tokenizer: {err}; choose a pair "
                     "with common tokens (python -m ctopd_jax.inspect_pair shows the overlap)") \
@@ -474,7 +531,7 @@ def _check_pair(config: TrainConfig, objective, dirs, cfgs):
         objective.check(overlap)   # e.g. ctkd_topk <= |V∩|
     except ValueError as err:
         raise _fail(str(err)) from None
-    return sides, overlap
+    return overlap
 
 
 def _model_cfg(config: TrainConfig, role: str, cfg):
@@ -505,20 +562,20 @@ def _encode_prompts(side, prompts, role: str, field_name: str):
     return encoded
 
 
-def _check_prompt_lengths(config: TrainConfig, prompts, sides, cfgs, data_path: Path) -> None:
+def _check_prompt_lengths(config: TrainConfig, prompts, student, student_cfg, data_path: Path) -> None:
     """At least one prompt must fit rollout.max_prompt_len once rendered (the trainer drops the
     longer ones with a warning; with none left there is nothing to train on); the longest kept
     one plus rollout.generate_max_len must fit the student's positions (the engine refuses it
-    at the first rollout otherwise); no prompt may lose text to either tokenizer."""
-    _encode_prompts(sides["teacher"], prompts, "teacher", "model.teacher_tokenizer")
-    encoded = _encode_prompts(sides["student"], prompts, "student", "model.student_tokenizer")
+    at the first rollout otherwise); no prompt may lose text to the student's tokenizer (nor
+    to a teacher's: _check_teacher)."""
+    encoded = _encode_prompts(student, prompts, "student", "model.student_tokenizer")
     limit, new = config.rollout.max_prompt_len, config.rollout.generate_max_len
     kept = [len(e.ids) for e in encoded if len(e.ids) <= limit]
     if not kept:
         raise _fail(f"rollout.max_prompt_len: {limit} student tokens, but the shortest rendered "
                     f"prompt of {data_path} has {min(len(e.ids) for e in encoded)}; raise "
                     "rollout.max_prompt_len")
-    positions = _model_cfg(config, "student", cfgs["student"]).max_position_embeddings
+    positions = _model_cfg(config, "student", student_cfg).max_position_embeddings
     if max(kept) + new > positions:
         raise _fail(f"rollout.generate_max_len: {new} new tokens after the longest kept prompt "
                     f"of {data_path} ({max(kept)} student tokens) need {max(kept) + new} "
@@ -575,22 +632,37 @@ def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change:
     _check_output_dirs(config)
     ck_dir, steps, changes, where = _check_checkpoint_state(config, resume, allow_config_change)
     data_path, prompts, eval_set = _check_data(config)
-    dirs, cfgs, served = {}, {}, None
-    dirs["student"], cfgs["student"] = _check_model(config.model.student, "student")
-    if config.teacher.served:
-        dirs["teacher"], cfgs["teacher"], served = _check_served_teacher(config)
-    else:
-        dirs["teacher"], cfgs["teacher"] = _check_model(config.model.teacher, "teacher")
+    student_dir, student_cfg = _check_model(config.model.student, "student")
+    student = _load_tokenizer(config, "student", student_dir, student_cfg)
     if config.model.teacher_base:   # OPD²'s third model: its files, before any model loads
         _check_model(config.model.teacher_base, "teacher_base")
     _check_init_adapter(config)
-    sides, overlap = _check_pair(config, objective, dirs, cfgs)
-    _check_prompt_lengths(config, prompts, sides, cfgs, data_path)
-    _check_eval_prompts(config, objective, eval_set, sides["student"], cfgs["student"])
-    _check_objective_models(config, objective, sides["teacher"], cfgs["teacher"])
+    _check_prompt_lengths(config, prompts, student, student_cfg, data_path)
+    _check_eval_prompts(config, objective, eval_set, student, student_cfg)
+    teachers = {}
+    for name, view in teacher_views(config).items():
+        try:
+            teachers[name] = _check_teacher(view, objective, student, prompts)
+        except PreflightError as err:
+            raise (err if not config.teachers else _fail(f"teachers[{name}] (as model.teacher / "
+                                                         f"teacher:): {err}")) from None
     return Preflight(config=config, prompts=prompts, data_path=data_path,
-                     student_tokenizer=sides["student"], teacher_tokenizer=sides["teacher"],
-                     overlap=overlap, mesh_shape=mesh_shape, checkpoint_dir=ck_dir,
-                     checkpoint_steps=steps, resume=resume, config_changes=changes,
-                     saved_config_source=where, model_dirs=dirs, objective=objective,
-                     served_teacher=served)
+                     student_tokenizer=student, teachers=teachers, mesh_shape=mesh_shape,
+                     checkpoint_dir=ck_dir, checkpoint_steps=steps, resume=resume,
+                     config_changes=changes, saved_config_source=where, objective=objective)
+
+
+def _check_teacher(config: TrainConfig, objective, student, prompts) -> TeacherChecks:
+    """One teacher (`config` as it sees the run): its files or its server, its tokenizer
+    against its model and the student's (the overlap), the prompts in its tokenizer, and the
+    objective's checks against it."""
+    served = None
+    if config.teacher.served:
+        directory, cfg, served = _check_served_teacher(config)
+    else:
+        directory, cfg = _check_model(config.model.teacher, "teacher")
+    side = _load_tokenizer(config, "teacher", directory, cfg)
+    overlap = _check_overlap(objective, side, student)
+    _encode_prompts(side, prompts, "teacher", "model.teacher_tokenizer")
+    _check_objective_models(config, objective, side, cfg)
+    return TeacherChecks(config, side, overlap, directory, served)

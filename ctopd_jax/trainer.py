@@ -38,7 +38,7 @@ from flax import nnx
 from ctopd_jax import build
 from ctopd_jax.build import TrainerSetupError  # noqa: F401  (re-exported for callers)
 from ctopd_jax.checkpoint import Checkpointer
-from ctopd_jax.config import TrainConfig
+from ctopd_jax.config import TrainConfig, default_teacher
 from ctopd_jax.evaluation import evaluate_during_training
 from ctopd_jax.metrics import MetricsLogger, StartupClock, StepTimer
 from ctopd_jax.models import lora
@@ -48,6 +48,16 @@ from ctopd_jax.step.shards import stack_shards
 from ctopd_jax.teacher import lm_head_of, teacher_hidden_rows
 from ctopd_jax.teacher_service import TeacherServiceError
 from ctopd_jax.teacher_service.batch_rows import score_teacher_batch
+
+
+COVERAGE_FIELDS = ("pairs", "student_tokens", "teacher_tokens", "mismatched", "samples")
+
+
+def _scoring_parts(teacher) -> tuple:
+    """(graphdef, state, lm_head) of a teacher model on the mesh, as teacher_hidden_rows and
+    the loss read them."""
+    graphdef, state = nnx.split(teacher)
+    return graphdef, state, lm_head_of(graphdef, state)
 
 
 class TrainingDiverged(RuntimeError):
@@ -80,10 +90,12 @@ class Trainer:
         objective = preflight.objective if preflight is not None else check_objective(c)
         parts = build.assemble(c, objective, preflight, startup)
         self.mesh, self.objective, self.stream = parts.mesh, parts.objective, parts.stream
-        self.student, self.teacher, self.base = parts.student, parts.teacher, parts.teacher_base
-        self.served_teacher = parts.served_teacher   # None: the teacher runs on the mesh
-        self.s_tok, self.t_tok, self.overlap = parts.student_tokenizer, parts.teacher_tokenizer, parts.overlap
-        self.overlap_arrays, self.engine, self.collector = parts.overlap_arrays, parts.engine, parts.collector
+        self.student, self.base, self.s_tok = parts.student, parts.teacher_base, parts.student_tokenizer
+        self.engine, self.teachers = parts.engine, parts.teachers   # name -> build.TeacherParts
+        self.default_teacher = default_teacher(c)
+        # (graphdef, state, lm_head) of each teacher on the mesh; Nones for a served teacher
+        self.teacher_scoring = {name: (None, None, None) if t.model is None else
+                                _scoring_parts(t.model) for name, t in self.teachers.items()}
         startup("optimizer state")
         responses = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
         self.updates_per_iteration = responses // c.optimizer.train_batch_size
@@ -93,12 +105,8 @@ class Trainer:
         # scalars of the optimizer state (step counts) come out of init on one device: put them
         # on the mesh too, so saved and restored states carry mesh shardings throughout
         self.opt_state = jax.tree.map(lambda x: build.on_mesh(x, self.mesh), jax.jit(self.tx.init)(self.params))
-        self.t_graphdef = self.t_state = self.t_lm_head = None
-        if self.teacher is not None:
-            self.t_graphdef, self.t_state = nnx.split(self.teacher)
-            self.t_lm_head = lm_head_of(self.t_graphdef, self.t_state)
         self.rng = jax.random.key(c.seed)
-        self.coverage = CoverageMeter()
+        self.coverage = {name: CoverageMeter() for name in self.teachers}
         self.guard = DivergenceGuard.from_config(c.guard)
         self.update_count = 0
         self.diagnostics = None
@@ -106,6 +114,23 @@ class Trainer:
             from ctopd_jax.step.diagnostics import Diagnostics
             self.diagnostics = Diagnostics(c, self.objective, self.stream.prompts)
         startup("ready")
+
+    # the default teacher's parts (the only teacher without `teachers:`)
+    @property
+    def teacher(self):
+        return self.teachers[self.default_teacher].model
+
+    @property
+    def t_tok(self):
+        return self.teachers[self.default_teacher].tokenizer
+
+    @property
+    def overlap(self):
+        return self.teachers[self.default_teacher].overlap
+
+    @property
+    def collector(self):
+        return self.teachers[self.default_teacher].collector
 
     # -- checkpoint state -----------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -119,9 +144,11 @@ class Trainer:
         nnx.update(self.student, self.params)
 
     # -- one iteration --------------------------------------------------------------------
-    def micro_batch(self, host, start: int, stop: int, total_tokens: float, accumulation: int, grads, timer, dropout):
-        """(loss, sums, metrics, grads + its gradient) of samples [start, stop) of a collected batch
-        (`grads` is donated to the step; `dropout`: its LoRA dropout, lora.train_dropout).
+    def micro_batch(self, teacher, host, start: int, stop: int, total_tokens: float, accumulation: int, grads,
+                    timer, dropout):
+        """(loss, sums, metrics, grads + its gradient) of samples [start, stop) of a batch collected
+        for `teacher` (build.TeacherParts; `grads` is donated to the step; `dropout`: its LoRA
+        dropout, lora.train_dropout).
 
         When the micro-batch divides over the batch shards (data × fsdp), each shard's samples
         are prepared on their own and the loss and teacher rows run per shard (no row moves
@@ -132,15 +159,16 @@ class Trainer:
         parts = [self.objective.prepare(host, a, a + step) for a in range(start, stop, step)]
         batch = build.to_global(stack_shards(parts), self.mesh)
         mesh = self.mesh if shards > 1 else None
+        t_graphdef, t_state, t_lm_head = self.teacher_scoring[teacher.name]
         with timer("teacher"), jax.set_mesh(self.mesh):  # the models' activation constraints bind
             t_hidden = None   # a served teacher's log-probs came with the host batch (iteration)
-            if self.served_teacher is None:
-                t_hidden = teacher_hidden_rows(self.t_graphdef, self.t_state, batch["teacher_ids"],
+            if teacher.served is None:
+                t_hidden = teacher_hidden_rows(t_graphdef, t_state, batch["teacher_ids"],
                                                batch["teacher_mask"], batch["teacher_rows"], mesh=mesh)
                 t_hidden.block_until_ready()
-            batch, overlap = build.add_teacher_base(self.base, batch, self.overlap_arrays, mesh)
+            batch, overlap = build.add_teacher_base(self.base, batch, teacher.overlap_arrays, mesh)
         with timer("student"), jax.set_mesh(self.mesh):
-            return micro_grad(self.params, self.rest, batch, t_hidden, self.t_lm_head, overlap,
+            return micro_grad(self.params, self.rest, batch, t_hidden, t_lm_head, overlap,
                               np.float32(total_tokens), grads, graphdef=self.graphdef,
                               accumulation=accumulation, objective=self.objective, mesh=mesh, dropout=dropout)
 
@@ -149,29 +177,31 @@ class Trainer:
         self.rng, sub = jax.random.split(self.rng)
         seed = int(jax.random.randint(sub, (), 0, 2 ** 31 - 1))
         dropout_key = jax.random.fold_in(sub, 1)  # LoRA dropout masks of this iteration's micro-batches
-        host = self.collector.collect(self.stream.next_batch(), seed, timer, rollout_index=rollout_index)
-        if self.served_teacher is not None:   # the realised tokens' log-probs, before any step
-            with timer("teacher"):
-                host.served_teacher_rows = score_teacher_batch(self.served_teacher, host.teacher, top_k=0)
-        coverage = self.coverage.update(host.alignment)
+        collected = self.collect(self.stream.next_batch(), seed, timer, rollout_index)
+        coverage = {name: self.coverage[name].update(host.alignment) for name, host in collected.items()}
         accumulation = o.train_batch_size // o.micro_batch_size
         sums: dict[str, float] = {}
+        by_teacher = {name: {} for name in collected}   # name -> its micro-batches' sums
         metric_parts: dict[str, list[float]] = {}
         infos = []
-        for u in range(self.updates_per_iteration):
-            first = u * o.train_batch_size
-            total = host.tokens(first, first + o.train_batch_size)
+        for pieces in self._updates(collected):
+            total = sum(host.tokens(a, b) for _, host, a, b, _ in pieces)
             grads, loss = zero_grads(self.params), 0.0
-            for start in range(first, first + o.train_batch_size, o.micro_batch_size):
-                l, s, m, grads = self.micro_batch(host, start, start + o.micro_batch_size, total, accumulation,
-                                                  grads, timer, lora.train_dropout(self.config, dropout_key, start))
-                loss = loss + l
-                for k, v in s.items():
-                    sums[k] = sums.get(k, 0.0) + scalar(v)
-                for k, (num, den) in m.items():  # den None: a count, reported as the total
-                    part = metric_parts.setdefault(k, [0.0, None if den is None else 0.0])
-                    part[0] += scalar(num)
-                    part[1] = None if den is None else part[1] + scalar(den)
+            for name, host, first, last, offset in pieces:
+                for start in range(first, last, o.micro_batch_size):
+                    stop = min(start + o.micro_batch_size, last)  # a teacher's last one may be short
+                    l, s, m, grads = self.micro_batch(
+                        self.teachers[name], host, start, stop, total, accumulation, grads, timer,
+                        lora.train_dropout(self.config, dropout_key, offset + start))
+                    loss = loss + l
+                    for k, v in s.items():
+                        v = scalar(v)
+                        sums[k] = sums.get(k, 0.0) + v
+                        by_teacher[name][k] = by_teacher[name].get(k, 0.0) + v
+                    for k, (num, den) in m.items():  # den None: a count, reported as the total
+                        part = metric_parts.setdefault(k, [0.0, None if den is None else 0.0])
+                        part[0] += scalar(num)
+                        part[1] = None if den is None else part[1] + scalar(den)
             with timer("student"):
                 self.params, self.opt_state, info = self.apply_update(
                     self.params, self.opt_state, grads, loss, np.int32(self.update_count))
@@ -180,35 +210,90 @@ class Trainer:
         with timer("sync"):
             nnx.update(self.student, self.params)
             self.engine.update_weights(self.student)
-        return self._metrics(host, sums, metric_parts, infos, coverage), host.mismatch_samples()
+        hosts = list(collected.values())
+        return (self._metrics(collected, sums, by_teacher, metric_parts, infos, coverage),
+                [record for host in hosts for record in host.mismatch_samples()])
 
-    def _metrics(self, host, sums, metric_parts, infos, coverage) -> dict[str, Any]:
-        tokens = max(host.tokens(0, host.size), 1.0)
-        weights = self.objective.loss_weights()
-        metrics = {f"{k}_loss": v / tokens for k, v in sums.items()}
-        metrics["loss"] = sum(weights.get(k, 0.0) * v for k, v in sums.items() if weights.get(k)) / tokens
-        metrics["kd_loss"] = sum(w * sums[k] for k, w in self.objective.kd_weights().items() if w) / tokens
+    def collect(self, prompts, seed: int, timer, rollout_index: int) -> dict[str, Any]:
+        """name -> the HostBatch of the prompts routed to that teacher (`teachers:`: a row's
+        data.teacher_key field or data.default_teacher; else every prompt to the one teacher),
+        with a served teacher's token log-probs. Teacher g's prompts sample with seed + g, so
+        teachers do not share random streams (g = 0: the single-teacher seed)."""
+        from ctopd_jax.teacher_service.routing import route_rows
+
+        d = self.config.data
+        routed = route_rows([p.extra for p in prompts], list(self.teachers), self.default_teacher,
+                            d.teacher_key) if self.config.teachers else {self.default_teacher: range(len(prompts))}
+        collected = {}
+        for g, (name, rows) in enumerate(routed.items()):
+            if not rows:
+                continue
+            t = self.teachers[name]
+            host = t.collector.collect([prompts[i] for i in rows], (seed + g) % 2 ** 31, timer,
+                                       rollout_index=rollout_index)
+            if t.served is not None:   # the realised tokens' log-probs, before any step
+                with timer("teacher"):
+                    host.served_teacher_rows = score_teacher_batch(t.served, host.teacher, top_k=0)
+            collected[name] = host
+        return collected
+
+    def _updates(self, collected: dict[str, Any]) -> list[list[tuple]]:
+        """The optimizer updates of an iteration, each a list of (teacher name, host batch,
+        first, last sample, offset of that host's samples in the iteration): with one teacher,
+        consecutive train_batch_size blocks; with several, one update over every teacher's
+        samples (preflight holds train_batch_size to the iteration's responses)."""
+        o = self.config.optimizer
+        if len(self.teachers) == 1:
+            (name, host), = collected.items()
+            return [[(name, host, a, a + o.train_batch_size, 0)]
+                    for a in range(0, host.size, o.train_batch_size)]
+        offsets = np.cumsum([0] + [host.size for host in collected.values()])
+        return [[(name, host, 0, host.size, int(offsets[i]))
+                 for i, (name, host) in enumerate(collected.items())]]
+
+    def _metrics(self, collected, sums, by_teacher, metric_parts, infos, coverage) -> dict[str, Any]:
+        hosts = list(collected.values())
+        tokens = max(sum(host.tokens(0, host.size) for host in hosts), 1.0)
+        metrics = self._loss_metrics(sums, tokens)
         for k, (num, den) in metric_parts.items():
             if den is None or den:  # no log-prob gap when no re-tokenized response equals its samples
                 metrics[k] = num if den is None else num / den
         metrics.update({
             "lr": infos[-1]["lr"], "grad_norm": infos[-1]["grad_norm"],
             "update_applied": min(i["update_applied"] for i in infos),
-            "response_length": float(np.mean(host.student.response_lens)),
-            "truncated_samples": sum(r == "length" for r in host.finish_reasons),
-            "rollout_shard_samples": host.shard_samples,
-            "student_response_tokens": int(tokens), "strict_pairs": host.alignment.num_pairs, **coverage})
-        metrics.update({k: v for k, v in (host.turn_stats or {}).items() if v is not None})
+            "response_length": float(np.mean(np.concatenate([h.student.response_lens for h in hosts]))),
+            "truncated_samples": sum(r == "length" for h in hosts for r in h.finish_reasons),
+            "rollout_shard_samples": sum(h.shard_samples for h in hosts),
+            "student_response_tokens": int(tokens),
+            "strict_pairs": sum(h.alignment.num_pairs for h in hosts)})
+        if not self.config.teachers:
+            metrics.update(coverage[self.default_teacher])
+        else:   # per teacher: its share of the loss, its samples, its pair's coverage
+            for name, host in collected.items():
+                own = max(host.tokens(0, host.size), 1.0)
+                metrics.update({f"{name}/{k}": v for k, v in self._loss_metrics(by_teacher[name], own).items()})
+                metrics.update({f"{name}/samples": host.size, f"{name}/student_response_tokens": int(own),
+                                **{f"{name}/{k}": v for k, v in coverage[name].items()}})
+        for host in hosts:
+            metrics.update({k: v for k, v in (host.turn_stats or {}).items() if v is not None})
+        return metrics
+
+    def _loss_metrics(self, sums: dict[str, float], tokens: float) -> dict[str, float]:
+        """Each sum ÷ `tokens` (`<name>_loss`), the trained mix (`loss`) and its KD part."""
+        weights = self.objective.loss_weights()
+        metrics = {f"{k}_loss": v / tokens for k, v in sums.items()}
+        metrics["loss"] = sum(weights.get(k, 0.0) * v for k, v in sums.items() if weights.get(k)) / tokens
+        metrics["kd_loss"] = sum(w * sums[k] for k, w in self.objective.kd_weights().items()
+                                 if w and k in sums) / tokens
         return metrics
 
     # -- the loop ---------------------------------------------------------------------------
     def _checkpoint_meta(self) -> dict[str, Any]:
-        cov = self.coverage
         return {"data": self.stream.state(), "config": self.config.to_dict(),
                 "update_count": self.update_count, "objective": self.objective.state_dict(),
                 "guard": self.guard.state(),
-                "coverage": {k: getattr(cov, k) for k in ("pairs", "student_tokens", "teacher_tokens",
-                                                          "mismatched", "samples")}}
+                "coverage": {name: {k: getattr(cov, k) for k in COVERAGE_FIELDS}
+                             for name, cov in self.coverage.items()}}
 
     def _resume(self, checkpointer) -> int:
         restored = checkpointer.restore_latest(self._state())
@@ -219,8 +304,12 @@ class Trainer:
         self.update_count = int(restored.meta["update_count"])
         self.objective.load_state_dict(restored.meta.get("objective", {}))
         self.guard.restore(restored.meta.get("guard"))
-        for k, v in restored.meta["coverage"].items():
-            setattr(self.coverage, k, v)
+        saved = restored.meta["coverage"]
+        if "pairs" in saved:   # a checkpoint of one teacher written before `teachers:` existed
+            saved = {self.default_teacher: saved}
+        for name, fields in saved.items():
+            for k, v in fields.items():
+                setattr(self.coverage[name], k, v)
         self.engine.update_weights(self.student)
         return restored.step
 
@@ -246,7 +335,8 @@ class Trainer:
                                tensorboard=lg.tensorboard, progress=lg.progress, is_writer=self.is_writer, config=c)
         logger.write(f"run {c.run_name}, objective {c.algorithm.name}; " + (
             f"resumed from step {start} ({ck_dir})" if start else
-            f"overlap: {json.dumps(self.overlap.summary())}"))
+            "overlap: " + json.dumps(self.overlap.summary() if not c.teachers else
+                                     {name: t.overlap.summary() for name, t in self.teachers.items()})))
         record: dict[str, Any] = {}
         try:
             for step in range(start + 1, c.steps + 1):
@@ -288,9 +378,10 @@ class Trainer:
         diagnostics = {}
         if self.diagnostics is not None and self.diagnostics.due(step - 1):
             with timer("diagnostics"):
+                teacher = self.teachers[self.default_teacher]   # preflight: one teacher
                 diagnostics = self.diagnostics.run(
-                    self.collector, self.mesh, (self.graphdef, self.params, self.rest),
-                    (self.t_graphdef, self.t_state, self.t_lm_head), self.overlap_arrays)
+                    teacher.collector, self.mesh, (self.graphdef, self.params, self.rest),
+                    self.teacher_scoring[teacher.name], teacher.overlap_arrays)
         metrics, samples = self.iteration(timer, step - 1)   # rollout batch n = step − 1 (TCOD's curriculum)
         metrics.update(diagnostics)
         metrics["tokens_per_s"] = metrics["student_response_tokens"] / max(time.perf_counter() - began, 1e-9)

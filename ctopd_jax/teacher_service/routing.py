@@ -33,25 +33,27 @@ def check_teacher_names(names, default: str | None = None, field: str = "teacher
                              f"own name")
         seen.add(name)
     if default is not None and default not in seen:
-        raise ValueError(f"{field}_default: {default!r} is not one of the teachers "
+        raise ValueError(f"data.default_teacher: {default!r} is not one of the teachers "
                          f"({', '.join(names)})")
     return names
 
 
 def route_rows(rows, names, default: str | None = None, key: str = "teacher",
-               source: str = "data") -> dict[str, list[int]]:
-    """Row indices per teacher name (every name present, in `names` order)."""
+               source: str = "data", row_names=None) -> dict[str, list[int]]:
+    """Row indices per teacher name (every name present, in `names` order). `row_names`
+    (e.g. each prompt's "file:line") name a bad row instead of `source row <index>`."""
     known = set(names)
     by_teacher = {name: [] for name in names}
     for index, row in enumerate(rows):
+        where = row_names[index] if row_names is not None else f"{source} row {index}"
         chosen = row.get(key) if isinstance(row, dict) else None
         if chosen is None:
             if default is None:
-                raise ValueError(f"{source} row {index}: no {key!r} field and no default teacher;"
+                raise ValueError(f"{where}: no {key!r} field and no default teacher;"
                                  f" add the field or set the default")
             chosen = default
         if chosen not in known:
-            raise ValueError(f"{source} row {index}: {key} {chosen!r} is not one of the teachers "
+            raise ValueError(f"{where}: {key} {chosen!r} is not one of the teachers "
                              f"({', '.join(names)}); add it under teachers: or fix the row")
         by_teacher[chosen].append(index)
     return by_teacher

@@ -30,7 +30,7 @@ def test_unknown_teacher_names_the_row(rows, default, message):
     (["math", "math"], None, "teachers[1].name: 'math' is used twice"),
     (["math", "2code"], None, "teachers[1].name: '2code' is not a name"),
     (["math", ""], None, "teachers[1].name: '' is not a name"),
-    (["math", "code"], "chem", "teachers_default: 'chem' is not one of the teachers (math, code)"),
+    (["math", "code"], "chem", "data.default_teacher: 'chem' is not one of the teachers (math, code)"),
 ])
 def test_bad_teacher_names(names, default, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")

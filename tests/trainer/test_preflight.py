@@ -25,11 +25,11 @@ def test_preflight_returns_the_cheap_things_it_loaded(tmp_path, monkeypatch):
     config = load_config(TINY, [f"output_dir={tmp_path / 'run'}", f"data.path={PROMPTS}"])
     pre = preflight(config, device_count=4)
     assert len(pre.prompts) == len(PROMPTS.read_text().splitlines()) and pre.prompts[0].messages[-1]["role"] == "user"
-    assert pre.student_tokenizer.vocab_size == 901 and pre.teacher_tokenizer.vocab_size == 800
-    assert pre.overlap.shared == 606
+    assert pre.student_tokenizer.vocab_size == 901 and pre.teacher.tokenizer.vocab_size == 800
+    assert pre.teacher.overlap.shared == 606
     assert pre.mesh_shape == {"data": 4, "fsdp": 1, "tensor": 1}
     assert pre.checkpoint_dir == tmp_path / "run" / "checkpoints" and pre.checkpoint_steps == []
-    assert set(pre.model_dirs) == {"student", "teacher"} and all(pre.model_dirs.values())
+    assert list(pre.teachers) == ["teacher"] and pre.teacher.model_dir is not None and pre.teacher.served is None
     assert list(tmp_path.iterdir()) == []
 
 
@@ -70,5 +70,5 @@ def test_a_teacher_judge_call_longer_than_the_teacher_is_one_preflight_line(tmp_
                        r"up to \d+ positions but the teacher's max_position_embeddings is 256"):
         preflight(load_config(tools, [*sets, "algorithm.sage_judge=teacher"]), device_count=1)
     pre = preflight(load_config(tools, [*sets, "algorithm.sage_judge=proxy"]), device_count=1)
-    assert pre.teacher_tokenizer.vocab_size == pre.student_tokenizer.vocab_size
+    assert pre.teacher.tokenizer.vocab_size == pre.student_tokenizer.vocab_size
     assert not (tmp_path / "run").exists()

@@ -106,7 +106,7 @@ def train(config, served: bool):
     from ctopd_jax.trainer import Trainer
 
     pre = preflight(config)   # the CLI's path: the server's start-up check runs here
-    assert (pre.served_teacher is not None) == served
+    assert (pre.teacher.served is not None) == served
     trainer = Trainer(config, preflight=pre)
     assert (trainer.teacher is None) == served   # a served teacher's weights never load
     trainer.train()

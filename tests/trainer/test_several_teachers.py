@@ -1,0 +1,160 @@
+"""Several named teachers in one run (`teachers:`, issue 25 item 3).
+
+Each prompt picks its teacher by its `teacher` field (else data.default_teacher); each teacher
+has its own tokenizer, overlap map and alignment, and its own metrics (`<name>/...`). Checked
+against independent facts, not against the code under test:
+- two entries that are the same model, with greedy rollouts, train exactly as the single-teacher
+  run on the same prompts (one update sums every sample ÷ all tokens, whatever the routing);
+- a teacher that IS the student (same weights, same tokenizer) gives reverse KL 0 and coverage
+  1.0 on its own samples before the first update, while the cross-tokenizer teacher beside it
+  does not: each sample meets the teacher its row names;
+- every bad `teachers:` setting and a row naming an unknown teacher are one line, before any
+  model loads (exit 2 from the command line, nothing written)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import subprocess_env
+from ctopd_jax.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CROSS = ROOT / "configs" / "tiny_cpu.yaml"
+SMALL = {"steps": 2, "rollout": {"rollout_batch_size": 8, "generate_max_len": 16},
+         "optimizer": {"train_batch_size": 8, "micro_batch_size": 4},
+         "logging": {"progress": False, "tensorboard": False},
+         "checkpoint": {"save": False, "export_hf": False}, "evaluation": {"dataset": ""}}
+
+
+def prompts_file(tmp_path: Path, teachers: list[str | None]) -> Path:
+    """The demo's training prompts, row i naming teachers[i % len] (None: no field)."""
+    from ctopd_jax.data import resolve_named_source
+
+    rows = [json.loads(line) for line in resolve_named_source("demo:train").read_text().splitlines()[:64]]
+    for i, row in enumerate(rows):
+        if teachers[i % len(teachers)] is not None:
+            row["teacher"] = teachers[i % len(teachers)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def config_file(tmp_path: Path, name: str, data: Path, teachers=None, **sections) -> Path:
+    tree = yaml.safe_load(CROSS.read_text())
+    for key, value in {**SMALL, **sections}.items():
+        tree[key] = {**tree.get(key, {}), **value} if isinstance(value, dict) else value
+    tree["output_dir"] = str(tmp_path / name)
+    tree["data"]["path"], tree["data"]["shuffle"] = str(data), False
+    if teachers is not None:
+        tree["teachers"] = teachers
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def rows_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(path: Path, *overrides: str):
+    from ctopd_jax.preflight import preflight
+    from ctopd_jax.trainer import Trainer
+
+    config = load_config(path, list(overrides))
+    trainer = Trainer(config, preflight=preflight(config))
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.slow
+def test_two_names_for_one_teacher_train_as_the_single_teacher_run(tmp_path):
+    data = prompts_file(tmp_path, ["a", "b", None])   # None: the default teacher (a)
+    greedy = {"rollout": {**SMALL["rollout"], "temperature": 0.0}}
+    one = train(config_file(tmp_path, "one", data, **greedy))
+    two = train(config_file(tmp_path, "two", data, [{"name": "a", "checkpoint": "demo:teacher"},
+                                                    {"name": "b", "checkpoint": "demo:teacher"}], **greedy))
+    want, got = rows_of(tmp_path / "one"), rows_of(tmp_path / "two")
+    for key in ("loss", "strict_loss", "grad_norm", "student_response_tokens", "strict_pairs"):
+        np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=2e-4, err_msg=key)
+    for row in got:   # 8 prompts per batch: rows 0, 2, 3, 5, 6 of a block of 3 go to a
+        assert row["a/samples"] + row["b/samples"] == 8 and row["b/samples"] in (2, 3)
+        parts = sum(row[f"{t}/loss"] * row[f"{t}/student_response_tokens"] for t in "ab")
+        np.testing.assert_allclose(parts, row["loss"] * row["student_response_tokens"], rtol=1e-5)
+    import jax
+    for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(two.params), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=2e-6)
+
+
+@pytest.mark.slow
+def test_each_sample_meets_the_teacher_its_row_names(tmp_path):
+    data = prompts_file(tmp_path, ["cross", "self"])
+    run = config_file(tmp_path, "mixed", data,
+                      [{"name": "cross", "checkpoint": "demo:teacher"},
+                       {"name": "self", "checkpoint": "demo:student"}],   # the student's own weights
+                      algorithm={"name": "strict", "kd_loss_fn": "rkl"})
+    trainer = train(run, "steps=1")
+    first = rows_of(tmp_path / "mixed")[0]
+    assert first["self/samples"] == first["cross/samples"] == 4
+    assert first["self/coverage_student"] == 1.0 and first["self/coverage_teacher"] == 1.0
+    assert abs(first["self/strict_loss"]) < 1e-5     # KL(student || itself) before any update
+    assert first["cross/strict_loss"] > 1e-2
+    # one overlap map per pair: the student's vocabulary (901) with itself, the demo teacher's (800)
+    assert trainer.teachers["self"].overlap.summary()["V_T"] == trainer.s_tok.vocab_size == 901
+    assert trainer.teachers["cross"].overlap.summary()["V_T"] == 800
+
+
+@pytest.mark.parametrize("teachers,extra,message", [
+    ([{"name": "a", "checkpoint": "demo:teacher"}, {"name": "a", "checkpoint": "demo:teacher"}], (),
+     "teachers[1].name: 'a' is used twice; give each teacher its own name"),
+    ([{"name": "a", "checkpoint": "demo:teacher"}], ("data.default_teacher=z",),
+     "data.default_teacher: 'z' is not one of the teachers (a)"),
+    ([{"name": "a", "checkpoint": ""}], (), "teachers[a].checkpoint: is empty"),
+    ([{"name": "a", "checkpoint": "demo:teacher", "engine": "vllm_server"}], (),
+     "teachers[a].url: is empty; teachers[a].engine: vllm_server needs the server's address"),
+    ([{"name": "a", "checkpoint": "demo:teacher"}], ("teacher.engine=vllm_server", "teacher.url=http://h:1"),
+     "teacher: is set beside teachers:"),
+    ([{"name": "a", "checkpoint": "demo:teacher"}, {"name": "b", "checkpoint": "demo:teacher"}],
+     ("optimizer.train_batch_size=4",), "optimizer.train_batch_size: 4, but with teachers: one update"),
+    ([{"name": "a", "checkpoint": "demo:teacher"}, {"name": "b", "checkpoint": "nowhere:teacher"}], (),
+     "teachers[b] (as model.teacher / teacher:): "),
+])
+def test_bad_teachers_settings_are_one_line(tmp_path, teachers, extra, message):
+    from ctopd_jax.config import ConfigError
+    from ctopd_jax.preflight import PreflightError, preflight
+
+    path = config_file(tmp_path, "bad", prompts_file(tmp_path, ["a"]), teachers)
+    with pytest.raises((ConfigError, PreflightError)) as info:
+        preflight(load_config(path, list(extra)))
+    line = str(info.value)
+    assert "\n" not in line and message in line, line
+    assert not (tmp_path / "bad").exists()
+
+
+def test_several_teachers_refuse_an_objective_built_for_one(tmp_path):
+    from ctopd_jax.preflight import PreflightError, check_objective
+
+    path = config_file(tmp_path, "opd2", prompts_file(tmp_path, ["a"]),
+                       [{"name": "a", "checkpoint": "demo:teacher"}, {"name": "b", "checkpoint": "demo:teacher"}])
+    with pytest.raises(PreflightError, match=r"^teachers: algorithm\.name=opd2 needs the teacher's base model"):
+        check_objective(load_config(path, ["algorithm.name=opd2"]))
+
+
+def test_a_row_naming_an_unknown_teacher_is_one_line_exit_2(tmp_path, compile_cache):
+    data = prompts_file(tmp_path, ["a", "b", "physics"])
+    path = config_file(tmp_path, "run", data, [{"name": "a", "checkpoint": "demo:teacher"},
+                                               {"name": "b", "checkpoint": "demo:teacher"}])
+    proc = subprocess.run([sys.executable, "-m", "ctopd_jax.train", "--config", str(path)],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env=subprocess_env(compile_cache, devices=1), timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].endswith(f"{data}:3: teacher 'physics' is not one of the teachers (a, b); add it "
+                             "under teachers: or fix the row"), lines[0]
+    assert not (tmp_path / "run").exists()
