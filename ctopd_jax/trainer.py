@@ -1,7 +1,7 @@
 """The on-policy loop of SPEC §1, nothing else.
 
     prompts -> host.Collector (render, generate, re-tokenize, align)
-    -> (a teacher behind a server: its token log-probs of the batch, on the host)
+    -> (a teacher behind a server: its token log-probs (and top-k) of the batch, on the host)
     -> per optimizer batch, per micro-batch: objective.prepare -> teacher hidden rows (local teacher)
        -> student gradient of the objective's sums (step/)
     -> optax update -> engine.update_weights -> metrics -> checkpoint
@@ -151,8 +151,9 @@ class Trainer:
         dropout_key = jax.random.fold_in(sub, 1)  # LoRA dropout masks of this iteration's micro-batches
         host = self.collector.collect(self.stream.next_batch(), seed, timer, rollout_index=rollout_index)
         if self.served_teacher is not None:   # the realised tokens' log-probs, before any step
+            top_k = self.config.teacher.top_k if self.objective.needs.teacher_scores == "topk" else 0
             with timer("teacher"):
-                host.served_teacher_rows = score_teacher_batch(self.served_teacher, host.teacher, top_k=0)
+                host.served_teacher_rows = score_teacher_batch(self.served_teacher, host.teacher, top_k=top_k)
         coverage = self.coverage.update(host.alignment)
         accumulation = o.train_batch_size // o.micro_batch_size
         sums: dict[str, float] = {}

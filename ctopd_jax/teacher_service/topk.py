@@ -129,6 +129,15 @@ def take_columns(logits, ids):
     return jnp.take_along_axis(logits, jnp.asarray(ids, jnp.int32), axis=-1)
 
 
+def head_columns(hidden, lm_head, ids):
+    """The logits hidden [R, H] @ lm_head [H, V] at ids [R, C] → float32 [R, C], without the
+    [R, V] logits: each row meets only its C lm_head columns (R·C·H multiply-adds instead of
+    R·V·H; the gathered columns are [R, C, H]). Differentiable in hidden and lm_head."""
+    columns = jnp.take(lm_head.T, jnp.asarray(ids, jnp.int32), axis=0)          # [R, C, H]
+    return jnp.einsum("rh,rch->rc", hidden, columns.astype(hidden.dtype),
+                      preferred_element_type=jnp.float32)
+
+
 def _renormalised(scores, valid):
     """log-softmax over the valid entries of each row, -inf elsewhere; all -inf on an empty row
     (its value is masked by the caller, and no NaN reaches the gradient)."""
