@@ -166,11 +166,13 @@ class TopkGkd(Gkd):
         s, b = self.settings, x.batch
         tau = s.kd_temperature
         rows = jnp.take(x.hidden, b["response_rows"], axis=0)
-        # the student's full-vocabulary log-softmax(z / τ) at the support: its logits there
-        # minus the row's logsumexp (chunked over the vocabulary, differentiable)
-        _, lse = token_rows(rows, x.lm_head, b["response_targets"], temperature=tau,
-                            chunk_rows=s.chunked_loss_size, implementation=s.implementation)
-        student = head_columns(rows, x.lm_head, b["topk_ids"]) / tau - lse[:, None]
+        student = head_columns(rows, x.lm_head, b["topk_ids"]) / tau
+        if s.topk_gkd_tail:   # the tail needs full-vocabulary log-softmax(z / τ) at the support:
+            # minus the row's logsumexp (chunked over the vocabulary, differentiable); without
+            # the tail the support's renormalisation removes it
+            _, lse = token_rows(rows, x.lm_head, b["response_targets"], temperature=tau,
+                                chunk_rows=s.chunked_loss_size, implementation=s.implementation)
+            student = student - lse[:, None]
         per_row = topk_gkd_rows(student, b["topk_teacher_logprobs"], b["topk_valid"],
                                 beta=float(s.gkd_beta), tail=s.topk_gkd_tail, temperature=tau)
         return {"topk_gkd": losses.masked_sum(per_row, b["response_weight"])}, {}
