@@ -38,6 +38,7 @@ class HostBatch:
     # a served teacher's scores of the teacher side (teacher_service.batch_rows.ServedRows),
     # set by the loop after collection; None with a local teacher (its hidden rows run on device)
     served_teacher_rows: Any = None
+    overlap: Any = None              # the teacher's OverlapMap with the student (set by the loop)
     derived: dict[str, Any] = field(default_factory=dict, repr=False)   # see `once`
 
     def once(self, key: str, compute: Callable[["HostBatch"], Any]) -> Any:

@@ -16,6 +16,14 @@ llama3_2_3b; `--student-preset/--teacher-preset` force one), and prints per devi
   teacher scoring        the prefill's working set; a separate jit, so the transient part is
                          max(student activations + loss chunk, teacher scoring)
 
+A teacher behind a server (`teacher.engine` vllm_server / sglang_server) has neither weights
+nor scoring on the trainer's devices, and the loss chunk holds no teacher logits (3 x V_S: the
+served objectives read token log-probs or a top-k, never a V_T or V∩ row). The plan then
+lists no teacher rows and shows, after the total, the row "saved by the served teacher": the
+teacher weights plus the drop of the transient peak, max(student step with the teacher's
+loss-chunk share, teacher scoring) - the student step without it. The server's own memory is
+not planned here.
+
 Budget: the device's memory (h100 80 GB, h200 141 GB, b200 180 GB; GB = 1e9 bytes). The XLA pool
 is `XLA_PYTHON_CLIENT_MEM_FRACTION` of that; the planner assumes (and prints) the fraction
 `1 - vllm share - 0.05` with vLLM (0.05 for the CUDA context, NCCL and cuDNN workspaces outside
@@ -230,7 +238,8 @@ def inference_bytes(cfg, batch: int, seq: int, *, attention: str, tensor: int = 
 
 def loss_chunk_bytes(rows: int, vocab_s: int, vocab_t: int, vocab_shared: int) -> float:
     """One chunk of the strict loss: float32 student logits, their softmax and gradient
-    (3 x V_S), teacher logits and log-softmax (2 x V_T), the projected pair (2 x V∩)."""
+    (3 x V_S), teacher logits and log-softmax (2 x V_T), the projected pair (2 x V∩).
+    A served teacher: vocab_t = vocab_shared = 0."""
     return rows * 4 * (3 * vocab_s + 2 * vocab_t + 2 * vocab_shared)
 
 
@@ -260,6 +269,7 @@ class Plan:
     fits: bool
     notes: list
     time: dict
+    saved: Row | None = None   # what a served teacher takes off each device (not in the total)
 
     @property
     def budget(self) -> float:
@@ -369,10 +379,13 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
             f"2 x {trained / 1e9:.3f} B x {pbytes} B / {shard}", "mesh.fsdp"),
         Row("optimizer state (AdamW m, v)", trained * (mu_bytes + pbytes) / shard,
             f"m {mu_dtype or m.param_dtype}, v {m.param_dtype}", "mesh.fsdp or optimizer.mu_dtype=bfloat16"),
-        Row("teacher weights", pt * DTYPE_BYTES[t_param_dtype] / shard,
-            f"{pt / 1e9:.2f} B x {DTYPE_BYTES[t_param_dtype]} B ({t_param_dtype}) / {shard}",
-            "model.teacher_param_dtype: bfloat16, or mesh.fsdp"),
     ]
+    served = config.teacher.served
+    teacher_weights = Row("teacher weights", pt * DTYPE_BYTES[t_param_dtype] / shard,
+                          f"{pt / 1e9:.2f} B x {DTYPE_BYTES[t_param_dtype]} B ({t_param_dtype}) / {shard}",
+                          "model.teacher_param_dtype: bfloat16, or mesh.fsdp")
+    if not served:
+        rows.append(teacher_weights)
     # A config-level remat_policy, if the model section has one: "full" is remat; the "dots"
     # policies keep the matmul outputs, most of a layer's set, so they are planned as no remat.
     policy = getattr(m, "remat_policy", "") or ("full" if m.remat else "none")
@@ -383,17 +396,30 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
                            tensor=mesh["tensor"])
     v_shared = min(vocab_shared or student.vocab_size, student.vocab_size, teacher.vocab_size)
     chunk_rows = min(a.chunked_loss_size, per_dev_batch * seq)
-    loss = loss_chunk_bytes(chunk_rows, student.vocab_size, teacher.vocab_size, v_shared)
+    local_loss = loss_chunk_bytes(chunk_rows, student.vocab_size, teacher.vocab_size, v_shared)
+    loss = loss_chunk_bytes(chunk_rows, student.vocab_size, 0, 0) if served else local_loss
     teach = inference_bytes(teacher, per_dev_batch, seq, attention=t_attn, tensor=mesh["tensor"])
+    local_transient = max(act + local_loss, teach)
+    saved = None
+    if served:
+        saved = Row("saved by serving the teacher",
+                    teacher_weights.bytes + local_transient - (act + loss),
+                    f"teacher weights {teacher_weights.bytes / GB:.2f} GB + transient peak "
+                    f"{local_transient / GB:.2f} -> {(act + loss) / GB:.2f} GB", "teacher.engine")
+        teach = 0.0
+        notes.append(f"teacher served at {config.teacher.url}: its weights and scoring are on "
+                     f"the server (not planned here); the time estimate still counts its "
+                     f"prefill, which the loop waits for")
     step_label = f"{per_dev_batch} seq x {seq} tok, remat {'on' if remat else 'off'}"
     if act + loss >= teach:
         transient = "student step"
         rows += [Row("student activations (micro-batch)", act, step_label,
                      "optimizer.micro_batch_size, model.remat: true, blockwise attention"),
                  Row("loss chunk working set", loss,
-                     f"{chunk_rows} rows x (3 V_S + 2 V_T + 2 V∩) x 4 B",
-                     "algorithm.chunked_loss_size")]
-        other = f"teacher scoring {teach / GB:.2f} GB (separate jit, smaller)"
+                     f"{chunk_rows} rows x " + ("3 V_S" if served else "(3 V_S + 2 V_T + 2 V∩)")
+                     + " x 4 B", "algorithm.chunked_loss_size")]
+        other = "no teacher scoring (served)" if served else \
+            f"teacher scoring {teach / GB:.2f} GB (separate jit, smaller)"
     else:
         transient = "teacher scoring"
         rows.append(Row("teacher scoring (prefill)", teach, f"{per_dev_batch} seq x {seq} tok",
@@ -423,7 +449,7 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
     time = estimate_time(student, teacher, config, dev, gpus, seq, attn, t_attn,
                          mfu=mfu, prefill_mfu=prefill_mfu, rollout_mfu=rollout_mfu, fill=fill)
     return Plan(dev, gpus, mesh, pool_fraction, rows, transient, verdict,
-                first is None and not vllm_short, notes, time)
+                first is None and not vllm_short, notes, time, saved)
 
 
 def _attention_flops(cfg, seq: int, attention: str) -> float:
@@ -477,6 +503,9 @@ def format_plan(plan: Plan, title: str = "") -> str:
         total += row.bytes
         lines.append(f"| {row.item:<40} | {row.bytes / GB:7.2f} | {total / GB:7.2f} | {row.note} |")
     lines.append(f"| {'total':<40} | {total / GB:7.2f} | {'':>7} | budget {d.memory_gb:g} GB |")
+    if plan.saved is not None:
+        lines.append(f"| {plan.saved.item:<40} | {plan.saved.bytes / GB:7.2f} | {'':>7} | "
+                     f"{plan.saved.note} |")
     lines.append("")
     for note in plan.notes:
         lines.append(f"- {note}")
@@ -526,6 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({"fits": plan.fits, "verdict": plan.verdict, "mesh": plan.mesh,
                           "pool_fraction": plan.pool_fraction,
                           "rows": [dataclasses.asdict(r) for r in plan.rows],
+                          "saved": dataclasses.asdict(plan.saved) if plan.saved else None,
                           "notes": plan.notes, "time": plan.time}, indent=2))
     else:
         print(format_plan(plan, f"plan for {args.config}"))

@@ -22,8 +22,8 @@ naming the field or file and the fix) for the first problem in this order:
    settings against `lora:` and its weights header. A teacher behind a server
    (`teacher.engine` vllm_server / sglang_server): its folder's config.json only, then the
    server's start-up check (ServedTeacher.start: up, right engine, model and vocabulary) and
-   the objective's fitness for it (`Needs.teacher_scores` token_logprobs, no teacher sampling,
-   kd_temperature 1);
+   the objective's fitness for it (`Needs.teacher_scores` token_logprobs or topk, no teacher
+   sampling, kd_temperature 1 for token log-probs);
 6. the tokenizers (`model.*_tokenizer`, or the model directory's own), each model's vocabulary
    against its tokenizer, the shared vocabulary V∩ non-empty, and the objective's own check
    against the pair (`algorithm.ctkd_topk <= |V∩|` for top-k objectives);
@@ -176,23 +176,26 @@ def _check_several_teachers(config: TrainConfig, objective) -> None:
 
 
 def _check_served_objective(config: TrainConfig, objective) -> None:
-    """A teacher behind a server returns the realised tokens' log-probs at temperature 1: the
-    objective must need no more of it (Needs.teacher_scores), not have it sample, and read it
-    at kd_temperature 1; the gradient diagnostics need its hidden rows."""
+    """A teacher behind a server returns the realised tokens' log-probs and its top-k at
+    temperature 1: the objective must need no more of it (Needs.teacher_scores), not have it
+    sample, and read token log-probs at kd_temperature 1 (a top-k renormalised over its own
+    columns is exact at any τ); the gradient diagnostics need its hidden rows."""
     from ctopd_jax.algorithms import objectives_that
 
     engine, name, needs = config.teacher.engine, config.algorithm.name, objective.needs
     where = f"teacher.engine={engine}: algorithm.name={name}"
-    if needs.teacher_scores != "token_logprobs":
-        can = objectives_that(lambda o: o.needs.teacher_scores == "token_logprobs")
+    if needs.teacher_scores == "full_rows":
+        sampled = objectives_that(lambda o: o.needs.teacher_scores == "token_logprobs")
+        topk = objectives_that(lambda o: o.needs.teacher_scores == "topk")
         raise _fail(f"{where} needs the teacher's full rows, which a served teacher does not "
-                    f"return (it returns token log-probs); with a served teacher use "
-                    f"{', '.join(can)}, or set teacher.engine=local")
+                    f"return (it returns token log-probs and a top-k); with a served teacher use "
+                    f"{', '.join(sampled)}, or the top-k approximations {', '.join(topk)}, or "
+                    f"set teacher.engine=local")
     if needs.teacher_engine:
         raise _fail(f"{where} has the teacher sample (expert turns, responses or judge calls), "
                     "which a served teacher does not do yet; change those settings (e.g. "
                     "algorithm.tcod_mode=f2b) or set teacher.engine=local")
-    if config.algorithm.kd_temperature != 1.0:
+    if needs.teacher_scores == "token_logprobs" and config.algorithm.kd_temperature != 1.0:
         raise _fail(f"algorithm.kd_temperature: {config.algorithm.kd_temperature} with teacher.engine="
                     f"{engine}, but a server returns log-probs at temperature 1 only (a realised "
                     "token's log-prob at another temperature needs the full row); set "

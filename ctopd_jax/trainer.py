@@ -1,7 +1,7 @@
 """The on-policy loop of SPEC §1, nothing else.
 
     prompts -> host.Collector (render, generate, re-tokenize, align)
-    -> (a teacher behind a server: its token log-probs of the batch, on the host)
+    -> (a teacher behind a server: its token log-probs (and top-k) of the batch, on the host)
     -> per optimizer batch, per micro-batch: objective.prepare -> teacher hidden rows (local teacher)
        -> student gradient of the objective's sums (step/)
     -> optax update -> engine.update_weights -> metrics -> checkpoint
@@ -231,9 +231,11 @@ class Trainer:
             t = self.teachers[name]
             host = t.collector.collect([prompts[i] for i in rows], (seed + g) % 2 ** 31, timer,
                                        rollout_index=rollout_index)
-            if t.served is not None:   # the realised tokens' log-probs, before any step
+            host.overlap = t.overlap
+            if t.served is not None:   # the realised tokens' log-probs (and top-k), before any step
+                top_k = t.served.settings.top_k if self.objective.needs.teacher_scores == "topk" else 0
                 with timer("teacher"):
-                    host.served_teacher_rows = score_teacher_batch(t.served, host.teacher, top_k=0)
+                    host.served_teacher_rows = score_teacher_batch(t.served, host.teacher, top_k=top_k)
             collected[name] = host
         return collected
 

@@ -127,6 +127,36 @@ def test_fsdp_divides_the_persistent_state(capsys):
         assert rows[1][item] == pytest.approx(8 * rows[8][item])
 
 
+SERVED = ["--set", "teacher.engine=vllm_server", "--set", "teacher.url=http://teacher:8000",
+          "--set", "algorithm.name=teacher_topk_strict"]
+
+
+def test_a_served_teacher_shows_the_memory_it_takes_off_each_device(capsys):
+    """paper_8gpu_strict_full on 8 H100s: the Qwen2.5-7B teacher (7,615,616,512 parameters,
+    published) in bf16, FSDP over 8, leaves each device, and the strict loss chunk (2,048 rows,
+    the student step is the peak) loses the teacher's float32 logits and log-softmax
+    (2 x V_T = 2 x 152,064) and the projected V∩ pair (2 x 109,567)."""
+    want = 7_615_616_512 * 2 / 8 + 2048 * 4 * (2 * 152_064 + 2 * 109_567)
+    plans = {}
+    for engine, extra in (("local", []), ("served", SERVED)):
+        assert _cli(["--config", "configs/paper_8gpu_strict_full.yaml", "--device", "h100",
+                     "--gpus", "8", "--attention", "blockwise", "--json", *extra]) == 0
+        plans[engine] = json.loads(capsys.readouterr().out)
+    local, served = plans["local"], plans["served"]
+    assert local["saved"] is None
+    assert served["saved"]["bytes"] == pytest.approx(want, rel=1e-12)
+    assert served["saved"]["item"] == "saved by serving the teacher"
+    items = {r["item"]: r["bytes"] for r in served["rows"]}
+    assert "teacher weights" not in items and "teacher scoring (prefill)" not in items
+    assert items["loss chunk working set"] == 2048 * 4 * 3 * 128_256   # 3 x V_S of Llama-3
+    total = lambda p: sum(r["bytes"] for r in p["rows"])
+    assert total(local) - total(served) == pytest.approx(want, rel=1e-12)
+    assert _cli(["--config", "configs/paper_8gpu_strict_full.yaml", "--device", "h100",
+                 "--gpus", "8", "--attention", "blockwise", *SERVED]) == 0
+    out = capsys.readouterr().out
+    assert "| saved by serving the teacher" in out and "teacher served at http://teacher:8000" in out
+
+
 @pytest.mark.parametrize("argv,field", [
     (["--config", "configs/missing.yaml", "--device", "h100"], "--config"),
     (["--config", "configs/paper_8gpu_strict_full.yaml", "--device", "h100", "--gpus", "3"],

@@ -8,6 +8,7 @@ from ctopd_jax.algorithms.base import Needs, Objective, StepInputs, register, re
 from ctopd_jax.algorithms import strict, span, simct, mp_opd  # noqa: F401,E402  (register the objectives)
 from ctopd_jax.algorithms import gkd, opd, opd_full, vopd, opd2  # noqa: F401,E402  (same-tokenizer family)
 from ctopd_jax.algorithms import tcod, sod, sage_opd  # noqa: F401,E402  (turn-structured family)
+from ctopd_jax.algorithms import served_topk  # noqa: F401,E402  (a served teacher's top-k)
 
 
 def get_objective(settings) -> Objective:

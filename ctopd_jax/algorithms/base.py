@@ -84,8 +84,12 @@ RESPONSE_SOURCES = ("student", "dataset", "teacher", "teacher_prefix")
 #   a local teacher (`teacher.engine: local`) gives them;
 # - "token_logprobs": log π_T of the realised tokens only (at temperature 1), which a teacher
 #   behind a server returns too (docs/served_teacher.md); the host then puts them on the rows as
-#   batch["teacher_token_logprobs"] and the step passes no teacher hidden rows (None).
-TEACHER_SCORES = ("full_rows", "token_logprobs")
+#   batch["teacher_token_logprobs"] and the step passes no teacher hidden rows (None);
+# - "topk": the realised tokens' log-probs and the teacher's top-k (ids, log-probs) at every
+#   response position, which only a served teacher gives (the loop asks it for teacher.top_k);
+#   the objective reads them from host.served_teacher_rows in `prepare`
+#   (algorithms/served_topk.py).
+TEACHER_SCORES = ("full_rows", "token_logprobs", "topk")
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,8 @@ class StepInputs:
     hidden: student final hidden states [M*T, H] (flat rows); lm_head: [H, V_S];
     teacher_hidden: teacher hidden states [R_t, H_T] at batch["teacher_rows"]; teacher_lm_head:
     [H_T, V_T] (both None with a served teacher: then an objective whose needs.teacher_scores is
-    "token_logprobs" reads batch["teacher_token_logprobs"] at its response rows); response_logprobs: log π_S(y) at batch["response_rows"] over the full vocabulary
+    "token_logprobs" reads batch["teacher_token_logprobs"] at its response rows, one whose
+    needs.teacher_scores is "topk" the arrays its `prepare` made of the served top-k); response_logprobs: log π_S(y) at batch["response_rows"] over the full vocabulary
     (differentiable when the objective asks for it, see `response_logprob_grad`);
     overlap: {"s_ids", "t_ids"} [V∩] device arrays."""
     hidden: Any

@@ -35,6 +35,13 @@ def padded(values: np.ndarray, size: int, dtype=np.int32) -> tuple[np.ndarray, n
     return out, weight
 
 
+def padded_rows(values: np.ndarray, size: int, fill=0) -> np.ndarray:
+    """[n, C] `values` padded with `fill` rows to [size, C] (its dtype kept)."""
+    out = np.full((size,) + values.shape[1:], fill, values.dtype)
+    out[:len(values)] = values
+    return out
+
+
 def length_bucket(n: int, multiple: int = 64) -> int:
     """A few lengths only (one compile each): multiples of `multiple` up to 8 of them, then
     1.5x / 2x geometric steps (64, 128, ..., 512, 768, 1024, 1536, 2048, 3072, 4096, ...)."""

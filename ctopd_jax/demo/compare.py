@@ -165,14 +165,15 @@ def jobs(names: list[str]) -> list[tuple[str, str]]:
 
 def compare(out: Path, steps: int, names: list[str] | None = None, problems: int = 0,
             overrides: tuple[str, ...] = (), log=print) -> list[dict]:
-    """Train every objective in `names` (default: all registered) for `steps` steps; write the
+    """Train every objective in `names` (default: all registered that run with the demo's
+    local teacher, i.e. not the served teacher's top-k ones) for `steps` steps; write the
     table, plot and json under `out`; return the rows."""
-    from ctopd_jax.algorithms import registry
+    from ctopd_jax.algorithms import objectives_that
     from ctopd_jax.config import from_dict, load_config
     from ctopd_jax.datasets import load_dataset
     from ctopd_jax.trainer import Trainer
 
-    names = names or sorted(registry())
+    names = names or objectives_that(lambda o: o.needs.teacher_scores != "topk")
     dataset = load_dataset("demo", limit=problems or None)
     baselines: dict[str, tuple[float, float]] = {}
     rows = []

@@ -56,7 +56,7 @@ class TopkStrictColumns:
     student_ids: np.ndarray       # int32 [R, C]: student column of each kept pair (0 if invalid)
     teacher_logprobs: np.ndarray  # float32 [R, C]: served full-vocab log p_T there (-inf invalid)
     valid: np.ndarray             # bool [R, C]
-    teacher_mass: np.ndarray      # float32 [R]: Σ p_T over the kept columns (a coverage metric)
+    teacher_mass: np.ndarray      # float32 [R]: Σ p_T over the kept teacher tokens (coverage)
 
     @property
     def row_valid(self) -> np.ndarray:
@@ -104,7 +104,9 @@ def topk_strict_columns(topk_ids, topk_logprobs, s_ids, pairs_by_teacher_id) -> 
     logprobs = np.repeat(topk_logprobs, m, axis=1)
     valid &= np.isfinite(logprobs)  # a -inf teacher entry has no mass to keep
     teacher_logprobs = np.where(valid, logprobs, -np.inf).astype(np.float32)
-    mass = np.where(valid, np.exp(teacher_logprobs), 0.0).sum(axis=1).astype(np.float32)
+    # each kept teacher token once, though the EOS id may head two pairs (two columns)
+    kept = valid.reshape(rows, -1, m).any(axis=2)                        # [R, k]
+    mass = np.where(kept, np.exp(topk_logprobs), 0.0).sum(axis=1).astype(np.float32)
     return TopkStrictColumns(student_ids, teacher_logprobs, valid, mass)
 
 
@@ -127,6 +129,15 @@ def topk_strict_rows(student_logits, teacher_logprobs, valid, *, kd_loss_fn: str
 def take_columns(logits, ids):
     """logits [R, V] at ids [R, C] → [R, C] (a gather; differentiable in the logits)."""
     return jnp.take_along_axis(logits, jnp.asarray(ids, jnp.int32), axis=-1)
+
+
+def head_columns(hidden, lm_head, ids):
+    """The logits hidden [R, H] @ lm_head [H, V] at ids [R, C] → float32 [R, C], without the
+    [R, V] logits: each row meets only its C lm_head columns (R·C·H multiply-adds instead of
+    R·V·H; the gathered columns are [R, C, H]). Differentiable in hidden and lm_head."""
+    columns = jnp.take(lm_head.T, jnp.asarray(ids, jnp.int32), axis=0)          # [R, C, H]
+    return jnp.einsum("rh,rch->rc", hidden, columns.astype(hidden.dtype),
+                      preferred_element_type=jnp.float32)
 
 
 def _renormalised(scores, valid):

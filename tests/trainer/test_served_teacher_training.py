@@ -35,13 +35,13 @@ class LocalModelScores:
     """The fake server's teacher: the local demo teacher's forward (LocalTeacherScorer); `vocab`
     is what the fake refuses ids at or above, as vLLM does for the model's vocabulary."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, top_k: int):
         from ctopd_jax.models.weights import load_hf_checkpoint
         from ctopd_jax.teacher_service.local_scores import LocalTeacherScorer
 
         model, cfg = load_hf_checkpoint(folder, dtype="float32")
         self.vocab = cfg.vocab_size
-        self.scorer = LocalTeacherScorer(model, top_k=TOP_K_CAP, batch_bucket=8)
+        self.scorer = LocalTeacherScorer(model, top_k=top_k, batch_bucket=8)
 
 
 class LocalModelVllmServer(FakeTeacherServer):
@@ -70,9 +70,9 @@ class LocalModelVllmServer(FakeTeacherServer):
                      "choices": choices}
 
 
-def _local_model_server(folder: Path, model: str):
-    server = LocalModelVllmServer("vllm", LocalModelScores(folder), model=model,
-                                  max_model_len=256, max_logprobs=TOP_K_CAP)
+def _local_model_server(folder: Path, model: str, max_logprobs: int = TOP_K_CAP):
+    server = LocalModelVllmServer("vllm", LocalModelScores(folder, max_logprobs), model=model,
+                                  max_model_len=256, max_logprobs=max_logprobs)
     yield server
     server.close()
 
@@ -150,6 +150,115 @@ def test_a_served_teacher_trains_mp_opd_as_the_local_teacher(tmp_path, served_de
     assert np.abs(losses_of(tmp_path / "local", "mp_opd_loss")).max() > 1e-4
 
 
+@pytest.fixture(scope="module")
+def served_demo_teacher_whole_vocabulary():
+    """The demo teacher served with --max-logprobs = its vocabulary (800): a top-k of every id."""
+    yield from _local_model_server(DEMO_TEACHER, "demo-teacher", max_logprobs=800)
+
+
+@pytest.fixture(scope="module")
+def served_char_teacher_whole_vocabulary():
+    yield from _local_model_server(CHAR_TEACHER, "char-teacher", max_logprobs=104)
+
+
+def served_topk_requests(server, before: int) -> list[int]:
+    """The top-k each scoring request after the first `before` asked for."""
+    return [r["prompt_logprobs"] for r in server.scoring_requests[before:]]
+
+
+def assert_same_metrics(run_dir: Path, reference_dir: Path, keys: dict[str, str], atol: float):
+    for key, reference_key in keys.items():
+        want, got = losses_of(reference_dir, reference_key), losses_of(run_dir, key)
+        assert len(want) == 2 and len(got) == 2, key
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=atol, err_msg=key)
+
+
+@pytest.mark.slow
+def test_teacher_topk_strict_with_a_top_k_of_the_whole_vocabulary_trains_as_strict(
+        tmp_path, served_demo_teacher_whole_vocabulary):
+    """k = |V_T|: the teacher's top-k restricted to V∩ is all of V∩, so the served objective is
+    Strict full (SPEC §4) on the demo's cross-tokenizer pair; the local run computes it from
+    the teacher's hidden rows and lm_head through the chunked strict kernel, an independent
+    path."""
+    server = served_demo_teacher_whole_vocabulary
+    local = small_run(tmp_path / "local", "strict", "algorithm.kd_loss_fn=jsd", base=CROSS)
+    served = small_run(tmp_path / "served", "teacher_topk_strict", "algorithm.kd_loss_fn=jsd",
+                       "teacher.engine=vllm_server", f"teacher.url={server.url}",
+                       "teacher.top_k=800", base=CROSS)
+    train(local, served=False)
+    before = len(server.scoring_requests)
+    train(served, served=True)
+    assert served_topk_requests(server, before)[-2:] == [800, 800]   # one request per step
+    assert_same_metrics(tmp_path / "served", tmp_path / "local",
+                        {"teacher_topk_strict_loss": "strict_loss", "loss": "loss",
+                         "grad_norm": "grad_norm"}, atol=1e-6)
+    assert losses_of(tmp_path / "local", "strict_loss").min() > 1e-3   # a real teacher signal
+    np.testing.assert_allclose(losses_of(tmp_path / "served", "teacher_topk_mass"), 1.0, rtol=1e-4)
+
+
+def test_topk_gkd_with_a_top_k_of_the_whole_vocabulary_trains_as_gkd(
+        tmp_path, served_char_teacher_whole_vocabulary):
+    """k = |V|, no tail bucket: the support is the whole vocabulary and top-k GKD is GKD's
+    generalised JSD (SPEC §9); the local run is `gkd` over the teacher's full rows."""
+    server = served_char_teacher_whole_vocabulary
+    extra = ("algorithm.gkd_lambda=1.0", "algorithm.gkd_beta=0.3")
+    local = small_run(tmp_path / "local", "gkd", *extra)
+    served = small_run(tmp_path / "served", "topk_gkd", *extra, "algorithm.topk_gkd_tail=false",
+                       "teacher.engine=vllm_server", f"teacher.url={server.url}",
+                       "teacher.model=char-teacher", "teacher.top_k=104")
+    train(local, served=False)
+    before = len(server.scoring_requests)
+    train(served, served=True)
+    assert served_topk_requests(server, before)[-2:] == [104, 104]
+    assert_same_metrics(tmp_path / "served", tmp_path / "local",
+                        {"topk_gkd_loss": "gkd_loss", "loss": "loss", "grad_norm": "grad_norm"},
+                        atol=1e-6)
+    assert losses_of(tmp_path / "local", "gkd_loss").min() > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,extra,base", [
+    ("teacher_topk_strict", (), CROSS),
+    ("topk_gkd", ("algorithm.gkd_lambda=1.0", "teacher.model=char-teacher"), SAME)])
+def test_a_small_top_k_is_asked_for_and_trains(tmp_path, served_demo_teacher, served_char_teacher,
+                                               name, extra, base):
+    """k = 8 < |V|: the loop asks the server for teacher.top_k, the step trains (finite loss, a
+    real gradient), and the kept teacher mass of teacher-top-k strict lies in (0, 1)."""
+    server = served_demo_teacher if base == CROSS else served_char_teacher
+    run = small_run(tmp_path / "run", name, *extra, "teacher.engine=vllm_server",
+                    f"teacher.url={server.url}", "teacher.top_k=8", base=base)
+    before = len(server.scoring_requests)
+    train(run, served=True)
+    assert served_topk_requests(server, before)[-2:] == [8, 8]
+    loss = losses_of(tmp_path / "run", f"{name}_loss")
+    assert np.isfinite(loss).all() and (loss > 1e-4).all()
+    assert (losses_of(tmp_path / "run", "grad_norm") > 0).all()
+    if name == "teacher_topk_strict":
+        mass = losses_of(tmp_path / "run", "teacher_topk_mass")
+        assert ((mass > 0) & (mass < 1)).all()
+
+
+def test_a_top_k_objective_with_a_local_teacher_is_refused_naming_the_exact_one(tmp_path):
+    from ctopd_jax.preflight import PreflightError, check_objective
+
+    for name, exact, base in (("teacher_topk_strict", "strict", CROSS), ("topk_gkd", "gkd", SAME)):
+        with pytest.raises(PreflightError) as err:
+            check_objective(small_run(tmp_path / name, name, base=base))
+        line = str(err.value)
+        assert "\n" not in line
+        assert line.startswith(f"algorithm.name={name} approximates {exact} from a served "
+                               f"teacher's top-k, but teacher.engine is local; train "
+                               f"algorithm.name={exact}")
+
+
+def test_the_top_k_gkd_tail_needs_temperature_one():
+    from ctopd_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^algorithm\.topk_gkd_tail: the tail bucket needs"):
+        load_config(SAME, ["algorithm.name=topk_gkd", "algorithm.kd_temperature=0.7",
+                           "algorithm.gap_logprobs=recomputed"])
+
+
 def test_an_objective_that_needs_full_rows_is_refused_with_a_served_teacher(tmp_path):
     from ctopd_jax.preflight import PreflightError, check_objective
 
@@ -160,7 +269,9 @@ def test_an_objective_that_needs_full_rows_is_refused_with_a_served_teacher(tmp_
     line = str(err.value)
     assert "\n" not in line
     assert line.startswith("teacher.engine=vllm_server: algorithm.name=gkd needs the teacher's full rows")
-    assert "use mp_opd, opd, sod, tcod," in line
+    # the objectives that can run, read from the registry
+    assert ("with a served teacher use mp_opd, opd, sod, tcod, or the top-k approximations "
+            "teacher_topk_strict, topk_gkd, or set teacher.engine=local") in line
 
 
 @pytest.mark.parametrize("setting,message", [

@@ -1,0 +1,173 @@
+"""The two objectives a served teacher's top-k feeds (issue 25 item 2; docs/served_teacher.md).
+
+A server returns, per response position, the realised token's log-prob and the teacher's top-k
+(ids, log-probs), never a full row. So the full-row objectives `strict` and `gkd` have these
+approximations, each selected by its own name:
+
+- `teacher_topk_strict` (cross-tokenizer): at each strict pair (t, s) (SPEC §2) the columns are
+  the teacher's top-k at t restricted to the shared vocabulary V∩ and mapped to student ids;
+  both sides are renormalised over that set and D = `algorithm.kd_loss_fn` (SPEC §5) is taken
+  at `kd_temperature` (exact at any τ: the served τ = 1 log-probs differ from the logits by one
+  constant per row). k = `teacher.top_k`. Unlike `topk_strict` (the STUDENT picks its top-k
+  columns, SPEC §4) the teacher picks them. A pair whose top-k holds no shared token adds 0.
+  Metric `teacher_topk_mass`: the teacher probability its kept columns hold, per pair.
+- `topk_gkd` (same tokenizer, as TRL distils from a served teacher): GKD (SPEC §9, with gkd's
+  λ draws, β and settings) on the support = the teacher's top-k, plus the sampled token when
+  β > 0 (TRL's choice), with one tail bucket holding each side's remaining mass
+  (`algorithm.topk_gkd_tail: true`, TRL's default, needs kd_temperature 1) or both sides
+  renormalised over the support (`false`).
+
+Why new names rather than a mode of strict / gkd that switches on with a served teacher: the
+name says which loss a run trains (its metrics key too), `strict` and `gkd` stay the exact
+losses of a teacher on the mesh, and each class has one code path. They read only the served
+top-k (`Needs.teacher_scores = "topk"`: the loop asks the server for teacher.top_k), so with
+`teacher.engine: local` they are refused in favour of the exact objective (`check_run`).
+
+The math (host: top-k -> fixed-width columns; device: renormalise, divergence) is
+teacher_service/topk.py's, tested there against brute force; this module picks the rows (the
+strict pairs' teacher rows, the response rows), pads them into micro-batch arrays and takes the
+student's values at the columns (topk.head_columns: no [R, V] logits).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+
+from ctopd_jax import losses
+from ctopd_jax.algorithms import pack
+from ctopd_jax.algorithms.base import Needs, Objective, register
+from ctopd_jax.algorithms.gkd import Gkd, GkdSettings
+from ctopd_jax.algorithms.same_tokenizer import same_inputs
+from ctopd_jax.algorithms.strict import strict_inputs
+from ctopd_jax.config import AlgorithmSection, require, teacher_views
+from ctopd_jax.kernels.token_rows import token_rows
+from ctopd_jax.teacher_service.topk import (head_columns, overlap_pairs_by_teacher_id,
+                                            topk_gkd_rows, topk_gkd_support,
+                                            topk_strict_columns, topk_strict_rows)
+
+
+def require_served_teacher(config, name: str, exact: str) -> None:
+    if not all(view.teacher.served for view in teacher_views(config).values()):
+        raise ValueError(
+            f"algorithm.name={name} approximates {exact} from a served teacher's top-k, but "
+            f"teacher.engine is local; train algorithm.name={exact} (exact, with the teacher on "
+            f"the mesh), or serve the teacher (teacher.engine: vllm_server or sglang_server, "
+            f"with teacher.url)")
+
+
+# ---------------------------------------------------------------------- teacher-top-k strict
+
+def overlap_table(overlap) -> tuple:
+    """(s_ids, pairs by teacher id) of a teacher's overlap map with the student, as
+    topk_strict_columns reads them (once per collected batch: HostBatch.overlap)."""
+    return (np.asarray(overlap.s_ids, np.int32),
+            overlap_pairs_by_teacher_id(overlap.s_ids, overlap.t_ids, overlap.teacher_vocab_size))
+
+
+@register("teacher_topk_strict")
+class TeacherTopkStrict(Objective):
+    settings_class = AlgorithmSection
+    needs = Needs(teacher_scores="topk")
+
+    def check_run(self, config) -> None:
+        require_served_teacher(config, self.name, "strict")
+
+    def served_columns(self, topk_ids, topk_logprobs, table, size: int) -> dict[str, np.ndarray]:
+        """Micro-batch arrays of the teacher's top-k at the pairs (ids, log-probs [n, k]),
+        padded to `size` rows; `table`: overlap_table of the pair's overlap map."""
+        cols = topk_strict_columns(topk_ids, topk_logprobs, *table)
+        return {"topk_student_ids": pack.padded_rows(cols.student_ids, size),
+                "topk_teacher_logprobs": pack.padded_rows(cols.teacher_logprobs, size, -np.inf),
+                "topk_valid": pack.padded_rows(cols.valid, size, False),
+                "topk_teacher_mass": pack.padded(cols.teacher_mass, size, np.float32)[0]}
+
+    def prepare(self, host, start, stop):
+        arrays = strict_inputs(host, start, stop)
+        a, served = host.alignment, host.served_teacher_rows
+        teacher_rows = a.teacher_rows[(a.pair_sample >= start) & (a.pair_sample < stop)]
+        table = host.once("teacher_topk_overlap", lambda h: overlap_table(h.overlap))
+        arrays.update(self.served_columns(served.topk_ids[teacher_rows],
+                                          served.topk_logprobs[teacher_rows], table,
+                                          arrays["strict_weight"].shape[0]))
+        return arrays
+
+    def kd_weights(self):
+        return {"teacher_topk_strict": 1.0}
+
+    def kd_sums(self, x):
+        s, b = self.settings, x.batch
+        rows = jnp.take(x.hidden, b["strict_student_rows"], axis=0)
+        per_pair = topk_strict_rows(
+            head_columns(rows, x.lm_head, b["topk_student_ids"]), b["topk_teacher_logprobs"],
+            b["topk_valid"], kd_loss_fn=s.kd_loss_fn, temperature=s.kd_temperature,
+            jsd_beta=s.jsd_beta, skl_lambda=s.skl_lambda, akl_alpha=s.akl_alpha)
+        w = b["strict_weight"]
+        return ({"teacher_topk_strict": losses.masked_sum(per_pair, w)},
+                {"teacher_topk_mass": (jnp.sum(w * b["topk_teacher_mass"]), jnp.sum(w))})
+
+
+# --------------------------------------------------------------------------------- top-k GKD
+
+@dataclass(frozen=True)
+class TopkGkdSettings(GkdSettings):
+    # one more outcome holding each side's mass outside the support (TRL), else renormalise
+    topk_gkd_tail: bool = True
+
+    def validate(self) -> None:
+        super().validate()
+        require(not self.topk_gkd_tail or self.kd_temperature == 1.0, "algorithm.topk_gkd_tail",
+                f"the tail bucket needs the teacher's full-vocabulary probabilities at "
+                f"kd_temperature={self.kd_temperature}, which a server returns only at 1; set "
+                f"algorithm.topk_gkd_tail=false or algorithm.kd_temperature=1.0")
+
+
+@register("topk_gkd")
+class TopkGkd(Gkd):
+    settings_class = TopkGkdSettings
+
+    @property
+    def needs(self) -> Needs:
+        return dataclasses.replace(super().needs, teacher_scores="topk")
+
+    def check_run(self, config) -> None:
+        require_served_teacher(config, self.name, "gkd")
+
+    def served_support(self, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs,
+                       size: int) -> dict[str, np.ndarray]:
+        """Micro-batch arrays of the support at the response rows (the top-k [n, k] and the
+        sampled token [n] with its served log-prob), padded to `size` rows."""
+        support = topk_gkd_support(topk_ids, topk_logprobs, sampled_ids, sampled_logprobs,
+                                   include_sampled=self.settings.gkd_beta > 0)
+        return {"topk_ids": pack.padded_rows(support.ids, size),
+                "topk_teacher_logprobs": pack.padded_rows(support.teacher_logprobs, size, -np.inf),
+                "topk_valid": pack.padded_rows(support.valid, size, False)}
+
+    def prepare(self, host, start, stop):
+        arrays = same_inputs(host, start, stop)
+        rows, served = pack.response_batch_rows(host.teacher, start, stop), host.served_teacher_rows
+        arrays.update(self.served_support(
+            served.topk_ids[rows], served.topk_logprobs[rows],
+            host.teacher.labels.reshape(-1)[rows], served.token_logprobs[rows],
+            arrays["response_rows"].shape[0]))
+        return arrays
+
+    def kd_weights(self):
+        return {"topk_gkd": 1.0}
+
+    def kd_sums(self, x):
+        s, b = self.settings, x.batch
+        tau = s.kd_temperature
+        rows = jnp.take(x.hidden, b["response_rows"], axis=0)
+        student = head_columns(rows, x.lm_head, b["topk_ids"]) / tau
+        if s.topk_gkd_tail:   # the tail needs full-vocabulary log-softmax(z / τ) at the support:
+            # minus the row's logsumexp (chunked over the vocabulary, differentiable); without
+            # the tail the support's renormalisation removes it
+            _, lse = token_rows(rows, x.lm_head, b["response_targets"], temperature=tau,
+                                chunk_rows=s.chunked_loss_size, implementation=s.implementation)
+            student = student - lse[:, None]
+        per_row = topk_gkd_rows(student, b["topk_teacher_logprobs"], b["topk_valid"],
+                                beta=float(s.gkd_beta), tail=s.topk_gkd_tail, temperature=tau)
+        return {"topk_gkd": losses.masked_sum(per_row, b["response_weight"])}, {}
