@@ -1,8 +1,10 @@
 """The on-policy loop of SPEC §1, nothing else.
 
-    prompts -> host.Collector (render, generate, re-tokenize, align)
+    prompts -> per teacher (`teachers:` routes each prompt; else the one): host.Collector
+       (render, generate, re-tokenize, align)
     -> (a teacher behind a server: its token log-probs (and top-k) of the batch, on the host)
-    -> per optimizer batch, per micro-batch: objective.prepare -> teacher hidden rows (local teacher)
+    -> per optimizer batch, per teacher, per micro-batch: objective.prepare -> teacher hidden
+       rows (local teacher)
        -> student gradient of the objective's sums (step/)
     -> optax update -> engine.update_weights -> metrics -> checkpoint
 

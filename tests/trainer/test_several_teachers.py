@@ -158,3 +158,29 @@ def test_a_row_naming_an_unknown_teacher_is_one_line_exit_2(tmp_path, compile_ca
     assert lines[0].endswith(f"{data}:3: teacher 'physics' is not one of the teachers (a, b); add it "
                              "under teachers: or fix the row"), lines[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_served_teacher_beside_a_local_one_trains_as_two_local_ones(tmp_path):
+    """`teachers:` mixes engines: the same demo teacher, once on the mesh and once behind a vLLM
+    stand-in answering from it, gives the all-local run's losses (same routing, same seeds)."""
+    from test_served_teacher_training import DEMO_TEACHER, _local_model_server
+
+    servers = _local_model_server(DEMO_TEACHER, "demo-teacher")
+    server = next(servers)
+    try:
+        data = prompts_file(tmp_path, ["near", "far"])
+        near = {"name": "near", "checkpoint": "demo:teacher"}
+        local = train(config_file(tmp_path, "local", data, [near, {"name": "far", "checkpoint": str(DEMO_TEACHER)}]),
+                      "algorithm.name=mp_opd")
+        served = train(config_file(tmp_path, "served", data, [near, {
+            "name": "far", "checkpoint": str(DEMO_TEACHER), "engine": "vllm_server", "url": server.url}]),
+            "algorithm.name=mp_opd")
+    finally:
+        servers.close()
+    assert served.teachers["far"].model is None and served.teachers["near"].model is not None
+    want, got = rows_of(tmp_path / "local"), rows_of(tmp_path / "served")
+    for key in ("loss", "mp_opd_loss", "grad_norm", "far/mp_opd_loss", "near/mp_opd_loss"):
+        np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-4,
+                                   atol=1e-6, err_msg=key)
+    assert min(abs(r["far/mp_opd_loss"]) for r in want) > 1e-5
