@@ -1,13 +1,14 @@
 """Every cheap check of a run, before any model weight is loaded.
 
-    pre = preflight(config, resume=args.resume, allow_config_change=args.allow_config_change)
-    # pre.prompts, pre.student_tokenizer, pre.teacher_tokenizer, pre.overlap, pre.mesh_shape ...
+    with preflight(config, resume=args.resume, allow_config_change=args.allow_config_change) as pre:
+        ...  # pre.prompts, pre.student_tokenizer, pre.teacher_tokenizer, pre.overlap, pre.mesh_shape
 
 `preflight` reads no tensor data and writes nothing. It raises `PreflightError` (one line
 naming the field or file and the fix) for the first problem in this order:
 
 1. the config values themselves (`config.validate`), the algorithm name (registered in
-   `ctopd_jax.algorithms.registry()`), vLLM present when `rollout.engine=vllm`;
+   `ctopd_jax.algorithms.registry()`), vLLM present when `rollout.engine=vllm` (and in
+   `teacher.launch_python` when `teacher.launch`);
 2. the mesh against the device count (with the XLA_FLAGS hint on CPU);
    the output folders: `output_dir` and `checkpoint.dir` are folders (or can be created) on a
    writable file system, and no live run holds `output_dir` (`run_dir`);
@@ -20,17 +21,21 @@ naming the field or file and the fix) for the first problem in this order:
    valid, every `*.safetensors` shard's header readable and not truncated, every tensor the
    config implies present with its shape) or a preset name; `lora.init_adapter`'s folder, its
    settings against `lora:` and its weights header. A teacher behind a server
-   (`teacher.engine` vllm_server / sglang_server): its folder's config.json only, then the
-   server's start-up check (ServedTeacher.start: up, right engine, model and vocabulary) and
-   the objective's fitness for it (`Needs.teacher_scores` token_logprobs, no teacher sampling,
-   kd_temperature 1);
+   (`teacher.engine` vllm_server / sglang_server): its folder's config.json only (the
+   objective's fitness for it, `Needs.teacher_scores` token_logprobs, no teacher sampling,
+   kd_temperature 1, is checked with the objective);
 6. the tokenizers (`model.*_tokenizer`, or the model directory's own), each model's vocabulary
    against its tokenizer, the shared vocabulary V∩ non-empty, and the objective's own check
    against the pair (`algorithm.ctkd_topk <= |V∩|` for top-k objectives);
 7. at least one prompt fits `rollout.max_prompt_len` once rendered with the student's chat
    template, and the longest one that fits plus `rollout.generate_max_len` stays within the
    student's `max_position_embeddings`; every rendered prompt encodes on both sides without
-   the unknown token (a tokenizer without byte fallback meeting a character it lacks).
+   the unknown token (a tokenizer without byte fallback meeting a character it lacks);
+8. last, the one check that talks to another process: a served teacher's start-up check
+   (ServedTeacher.start: up, right engine, model and vocabulary), after starting the server
+   when `teacher.launch` (teacher_service/launch.py). The launched server belongs to the
+   returned Preflight: `with preflight(...) as pre` (or `pre.close()`) stops it; a failed
+   preflight stops it itself.
 
 Decisions: vLLM is checked with `importlib.util.find_spec` (importing it takes tens of seconds;
 a broken install still fails at engine start with its own message). The demo prompt file
@@ -38,6 +43,7 @@ a broken install still fails at engine start with its own message). The demo pro
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -74,6 +80,17 @@ class Preflight:
     objective: Any = None               # algorithms.Objective, built and checked once
     served_teacher: Any = None          # teacher_service.ServedTeacher, started (teacher.engine
                                         # vllm_server / sglang_server), else None
+    owned: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # stops what the
+                                        # run started (teacher.launch's server) on close()
+
+    def close(self) -> None:
+        self.owned.close()
+
+    def __enter__(self) -> "Preflight":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _fail(message: str) -> PreflightError:
@@ -154,17 +171,37 @@ def _check_served_objective(config: TrainConfig, objective) -> None:
                     f"hidden rows, which teacher.engine={engine} does not give; set it to 0")
 
 
-def _check_served_teacher(config: TrainConfig):
-    """(teacher folder, its ModelConfig, the started ServedTeacher): the folder's config.json
-    only (its weights stay on the server), then the server's start-up check against that
-    vocabulary, before any model loads."""
-    from ctopd_jax.build import model_dir, served_teacher_model_config, start_served_teacher
+def _check_served_teacher_files(config: TrainConfig):
+    """(teacher folder, its ModelConfig): the folder's config.json only (its weights stay on the
+    server)."""
+    from ctopd_jax.build import model_dir, served_teacher_model_config
 
     try:
-        cfg = served_teacher_model_config(config)
-        return model_dir(config.model.teacher), cfg, start_served_teacher(config, cfg.vocab_size)
-    except (ValueError, OSError) as err:   # TrainerSetupError, TeacherServerCheckError, SourceError
+        return model_dir(config.model.teacher), served_teacher_model_config(config)
+    except (ValueError, OSError) as err:   # TrainerSetupError, SourceError
         raise _fail(str(err)) from None
+
+
+def _start_served_teacher(config: TrainConfig, folder, teacher_cfg, owned: contextlib.ExitStack):
+    """The started ServedTeacher (its start-up check against the teacher's vocabulary), after
+    starting its server when `teacher.launch`; what it started is closed by `owned`."""
+    from ctopd_jax.build import start_served_teacher
+    from ctopd_jax.teacher_service.launch import launched_teacher
+    from ctopd_jax.teacher_service.local_server import LocalServerError
+
+    url = None
+    try:
+        if config.teacher.launch:
+            url = owned.enter_context(launched_teacher(config.teacher, folder, teacher_cfg,
+                                                       config.model.dtype)).url
+        served = start_served_teacher(config, teacher_cfg.vocab_size, url=url)
+    except LocalServerError as err:
+        raise _fail(f"teacher.launch: {err}; fix what its log says, or start a server yourself "
+                    "and set teacher.url") from None
+    except (ValueError, OSError) as err:   # TeacherServerCheckError
+        raise _fail(str(err)) from None
+    owned.callback(served.close)
+    return served
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -378,6 +415,12 @@ def _check_packages(config: TrainConfig):
     if config.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise _fail("logging.wandb: true needs the wandb package, which is not installed here; "
                     "pip install wandb (or set logging.wandb=false)")
+    if config.teacher.launch:
+        from ctopd_jax.teacher_service.launch import check_launch_python
+        try:
+            check_launch_python(config.teacher)
+        except ValueError as err:
+            raise _fail(str(err)) from None
 
 
 def _check_mesh(config: TrainConfig, device_count: int | None) -> dict[str, int]:
@@ -575,10 +618,10 @@ def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change:
     _check_output_dirs(config)
     ck_dir, steps, changes, where = _check_checkpoint_state(config, resume, allow_config_change)
     data_path, prompts, eval_set = _check_data(config)
-    dirs, cfgs, served = {}, {}, None
+    dirs, cfgs = {}, {}
     dirs["student"], cfgs["student"] = _check_model(config.model.student, "student")
     if config.teacher.served:
-        dirs["teacher"], cfgs["teacher"], served = _check_served_teacher(config)
+        dirs["teacher"], cfgs["teacher"] = _check_served_teacher_files(config)
     else:
         dirs["teacher"], cfgs["teacher"] = _check_model(config.model.teacher, "teacher")
     if config.model.teacher_base:   # OPD²'s third model: its files, before any model loads
@@ -588,9 +631,14 @@ def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change:
     _check_prompt_lengths(config, prompts, sides, cfgs, data_path)
     _check_eval_prompts(config, objective, eval_set, sides["student"], cfgs["student"])
     _check_objective_models(config, objective, sides["teacher"], cfgs["teacher"])
+    served, owned = None, contextlib.ExitStack()
+    if config.teacher.served:
+        with contextlib.ExitStack() as starting:   # a failed start-up check stops the server
+            served = _start_served_teacher(config, dirs["teacher"], cfgs["teacher"], starting)
+            owned = starting.pop_all()
     return Preflight(config=config, prompts=prompts, data_path=data_path,
                      student_tokenizer=sides["student"], teacher_tokenizer=sides["teacher"],
                      overlap=overlap, mesh_shape=mesh_shape, checkpoint_dir=ck_dir,
                      checkpoint_steps=steps, resume=resume, config_changes=changes,
                      saved_config_source=where, model_dirs=dirs, objective=objective,
-                     served_teacher=served)
+                     served_teacher=served, owned=owned)
