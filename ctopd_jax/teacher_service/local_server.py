@@ -1,7 +1,6 @@
 """Start (and stop) a vLLM OpenAI server for a local HF checkpoint on 127.0.0.1.
 
-For tests, benchmarks and runs that serve their own teacher (a config that says
-`teacher.engine: vllm_server` with no server of its own):
+For tests, benchmarks and runs that serve their own teacher (`teacher.launch: true`, launch.py):
 
     with local_vllm_server("ctopd_jax/assets/demo/teacher", served_name="demo-teacher") as server:
         ...  # server.url: http://127.0.0.1:<free port>; server.pid, server.log_path

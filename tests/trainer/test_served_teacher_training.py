@@ -305,3 +305,24 @@ def test_resuming_a_launched_run_against_a_server_of_ones_own_is_harmless():
     own = load_config(SAME, ["teacher.engine=vllm_server", "teacher.url=http://a:1"])
     changes = {c.field: c.harmless for c in config_changes(saved, own.to_dict())}
     assert changes == {"teacher.url": True, "teacher.launch": True, "teacher.launch_python": True}
+
+
+def test_a_launched_server_that_dies_at_start_is_one_line_naming_its_log(tmp_path):
+    """The server's own failure (here a stand-in Python that passes the vLLM check, then exits
+    as vLLM does on a bad model) reaches the user as one line with its last log lines."""
+    from ctopd_jax.preflight import PreflightError, preflight
+
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\ncase \"$2\" in *find_spec*) exit 0;; esac\n"
+                      "echo 'ValueError: no tokenizer found in the model folder' >&2\nexit 1\n")
+    python.chmod(0o755)
+    config = small_run(tmp_path / "run", "opd", "teacher.engine=vllm_server", "teacher.launch=true",
+                       f"teacher.launch_python={python}")
+    with pytest.raises(PreflightError) as err:
+        preflight(config)
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith("teacher.launch: the vLLM server exited with 1 before answering: "
+                           "ValueError: no tokenizer found in the model folder (log: ")
+    assert line.endswith("; fix what its log says, or start a server yourself and set teacher.url")
+    assert not (tmp_path / "run").exists()
