@@ -64,7 +64,7 @@ def main():
 
     started = time.perf_counter()
     with local_vllm_server(DEMO_TEACHER, served_name="demo-teacher",
-                           max_logprobs=max(args.top_k, 20)) as url:
+                           max_logprobs=max(args.top_k, 20)) as server:
         print(f"vLLM server up in {time.perf_counter() - started:.0f} s")
         for name, fields, k in [
                 ("served, 1 request", dict(max_concurrency=1), None),
@@ -72,7 +72,7 @@ def main():
                  dict(max_concurrency=4, max_tokens_per_request=256), None),
                 ("served, token log-probs only (top_k=0), 1 request", dict(max_concurrency=1), 0)]:
             teacher = ServedTeacher(TeacherServiceSettings(
-                engine="vllm_server", url=url, top_k=args.top_k, **fields))
+                engine="vllm_server", url=server.url, top_k=args.top_k, **fields))
             teacher.start(model.cfg.vocab_size)
             got = teacher.score(sequences, starts, k)
             want = local.score(sequences, starts)

@@ -103,13 +103,21 @@ def served_teacher_model_config(config):
         raise TrainerSetupError(f"model.teacher: {config_file}: {err}") from None
 
 
-def start_served_teacher(config, vocab_size: int):
+def start_served_teacher(config, vocab_size: int, url: str | None = None):
     """The teacher behind a server (teacher_service.ServedTeacher over the `teacher:` section),
     after its start-up check (up, right engine, model and vocabulary; one line naming
-    teacher.url and the fix otherwise: TeacherServerCheckError)."""
+    teacher.url and the fix otherwise: TeacherServerCheckError). `url`: the address of the
+    server the run started itself (`teacher.launch`, which preflight does)."""
     from ctopd_jax.teacher_service import ServedTeacher
 
-    teacher = ServedTeacher(config.teacher)
+    settings = config.teacher
+    if settings.launch:
+        if url is None:
+            raise TrainerSetupError("teacher.launch: the run's own teacher server is started by "
+                                    "preflight; build the Trainer with preflight=preflight(config) "
+                                    "(as python -m ctopd_jax.train does) or set teacher.url")
+        settings = dataclasses.replace(settings, url=url, launch=False, launch_python="")
+    teacher = ServedTeacher(settings)
     teacher.start(vocab_size=vocab_size)
     return teacher
 

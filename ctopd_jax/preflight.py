@@ -1,13 +1,14 @@
 """Every cheap check of a run, before any model weight is loaded.
 
-    pre = preflight(config, resume=args.resume, allow_config_change=args.allow_config_change)
-    # pre.prompts, pre.student_tokenizer, pre.teachers[name].tokenizer / .overlap, pre.mesh_shape ...
+    with preflight(config, resume=args.resume, allow_config_change=args.allow_config_change) as pre:
+        ...  # pre.prompts, pre.student_tokenizer, pre.teachers[name].tokenizer / .overlap, pre.mesh_shape
 
 `preflight` reads no tensor data and writes nothing. It raises `PreflightError` (one line
 naming the field or file and the fix) for the first problem in this order:
 
 1. the config values themselves (`config.validate`), the algorithm name (registered in
-   `ctopd_jax.algorithms.registry()`), vLLM present when `rollout.engine=vllm`;
+   `ctopd_jax.algorithms.registry()`), vLLM present when `rollout.engine=vllm` (and in
+   `teacher.launch_python` when `teacher.launch`);
 2. the mesh against the device count (with the XLA_FLAGS hint on CPU);
    the output folders: `output_dir` and `checkpoint.dir` are folders (or can be created) on a
    writable file system, and no live run holds `output_dir` (`run_dir`);
@@ -20,19 +21,23 @@ naming the field or file and the fix) for the first problem in this order:
    valid, every `*.safetensors` shard's header readable and not truncated, every tensor the
    config implies present with its shape) or a preset name; `lora.init_adapter`'s folder, its
    settings against `lora:` and its weights header. A teacher behind a server
-   (`teacher.engine` vllm_server / sglang_server): its folder's config.json only, then the
-   server's start-up check (ServedTeacher.start: up, right engine, model and vocabulary) and
-   the objective's fitness for it (`Needs.teacher_scores` token_logprobs or topk, no teacher
-   sampling, kd_temperature 1 for token log-probs);
+   (`teacher.engine` vllm_server / sglang_server): its folder's config.json only (the
+   objective's fitness for it, `Needs.teacher_scores` token_logprobs or topk, no teacher
+   sampling, kd_temperature 1 for token log-probs, is checked with the objective);
 6. the tokenizers (`model.*_tokenizer`, or the model directory's own), each model's vocabulary
    against its tokenizer, the shared vocabulary V∩ non-empty, and the objective's own check
    against the pair (`algorithm.ctkd_topk <= |V∩|` for top-k objectives);
 7. at least one prompt fits `rollout.max_prompt_len` once rendered with the student's chat
    template, and the longest one that fits plus `rollout.generate_max_len` stays within the
    student's `max_position_embeddings`; every rendered prompt encodes on both sides without
-   the unknown token (a tokenizer without byte fallback meeting a character it lacks).
+   the unknown token (a tokenizer without byte fallback meeting a character it lacks);
+8. last, the one check that talks to another process: a served teacher's start-up check
+   (ServedTeacher.start: up, right engine, model and vocabulary), after starting the server
+   when `teacher.launch` (teacher_service/launch.py). The launched server belongs to the
+   returned Preflight: `with preflight(...) as pre` (or `pre.close()`) stops it; a failed
+   preflight stops it itself.
 
-With `teachers:` steps 5-7 run for each teacher on its view of the config
+With `teachers:` steps 5-8 run for each teacher on its view of the config
 (`config.teacher_views`); a failure names the entry (`teachers[math] (as model.teacher /
 teacher:): ...`). Several teachers are refused for objectives built for one teacher
 (`_check_several_teachers`).
@@ -43,6 +48,7 @@ a broken install still fails at engine start with its own message). The demo pro
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -77,6 +83,17 @@ class Preflight:
     saved_config_source: str = ""
     model_dirs: dict[str, Path | None] = field(default_factory=dict)   # role -> HF dir or None
     objective: Any = None               # algorithms.Objective, built and checked once
+    owned: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # stops what the
+                                        # run started (teacher.launch's servers) on close()
+
+    def close(self) -> None:
+        self.owned.close()
+
+    def __enter__(self) -> "Preflight":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def teacher(self) -> "TeacherChecks":
@@ -91,6 +108,7 @@ class TeacherChecks:
     tokenizer: Any                      # tokenization.TokenizerSide
     overlap: Any                        # tokenization.OverlapMap with the student
     model_dir: Path | None              # its HF folder, or None (a preset)
+    model_cfg: Any                      # its ModelConfig (config.json), or None (a preset)
     served: Any = None                  # teacher_service.ServedTeacher, started (teacher.engine
                                         # vllm_server / sglang_server), else None
 
@@ -205,17 +223,48 @@ def _check_served_objective(config: TrainConfig, objective) -> None:
                     f"hidden rows, which teacher.engine={engine} does not give; set it to 0")
 
 
-def _check_served_teacher(config: TrainConfig):
-    """(teacher folder, its ModelConfig, the started ServedTeacher): the folder's config.json
-    only (its weights stay on the server), then the server's start-up check against that
-    vocabulary, before any model loads."""
-    from ctopd_jax.build import model_dir, served_teacher_model_config, start_served_teacher
+def _check_served_teacher_files(config: TrainConfig):
+    """(teacher folder, its ModelConfig): the folder's config.json only (its weights stay on the
+    server)."""
+    from ctopd_jax.build import model_dir, served_teacher_model_config
 
     try:
-        cfg = served_teacher_model_config(config)
-        return model_dir(config.model.teacher), cfg, start_served_teacher(config, cfg.vocab_size)
-    except (ValueError, OSError) as err:   # TrainerSetupError, TeacherServerCheckError, SourceError
+        return model_dir(config.model.teacher), served_teacher_model_config(config)
+    except (ValueError, OSError) as err:   # TrainerSetupError, SourceError
         raise _fail(str(err)) from None
+
+
+def _start_served_teacher(config: TrainConfig, folder, teacher_cfg, owned: contextlib.ExitStack):
+    """The started ServedTeacher (its start-up check against the teacher's vocabulary), after
+    starting its server when `teacher.launch`; what it started is closed by `owned`."""
+    from ctopd_jax.build import start_served_teacher
+    from ctopd_jax.teacher_service.launch import launched_teacher
+    from ctopd_jax.teacher_service.local_server import LocalServerError
+
+    url = None
+    try:
+        if config.teacher.launch:
+            url = owned.enter_context(launched_teacher(config.teacher, folder, teacher_cfg,
+                                                       config.model.dtype)).url
+        served = start_served_teacher(config, teacher_cfg.vocab_size, url=url)
+    except LocalServerError as err:
+        raise _fail(f"teacher.launch: {err}; fix what its log says, or start a server yourself "
+                    "and set teacher.url") from None
+    except (ValueError, OSError) as err:   # TeacherServerCheckError
+        raise _fail(str(err)) from None
+    owned.callback(served.close)
+    return served
+
+
+@contextlib.contextmanager
+def _as_teacher(config: TrainConfig, name: str):
+    """With `teachers:`, a failure of one teacher's checks names its entry."""
+    try:
+        yield
+    except PreflightError as err:
+        if not config.teachers:
+            raise
+        raise _fail(f"teachers[{name}] (as model.teacher / teacher:): {err}") from None
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -440,6 +489,14 @@ def _check_packages(config: TrainConfig):
     if config.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise _fail("logging.wandb: true needs the wandb package, which is not installed here; "
                     "pip install wandb (or set logging.wandb=false)")
+    from ctopd_jax.teacher_service.launch import check_launch_python
+    for name, view in teacher_views(config).items():
+        if view.teacher.launch:
+            with _as_teacher(config, name):
+                try:
+                    check_launch_python(view.teacher)
+                except ValueError as err:
+                    raise _fail(str(err)) from None
 
 
 def _check_mesh(config: TrainConfig, device_count: int | None) -> dict[str, int]:
@@ -644,28 +701,31 @@ def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change:
     _check_eval_prompts(config, objective, eval_set, student, student_cfg)
     teachers = {}
     for name, view in teacher_views(config).items():
-        try:
+        with _as_teacher(config, name):
             teachers[name] = _check_teacher(view, objective, student, prompts)
-        except PreflightError as err:
-            raise (err if not config.teachers else _fail(f"teachers[{name}] (as model.teacher / "
-                                                         f"teacher:): {err}")) from None
+    with contextlib.ExitStack() as starting:   # a failed start-up check stops what started
+        for name, t in teachers.items():
+            if t.config.teacher.served:
+                with _as_teacher(config, name):
+                    t.served = _start_served_teacher(t.config, t.model_dir, t.model_cfg, starting)
+        owned = starting.pop_all()
     return Preflight(config=config, prompts=prompts, data_path=data_path,
                      student_tokenizer=student, teachers=teachers, mesh_shape=mesh_shape,
                      checkpoint_dir=ck_dir, checkpoint_steps=steps, resume=resume,
-                     config_changes=changes, saved_config_source=where, objective=objective)
+                     config_changes=changes, saved_config_source=where, objective=objective,
+                     owned=owned)
 
 
 def _check_teacher(config: TrainConfig, objective, student, prompts) -> TeacherChecks:
-    """One teacher (`config` as it sees the run): its files or its server, its tokenizer
-    against its model and the student's (the overlap), the prompts in its tokenizer, and the
-    objective's checks against it."""
-    served = None
+    """One teacher (`config` as it sees the run): its files (a served one's config.json only;
+    its server is checked last), its tokenizer against its model and the student's (the
+    overlap), the prompts in its tokenizer, and the objective's checks against it."""
     if config.teacher.served:
-        directory, cfg, served = _check_served_teacher(config)
+        directory, cfg = _check_served_teacher_files(config)
     else:
         directory, cfg = _check_model(config.model.teacher, "teacher")
     side = _load_tokenizer(config, "teacher", directory, cfg)
     overlap = _check_overlap(objective, side, student)
     _encode_prompts(side, prompts, "teacher", "model.teacher_tokenizer")
     _check_objective_models(config, objective, side, cfg)
-    return TeacherChecks(config, side, overlap, directory, served)
+    return TeacherChecks(config, side, overlap, directory, cfg)

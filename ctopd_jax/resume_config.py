@@ -12,7 +12,7 @@ async_save / export_hf`; `run_name`; `mesh.*` (the checkpoint is resharded on re
 `model.remat`, `algorithm.implementation`, `algorithm.chunked_loss_size` (same numbers up to
 float rounding); `rollout.vllm_gpu_memory_utilization`; how a served teacher is reached
 (`teacher.url`, `timeout_s`, `max_concurrency`, `retries`, `backoff_s`,
-`max_tokens_per_request`: a server restarted elsewhere scores the same ids alike; its engine,
+`max_tokens_per_request`, `launch`, `launch_python`: a server restarted elsewhere scores the same ids alike; its engine,
 model and top_k still count). `steps` may grow when
 `optimizer.schedule` is `constant`; with a cosine schedule the lr curve is defined over the
 total number of steps, so a different `steps` bends the remaining schedule and needs
@@ -34,7 +34,8 @@ HARMLESS_FIELDS = frozenset({
     "checkpoint.export_hf", "model.remat", "algorithm.implementation",
     "algorithm.chunked_loss_size", "rollout.vllm_gpu_memory_utilization",
     "teacher.url", "teacher.timeout_s", "teacher.max_concurrency", "teacher.retries",
-    "teacher.backoff_s", "teacher.max_tokens_per_request"})
+    "teacher.backoff_s", "teacher.max_tokens_per_request", "teacher.launch",
+    "teacher.launch_python"})
 CHANGES_FILE = "config_changes.jsonl"
 _ABSENT = "<absent>"
 

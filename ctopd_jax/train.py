@@ -62,23 +62,24 @@ def _main(argv: list[str]) -> int:
     from ctopd_jax.preflight import preflight
 
     config = load_config(args.config, args.overrides, args.mesh)
-    pre = preflight(config, resume=args.resume, allow_config_change=args.allow_config_change,
-                    device_count=jax.device_count())
-    writer = jax.process_index() == 0
-    from ctopd_jax.run_dir import RunLock, write_error
+    # `with`: a teacher server the run starts itself (teacher.launch) stops whenever the run ends
+    with preflight(config, resume=args.resume, allow_config_change=args.allow_config_change,
+                   device_count=jax.device_count()) as pre:
+        writer = jax.process_index() == 0
+        from ctopd_jax.run_dir import RunLock, write_error
 
-    # one run per output folder: the writing process holds <output_dir>/.run.lock throughout
-    try:
-        with RunLock(config.output_dir) if writer else contextlib.nullcontext():
-            return _train(config, pre, args, writer)
-    except Exception as err:   # a refused write (no space, read-only, permission): one line
-        from ctopd_jax.checkpoint import CheckpointWriteError
+        # one run per output folder: the writing process holds <output_dir>/.run.lock throughout
+        try:
+            with RunLock(config.output_dir) if writer else contextlib.nullcontext():
+                return _train(config, pre, args, writer)
+        except Exception as err:   # a refused write (no space, read-only, permission): one line
+            from ctopd_jax.checkpoint import CheckpointWriteError
 
-        line = None if isinstance(err, CheckpointWriteError) else write_error(   # already one
-            err, {"output_dir": config.output_dir, "checkpoint.dir": pre.checkpoint_dir})
-        if line is None:
-            raise
-        raise line from err
+            line = None if isinstance(err, CheckpointWriteError) else write_error(   # already one
+                err, {"output_dir": config.output_dir, "checkpoint.dir": pre.checkpoint_dir})
+            if line is None:
+                raise
+            raise line from err
 
 
 def _train(config, pre, args, writer: bool) -> int:

@@ -102,16 +102,15 @@ def run(argv=None) -> dict:
 
     import jax
 
-    from ctopd_jax.config import load_config, validate
+    from ctopd_jax.config import load_config
     from ctopd_jax.datasets import load_dataset
     from ctopd_jax.evaluation import evaluate_model
     from ctopd_jax.models.weights import load_hf_checkpoint
     from ctopd_jax.plot import plot_run
-    from ctopd_jax.trainer import Trainer
+    from ctopd_jax.preflight import preflight
 
     config = load_config(args.config, [*args.overrides, f"output_dir={out}",
                                        "evaluation.dataset=''"])
-    validate(config, device_count=jax.device_count())
     max_new = config.rollout.generate_max_len
     dataset = load_dataset("demo")
 
@@ -129,21 +128,29 @@ def run(argv=None) -> dict:
         return report.mean_at_k
 
     print(f"[demo] run directory {out}", flush=True)
-    trainer = Trainer(config)
     from ctopd_jax.demo import task
+    from ctopd_jax.trainer import Trainer
 
-    in_shared = strict_targets_in_shared_vocab(trainer.t_tok, trainer.s_tok, trainer.overlap,
-                                               task.split("held_out")[:64])
-    print(f"[demo] |V∩| = {trainer.overlap.shared}; {100 * in_shared:.1f}% of the strictly aligned "
-          "tokens of reference solutions have a shared-vocabulary column", flush=True)
-    if in_shared < 0.95:
-        print("[demo] WARNING: the strict objectives cannot supervise aligned tokens outside V∩; "
-              "expect little or no improvement (see tokenization.overlap_map)", flush=True)
-    teacher_acc = accuracy(trainer.teacher, trainer.t_tok, "teacher")
-    before = accuracy(trainer.student, trainer.s_tok, "student_before", engine=trainer.engine)
-    train_started = time.perf_counter()
-    result = trainer.train()
-    train_s = time.perf_counter() - train_started
+    # the checks of `python -m ctopd_jax.train` first; `with`: a teacher server the config
+    # starts itself (teacher.launch) stops when training ends, also on an error or Ctrl-C
+    with preflight(config, device_count=jax.device_count()) as pre:
+        trainer = Trainer(config, preflight=pre)
+        in_shared = strict_targets_in_shared_vocab(trainer.t_tok, trainer.s_tok, trainer.overlap,
+                                                   task.split("held_out")[:64])
+        print(f"[demo] |V∩| = {trainer.overlap.shared}; {100 * in_shared:.1f}% of the strictly "
+              "aligned tokens of reference solutions have a shared-vocabulary column", flush=True)
+        if in_shared < 0.95:
+            print("[demo] WARNING: the strict objectives cannot supervise aligned tokens outside "
+                  "V∩; expect little or no improvement (see tokenization.overlap_map)", flush=True)
+        teacher = trainer.teacher
+        if teacher is None:   # served (teacher.engine): the demo grades the same checkpoint here
+            from ctopd_jax.build import model_dir
+            teacher, _ = load_hf_checkpoint(model_dir(config.model.teacher), dtype=config.model.dtype)
+        teacher_acc = accuracy(teacher, trainer.t_tok, "teacher")
+        before = accuracy(trainer.student, trainer.s_tok, "student_before", engine=trainer.engine)
+        train_started = time.perf_counter()
+        result = trainer.train()
+        train_s = time.perf_counter() - train_started
     student, _ = load_hf_checkpoint(result.hf_dir)   # what a user takes away, read back from disk
     after = accuracy(student, trainer.s_tok, "student_after")
     plots = plot_run(result.run_dir)
@@ -157,6 +164,7 @@ def run(argv=None) -> dict:
         "shared_vocab": trainer.overlap.shared, "aligned_targets_in_shared_vocab": in_shared,
         "steps": config.steps, "train_seconds": round(train_s, 1), "algorithm": config.algorithm.name,
         "model_teacher": config.model.teacher, "model_student": config.model.student,
+        "teacher_engine": config.teacher.engine,
         "total_seconds": round(time.perf_counter() - started, 1),
         "run_dir": str(result.run_dir), "checkpoints": str(result.checkpoint_dir),
         "hf_student": str(result.hf_dir), "plots": [str(p) for p in plots],

@@ -7,7 +7,8 @@ vllm_protocol / sglang_protocol (requests and answers), client (batching and con
 startup (the check before training), topk (the teacher-top-k strict and top-k GKD math),
 batch_rows (served scores on the teacher batch's flat rows), routing (rows to named teachers),
 local_scores / local_server (the local reference and a local vLLM server, for tests and the
-benchmark; the demo workload they score is demo/served_inputs.py).
+benchmark; the demo workload they score is demo/served_inputs.py), launch (`teacher.launch`: a
+run that starts and stops its own vLLM server).
 See docs/served_teacher.md.
 """
 from ctopd_jax.teacher_service.client import (ServedTeacher, TeacherServiceError,

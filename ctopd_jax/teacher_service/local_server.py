@@ -1,19 +1,23 @@
 """Start (and stop) a vLLM OpenAI server for a local HF checkpoint on 127.0.0.1.
 
-For tests, benchmarks and runs that serve their own teacher (a config that says
-`teacher.engine: vllm_server` with no server of its own):
+For tests, benchmarks and runs that serve their own teacher (`teacher.launch: true`, launch.py):
 
-    with local_vllm_server("ctopd_jax/assets/demo/teacher", served_name="demo-teacher") as url:
-        ...  # http://127.0.0.1:<free port>
+    with local_vllm_server("ctopd_jax/assets/demo/teacher", served_name="demo-teacher") as server:
+        ...  # server.url: http://127.0.0.1:<free port>; server.pid, server.log_path
 
-The server runs in its own process group (so its engine process goes with it) from `python`
-(default: this interpreter, which must have vLLM installed: the .venv-vllm of `make test-vllm`).
-Start-up on this 2-core CPU takes ~30-60 s; the server is stopped on exit, also on an error.
-The CPU flags are those the in-process engine uses (float32, eager, 1 GiB of KV cache).
+The server runs in its own process group (so its engine process goes with it, and a Ctrl-C
+in the terminal reaches only the caller, which may still need the server to finish a step) from
+`python` (default: this interpreter, which must have vLLM installed: the .venv-vllm of `make
+test-vllm`). Start-up on this 2-core CPU takes ~30-60 s; the server is stopped when the block
+exits, also on an error or Ctrl-C. A caller that dies without unwinding (SIGKILL, os._exit of a
+second Ctrl-C) takes the server with it: the server asks Linux for SIGTERM when its parent dies
+(PR_SET_PDEATHSIG, set in the server process before it becomes vLLM). The CPU flags are those
+the in-process engine uses (float32, eager, 1 GiB of KV cache).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -25,6 +29,17 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+
+# Run as `python -c DIE_WITH_PARENT <parent pid> -m vllm...`: on Linux, ask for SIGTERM when the
+# parent dies (kept across exec), give up if it already died, then become the server.
+DIE_WITH_PARENT = """import ctypes, os, signal, sys
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != int(sys.argv[1]):
+        sys.exit("the process that started this vLLM server is gone")
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
 
 
 class LocalServerError(RuntimeError):
@@ -44,7 +59,8 @@ def local_vllm_server(model_dir, *, served_name: str = "teacher", max_model_len:
                       log_path=None, extra_args=()):
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+    command = [python or sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()),
+               "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
                "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
                "--max-logprobs", str(max_logprobs), "--served-model-name", served_name,
@@ -59,9 +75,16 @@ def local_vllm_server(model_dir, *, served_name: str = "teacher", max_model_len:
                                    start_new_session=True)
     try:
         _wait_until_up(url, process, log_path, start_timeout_s)
-        yield url
+        yield LocalServer(url, process.pid, log_path)
     finally:
         _stop(process)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalServer:
+    url: str          # http://127.0.0.1:<port>
+    pid: int          # the server process (its group: the engine too)
+    log_path: Path    # its stdout and stderr
 
 
 def _wait_until_up(url: str, process, log_path: Path, timeout_s: float):

@@ -5,7 +5,11 @@ message is one line: the field's full name (`teacher.url`), what is wrong, and t
 config integration (the `teacher:` section, and `teachers:` entries named `teachers[math]`) passes
 its own `prefix`, so the same checks name the field the user wrote.
 
-`local` is today's path (the teacher on the trainer's mesh); the served engines need a URL.
+`local` is today's path (the teacher on the trainer's mesh); the served engines need a URL,
+except with `launch: true` (vLLM only): the run then starts `vllm serve` of model.teacher on a free
+port of 127.0.0.1 itself and stops it when it ends (teacher_service/launch.py), so `url` stays
+empty. `launch_python` is the Python that has vLLM (on CPU the .venv-vllm of `make test-vllm`,
+whose numpy pins keep vLLM out of the trainer's venv); "" is the trainer's own.
 """
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ class TeacherServiceSettings:
     backoff_s: float = 0.5          # first retry waits this long, then 2x, 4x, ... (capped 30 s)
     top_k: int = 16                 # teacher top-k entries per response position
     max_tokens_per_request: int = 16384  # sequences are packed into requests up to this many tokens
+    launch: bool = False            # the run starts (and stops) its own vLLM server of model.teacher
+    launch_python: str = ""         # the Python with vLLM that runs it; "" = the trainer's own
 
     @property
     def served(self) -> bool:
@@ -56,14 +62,30 @@ class TeacherServiceSettings:
         _check_number(bad, "backoff_s", self.backoff_s, 0.0, 60.0, "seconds")
         _check_int(bad, "top_k", self.top_k, 1, MAX_TOP_K)
         _check_int(bad, "max_tokens_per_request", self.max_tokens_per_request, 2, 10_000_000)
+        if not isinstance(self.launch, bool):
+            bad("launch", f"{self.launch!r} must be true or false")
+        if not isinstance(self.launch_python, str):
+            bad("launch_python", f"{self.launch_python!r} must be the path of a Python executable")
+        if self.launch_python and not self.launch:
+            bad("launch_python", f"is set but {prefix}.launch is false; set {prefix}.launch: true "
+                                 f"or remove {prefix}.launch_python")
+        if self.launch and self.engine != "vllm_server":
+            bad("launch", f"starts a vLLM server, but {prefix}.engine is {self.engine}; set "
+                          f"{prefix}.engine: vllm_server, or start the server yourself and set "
+                          f"{prefix}.launch: false")
         if not self.served:
             if self.url:
                 bad("url", f"is set ({self.url!r}) but {prefix}.engine is local; set "
                            f"{prefix}.engine: vllm_server or sglang_server, or remove {prefix}.url")
             return self
+        if self.launch:
+            if self.url:
+                bad("url", f"is set ({self.url!r}) but {prefix}.launch starts a server of its own "
+                           f"on a free port; remove {prefix}.url or set {prefix}.launch: false")
+            return self
         if not self.url:
             bad("url", f"is empty; {prefix}.engine: {self.engine} needs the server's address, "
-                       f"e.g. http://127.0.0.1:8000")
+                       f"e.g. http://127.0.0.1:8000 (or {prefix}.launch: true to start one)")
         parsed = urllib.parse.urlsplit(self.url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             bad("url", f"{self.url!r} is not an http(s)://host:port address; write it as "

@@ -34,6 +34,13 @@ def error_of(prefix="teacher", **fields):
     (dict(SERVED, top_k=0), "teacher.top_k", "[1, 1024]"),
     (dict(SERVED, top_k=5000), "teacher.top_k", "[1, 1024]"),
     (dict(SERVED, max_tokens_per_request=1), "teacher.max_tokens_per_request", "[2, "),
+    (dict(launch=True), "teacher.launch", "set teacher.engine: vllm_server"),
+    (dict(engine="sglang_server", launch=True), "teacher.launch", "start the server yourself"),
+    (dict(SERVED, launch=True), "teacher.url", "remove teacher.url or set teacher.launch: false"),
+    (dict(SERVED, launch_python="/usr/bin/python3"), "teacher.launch_python", "teacher.launch: true"),
+    (dict(engine="vllm_server", launch="yes"), "teacher.launch", "true or false"),
+    (dict(engine="vllm_server", launch=True, launch_python=3), "teacher.launch_python", "path"),
+    (dict(engine="vllm_server"), "teacher.url", "teacher.launch: true to start one"),
 ])
 def test_bad_setting_is_one_line_naming_the_field(fields, field, fix):
     message = error_of(**fields)
@@ -52,3 +59,5 @@ def test_good_settings_pass_and_local_needs_nothing():
                                       top_k=64, retries=0, backoff_s=0)
     assert settings.validate() is settings
     assert settings.base_url == "http://10.0.0.5:30000"
+    launched = TeacherServiceSettings(engine="vllm_server", launch=True, launch_python="python3")
+    assert launched.validate() is launched   # no url: the run's own server gets one

@@ -24,8 +24,8 @@ VOCAB = 800  # the demo teacher's config.json vocab_size
 
 @pytest.fixture(scope="module")
 def url():
-    with local_vllm_server(DEMO_TEACHER, served_name="demo-teacher", max_logprobs=32) as url:
-        yield url
+    with local_vllm_server(DEMO_TEACHER, served_name="demo-teacher", max_logprobs=32) as server:
+        yield server.url
 
 
 def served(url, **fields):

@@ -363,3 +363,77 @@ def test_resuming_against_a_moved_server_is_harmless_but_another_top_k_is_not():
     moved = load_config(SAME, served + ["teacher.url=http://b:2", "teacher.retries=9", "teacher.top_k=8"])
     changes = {c.field: c.harmless for c in config_changes(saved, moved.to_dict())}
     assert changes == {"teacher.url": True, "teacher.retries": True, "teacher.top_k": False}
+
+
+def test_a_launch_python_that_is_not_there_is_one_line_before_anything_is_written(tmp_path, compile_cache):
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ctopd_jax.train", "--config", str(ROOT / "configs" / "tiny_cpu_served.yaml"),
+         "--set", f"output_dir={run}", "--set", "teacher.launch_python=/nonexistent/bin/python"],
+        capture_output=True, text=True, cwd=tmp_path, env=subprocess_env(compile_cache, devices=1),
+        timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert lines[0] == ("python -m ctopd_jax.train: error: teacher.launch_python: '/nonexistent/bin/python' "
+                        "is not an executable; make .venv-vllm/.installed and set teacher.launch_python="
+                        ".venv-vllm/bin/python, or start a server yourself and set teacher.url")
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_launch_python_without_a_working_vllm_is_one_line():
+    import importlib.util
+
+    from ctopd_jax.teacher_service import TeacherServiceSettings, TeacherSettingError
+    from ctopd_jax.teacher_service.launch import check_launch_python
+
+    def error(python):
+        settings = TeacherServiceSettings(engine="vllm_server", launch=True, launch_python=python)
+        with pytest.raises(TeacherSettingError) as err:
+            check_launch_python(settings)
+        return str(err.value)
+
+    assert error("/bin/false").startswith("teacher.launch_python: /bin/false is not a working Python (exit 1)")
+    if importlib.util.find_spec("vllm") is None:   # this Python: the trainer's venv, without vLLM
+        assert error(sys.executable).startswith(f"teacher.launch_python: vLLM is not installed in "
+                                                f"{sys.executable}; make .venv-vllm/.installed")
+
+
+def test_a_launched_teacher_needs_preflight_to_start_it(tmp_path):
+    from ctopd_jax.build import TrainerSetupError, start_served_teacher
+
+    config = small_run(tmp_path / "x", "opd", "teacher.engine=vllm_server", "teacher.launch=true")
+    with pytest.raises(TrainerSetupError, match=r"^teacher\.launch: the run's own teacher server is "
+                                                r"started by preflight"):
+        start_served_teacher(config, 104)
+
+
+def test_resuming_a_launched_run_against_a_server_of_ones_own_is_harmless():
+    from ctopd_jax.resume_config import config_changes
+
+    saved = load_config(SAME, ["teacher.engine=vllm_server", "teacher.launch=true",
+                               "teacher.launch_python=.venv-vllm/bin/python"]).to_dict()
+    own = load_config(SAME, ["teacher.engine=vllm_server", "teacher.url=http://a:1"])
+    changes = {c.field: c.harmless for c in config_changes(saved, own.to_dict())}
+    assert changes == {"teacher.url": True, "teacher.launch": True, "teacher.launch_python": True}
+
+
+def test_a_launched_server_that_dies_at_start_is_one_line_naming_its_log(tmp_path):
+    """The server's own failure (here a stand-in Python that passes the vLLM check, then exits
+    as vLLM does on a bad model) reaches the user as one line with its last log lines."""
+    from ctopd_jax.preflight import PreflightError, preflight
+
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\ncase \"$2\" in *find_spec*) exit 0;; esac\n"
+                      "echo 'ValueError: no tokenizer found in the model folder' >&2\nexit 1\n")
+    python.chmod(0o755)
+    config = small_run(tmp_path / "run", "opd", "teacher.engine=vllm_server", "teacher.launch=true",
+                       f"teacher.launch_python={python}")
+    with pytest.raises(PreflightError) as err:
+        preflight(config)
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith("teacher.launch: the vLLM server exited with 1 before answering: "
+                           "ValueError: no tokenizer found in the model folder (log: ")
+    assert line.endswith("; fix what its log says, or start a server yourself and set teacher.url")
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,84 @@
+"""Does the student learn with a served teacher as with the local one? (issue 25, must-show)
+
+    python benchmarks/served_teacher_learning.py [--seeds 0 1 2] [--steps 40]
+        [--vllm-python .venv-vllm/bin/python] [--out runs/served_learning]
+
+For each seed, the demo (`python -m ctopd_jax.demo`, its greedy held-out evaluation before and
+after) runs configs/tiny_cpu_served.yaml twice, the same config but for where the teacher runs:
+served (teacher.launch: the run starts `vllm serve` of the demo teacher and stops it) and local
+(teacher.engine=local: the teacher on the trainer's devices). `seed` and `data.seed` are the
+seed (sampling and prompt order). Each run is a process of its own, as a user runs it. Prints
+one row per run, then per engine the mean and standard deviation over seeds of the accuracy
+after training, and the largest per-step |Δ loss| between the two runs of a seed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "tiny_cpu_served.yaml"
+ENGINES = {"served": [],
+           "local": ["teacher.engine=local", "teacher.launch=false", "teacher.launch_python="]}
+
+
+def run_demo(out: Path, seed: int, steps: int, vllm_python: str, engine: str) -> dict:
+    overrides = [f"seed={seed}", f"data.seed={seed}", f"steps={steps}", "logging.progress=false",
+                 "logging.tensorboard=false", f"teacher.launch_python={vllm_python}",
+                 *ENGINES[engine]]
+    command = [sys.executable, "-m", "ctopd_jax.demo", "--config", str(CONFIG), "--out", str(out)]
+    for item in overrides:
+        command += ["--set", item]
+    log = out.with_suffix(".log")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as handle:
+        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if code != 0:
+        raise SystemExit(f"{engine} seed {seed}: the demo failed (exit {code}); see {log}")
+    return json.loads((out / "demo_summary.json").read_text())
+
+
+def losses(run_dir: Path) -> np.ndarray:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return np.array([row["loss"] for row in rows if "loss" in row])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "served_learning")
+    args = p.parse_args(argv)
+
+    after = {engine: [] for engine in ENGINES}
+    print("| seed | teacher | before | after, local | after, served | train s, local | train s, served "
+          "| max per-step abs(Δ loss) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for seed in args.seeds:
+        got = {engine: run_demo(args.out / f"seed{seed}_{engine}", seed, args.steps,
+                                args.vllm_python, engine) for engine in ENGINES}
+        for engine in ENGINES:
+            after[engine].append(got[engine]["student_accuracy_after"])
+        delta = np.abs(losses(Path(got["served"]["run_dir"])) - losses(Path(got["local"]["run_dir"])))
+        local, served = got["local"], got["served"]
+        print(f"| {seed} | {local['teacher_accuracy']:.3f} | {local['student_accuracy_before']:.3f} | "
+              f"{local['student_accuracy_after']:.3f} | {served['student_accuracy_after']:.3f} | "
+              f"{local['train_seconds']:.0f} | {served['train_seconds']:.0f} | {delta.max():.1e} |",
+              flush=True)
+    for engine, values in after.items():
+        spread = statistics.stdev(values) if len(values) > 1 else float("nan")
+        print(f"{engine}: held-out accuracy after {args.steps} steps, mean {statistics.mean(values):.3f}"
+              f", std over seeds {spread:.3f} ({', '.join(f'{v:.3f}' for v in values)})")
+    print(f"difference of the means (served - local): "
+          f"{statistics.mean(after['served']) - statistics.mean(after['local']):+.3f}")
+
+
+if __name__ == "__main__":
+    main()
