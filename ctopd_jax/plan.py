@@ -295,6 +295,10 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
     if device not in DEVICES:
         raise UserError(f"--device {device!r}: use one of {', '.join(DEVICES)}")
     dev = DEVICES[device]
+    if config.teachers:   # each plan row is one teacher's; several would sum and max them
+        raise UserError(f"teachers: the planner plans one teacher; plan each entry on its own "
+                        f"(model.teacher / teacher: set to that entry's, teachers: removed) and "
+                        f"add the local teachers' weights rows ({len(config.teachers)} entries)")
     m = config.model
     if gpus is None:
         sizes = [s for s in dataclasses.asdict(config.mesh).values()]

@@ -260,3 +260,12 @@ def test_remat_estimate_matches_a_scanned_layer_stack(layers):
     without = plan.layer_stack_bytes(stack_cfg, batch, seq, remat=False, attention="einsum")
     if layers == 8:
         assert measured < 0.5 * without  # remat really is honoured in this probe
+
+
+def test_several_teachers_are_refused_in_one_line(tmp_path, capsys):
+    config = tmp_path / "teachers.yaml"
+    config.write_text("teachers:\n  - {name: a, checkpoint: demo:teacher}\n"
+                      "  - {name: b, checkpoint: demo:student}\n")
+    assert _cli(["--config", str(config), "--device", "h100", "--gpus", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "teachers: the planner plans one teacher" in err
