@@ -24,6 +24,10 @@ teacher weights plus the drop of the transient peak, max(student step with the t
 loss-chunk share, teacher scoring) - the student step without it. The server's own memory is
 not planned here.
 
+Several teachers (`teachers:`): one weights row per teacher on the mesh, none for a served one;
+one teacher's micro-batch runs at a time, so the loss chunk and the scoring are the largest
+teacher's; the time estimate counts the first (default) teacher.
+
 Budget: the device's memory (h100 80 GB, h200 141 GB, b200 180 GB; GB = 1e9 bytes). The XLA pool
 is `XLA_PYTHON_CLIENT_MEM_FRACTION` of that; the planner assumes (and prints) the fraction
 `1 - vllm share - 0.05` with vLLM (0.05 for the CUDA context, NCCL and cuDNN workspaces outside
@@ -65,6 +69,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ctopd_jax.cli import Parser, UserError, at_least, fraction, run
+from ctopd_jax.config import default_teacher, teacher_views
 
 GB = 1e9
 HEADROOM = 0.05            # CUDA context, NCCL, cuDNN workspaces: outside both pools
@@ -295,10 +300,6 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
     if device not in DEVICES:
         raise UserError(f"--device {device!r}: use one of {', '.join(DEVICES)}")
     dev = DEVICES[device]
-    if config.teachers:   # each plan row is one teacher's; several would sum and max them
-        raise UserError(f"teachers: the planner plans one teacher; plan each entry on its own "
-                        f"(model.teacher / teacher: set to that entry's, teachers: removed) and "
-                        f"add the local teachers' weights rows ({len(config.teachers)} entries)")
     m = config.model
     if gpus is None:
         sizes = [s for s in dataclasses.asdict(config.mesh).values()]
@@ -315,13 +316,19 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
     batch_shards = mesh["data"] * mesh["fsdp"]
     student, s_src = resolve_model(m.student, student_preset, "student", m.dtype, m.param_dtype)
     t_param_dtype = m.teacher_param_dtype or m.param_dtype
-    teacher, t_src = resolve_model(m.teacher, teacher_preset, "teacher", m.dtype, t_param_dtype)
     attention = attention or getattr(m, "attention", None)   # a config-level switch, if any
     attn = attention_kind(student, attention, gpu=True)
+    # every teacher of the run (`teachers:`, else model.teacher): name -> (ModelConfig, source,
+    # served); the first is the one the time estimate counts
+    teachers = {name: (*resolve_model(view.model.teacher, teacher_preset, "teacher", m.dtype,
+                                      t_param_dtype), view.teacher.served)
+                for name, view in teacher_views(config).items()}
+    teacher, t_src, _ = teachers[default_teacher(config)]
     t_attn = attention_kind(teacher, attention, gpu=True)
     r, a, o = config.rollout, config.algorithm, config.optimizer
     seq = max(1, int(round(r.max_prompt_len + fill * r.generate_max_len))) + 1  # + EOS
-    notes = [f"student: {s_src}; teacher: {t_src}; attention: {attn}",
+    t_srcs = t_src if not config.teachers else "; ".join(f"{n} {src}" for n, (_, src, _) in teachers.items())
+    notes = [f"student: {s_src}; teacher: {t_srcs}; attention: {attn}",
              f"sequence: {r.max_prompt_len} prompt + {fill:g} x {r.generate_max_len} generated "
              f"+ EOS = {seq} tokens"]
     if o.micro_batch_size % batch_shards:
@@ -332,7 +339,7 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
     else:
         per_dev_batch = o.micro_batch_size // batch_shards
 
-    ps, pt = param_count(student), param_count(teacher)
+    ps = param_count(student)
     pbytes = DTYPE_BYTES[m.param_dtype]
     mu_dtype = mu_dtype or o.mu_dtype  # --mu-dtype overrides optimizer.mu_dtype
     mu_bytes = DTYPE_BYTES[mu_dtype]
@@ -384,12 +391,14 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
         Row("optimizer state (AdamW m, v)", trained * (mu_bytes + pbytes) / shard,
             f"m {mu_dtype or m.param_dtype}, v {m.param_dtype}", "mesh.fsdp or optimizer.mu_dtype=bfloat16"),
     ]
-    served = config.teacher.served
-    teacher_weights = Row("teacher weights", pt * DTYPE_BYTES[t_param_dtype] / shard,
-                          f"{pt / 1e9:.2f} B x {DTYPE_BYTES[t_param_dtype]} B ({t_param_dtype}) / {shard}",
-                          "model.teacher_param_dtype: bfloat16, or mesh.fsdp")
-    if not served:
-        rows.append(teacher_weights)
+    # each teacher's weights on the mesh; a served one's stay on its server
+    t_bytes = DTYPE_BYTES[t_param_dtype]
+    weights = {name: Row("teacher weights" + (f" ({name})" if config.teachers else ""),
+                         param_count(cfg) * t_bytes / shard,
+                         f"{param_count(cfg) / 1e9:.2f} B x {t_bytes} B ({t_param_dtype}) / {shard}",
+                         "model.teacher_param_dtype: bfloat16, or mesh.fsdp")
+               for name, (cfg, _, _) in teachers.items()}
+    rows += [weights[name] for name, (_, _, served) in teachers.items() if not served]
     # A config-level remat_policy, if the model section has one: "full" is remat; the "dots"
     # policies keep the matmul outputs, most of a layer's set, so they are planned as no remat.
     policy = getattr(m, "remat_policy", "") or ("full" if m.remat else "none")
@@ -398,22 +407,36 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
         notes.append(f"remat policy {policy}: planned as no remat (it keeps the matmul outputs)")
     act = activation_bytes(student, per_dev_batch, seq, remat=remat, attention=attn,
                            tensor=mesh["tensor"])
-    v_shared = min(vocab_shared or student.vocab_size, student.vocab_size, teacher.vocab_size)
     chunk_rows = min(a.chunked_loss_size, per_dev_batch * seq)
-    local_loss = loss_chunk_bytes(chunk_rows, student.vocab_size, teacher.vocab_size, v_shared)
-    loss = loss_chunk_bytes(chunk_rows, student.vocab_size, 0, 0) if served else local_loss
-    teach = inference_bytes(teacher, per_dev_batch, seq, attention=t_attn, tensor=mesh["tensor"])
-    local_transient = max(act + local_loss, teach)
+
+    def loss_and_scoring(cfg, served):
+        """A teacher's loss chunk (a served one's holds the student's columns only, 3 V_S) and
+        its scoring working set (0 when served) on each device."""
+        if served:
+            return loss_chunk_bytes(chunk_rows, student.vocab_size, 0, 0), 0.0
+        v_shared = min(vocab_shared or student.vocab_size, student.vocab_size, cfg.vocab_size)
+        return (loss_chunk_bytes(chunk_rows, student.vocab_size, cfg.vocab_size, v_shared),
+                inference_bytes(cfg, per_dev_batch, seq, attention=attention_kind(cfg, attention, gpu=True),
+                                tensor=mesh["tensor"]))
+
+    # one teacher's micro-batch at a time: the transient peak is the largest of them
+    actual = [loss_and_scoring(cfg, served) for cfg, _, served in teachers.values()]
+    if_local = [loss_and_scoring(cfg, False) for cfg, _, _ in teachers.values()]
+    loss, teach = max(x[0] for x in actual), max(x[1] for x in actual)
+    served_names = [name for name, (_, _, served) in teachers.items() if served]
     saved = None
-    if served:
-        saved = Row("saved by serving the teacher",
-                    teacher_weights.bytes + local_transient - (act + loss),
-                    f"teacher weights {teacher_weights.bytes / GB:.2f} GB + transient peak "
-                    f"{local_transient / GB:.2f} -> {(act + loss) / GB:.2f} GB", "teacher.engine")
-        teach = 0.0
-        notes.append(f"teacher served at {config.teacher.url}: its weights and scoring are on "
-                     f"the server (not planned here); the time estimate still counts its "
-                     f"prefill, which the loop waits for")
+    if served_names:
+        local_transient = max(act + max(x[0] for x in if_local), max(x[1] for x in if_local))
+        saved = Row("saved by serving the teacher" + ("s" if len(served_names) > 1 else ""),
+                    sum(weights[n].bytes for n in served_names) + local_transient - max(act + loss, teach),
+                    f"teacher weights {sum(weights[n].bytes for n in served_names) / GB:.2f} GB + "
+                    f"transient peak {local_transient / GB:.2f} -> {max(act + loss, teach) / GB:.2f} GB",
+                    "teacher.engine")
+        where = (f"teacher served at {config.teacher.url}" if not config.teachers else
+                 f"teachers served: {', '.join(served_names)}")
+        notes.append(f"{where}: its weights and scoring are on the server (not planned here); "
+                     f"the time estimate still counts its prefill, which the loop waits for")
+    served = len(served_names) == len(teachers)
     step_label = f"{per_dev_batch} seq x {seq} tok, remat {'on' if remat else 'off'}"
     if act + loss >= teach:
         transient = "student step"
@@ -421,7 +444,8 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
                      "optimizer.micro_batch_size, model.remat: true, blockwise attention"),
                  Row("loss chunk working set", loss,
                      f"{chunk_rows} rows x " + ("3 V_S" if served else "(3 V_S + 2 V_T + 2 V∩)")
-                     + " x 4 B", "algorithm.chunked_loss_size")]
+                     + " x 4 B" + (", the largest teacher's" if len(teachers) > 1 else ""),
+                     "algorithm.chunked_loss_size")]
         other = "no teacher scoring (served)" if served else \
             f"teacher scoring {teach / GB:.2f} GB (separate jit, smaller)"
     else:
