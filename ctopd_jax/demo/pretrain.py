@@ -48,7 +48,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from ctopd_jax.demo import task, tools_task
@@ -74,6 +73,7 @@ class PretrainSpec:
     seed: int
     schedule: str = "cosine_with_min_lr"
     warmup_ratio: float = 0.05
+    label_smoothing: float = 0.0   # share of each target's mass spread uniformly over the vocabulary
 
 
 def teacher_config(vocab_size: int) -> ModelConfig:
@@ -104,8 +104,8 @@ def char_student_config(vocab_size: int) -> ModelConfig:
 # 25% held-out accuracy, hence 600 steps with the cosine schedule.
 CHAR_SPECS = {
     "teacher": PretrainSpec("teacher", "char", teacher_config, steps=600, batch_size=64,
-                            lr=3e-3, seed=11),
-    "student": PretrainSpec("student", "char", char_student_config, steps=80, batch_size=64,
+                            lr=3e-3, seed=11, label_smoothing=0.02),
+    "student": PretrainSpec("student", "char", student_config, steps=100, batch_size=64,
                             lr=3e-3, seed=12, schedule="constant"),
 }
 
@@ -227,18 +227,70 @@ def tools_held_out_metrics(model: Decoder, side: TokenizerSide) -> dict:
                 for e in episodes) / n}
 
 
-def sft_loss(model: Decoder, input_ids, labels, attention_mask):
-    """Token-mean cross-entropy over the supervised (response + EOS) rows."""
+def _response_rows(model: Decoder, side: TokenizerSide, prompts: list[str], responses: list[str]):
+    """Per sample, the model's next-token log-probs [response tokens + EOS, V] (teacher-forced)."""
+    batch = retokenize(side, prompts, responses)
+    positions = jnp.broadcast_to(jnp.arange(batch.seq_len, dtype=jnp.int32), batch.input_ids.shape)
+    logits = model(jnp.asarray(batch.input_ids), positions, jnp.asarray(batch.attention_mask))
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+    supervised = batch.labels != IGNORE_INDEX
+    return [logp[b][supervised[b]] for b in range(len(prompts))]
+
+
+def teacher_entropy_after_student_errors(teacher: Decoder, student: Decoder, side: TokenizerSide,
+                                         problems: list[task.Problem], seed: int = 0) -> dict:
+    """How the teacher behaves where on-policy distillation asks it to: after the student's own
+    mistakes. The student samples one response per problem at temperature 1 (as the trainer's
+    rollouts do); in each wrong response, the teacher's next-token entropy (nats) and top-1
+    probability are averaged over the positions whose prefix already holds the first character
+    that departs from the reference solution (the char pair: one token per character). The
+    same on the reference solutions, for contrast. A near-deterministic teacher (entropy ~0 after
+    an error) is confidently arbitrary there; on-policy signal then pushes the student to it."""
+    from ctopd_jax.rollout import SamplingParams, make_rollout_engine
+
+    engine = make_rollout_engine("jax", student, [side.eos_id], side.pad_id)
+    prompts = [side.render_prompt(p.prompt) for p in problems]
+    sampled = engine.generate([side.encode(p) for p in prompts],
+                              SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=seed))
+    responses = [side.decode(t) for t in sampled.token_ids]
+    wrong = [(p, r, q.solution) for p, r, q in zip(prompts, responses, problems)
+             if not task.grade(r, q.answer)]
+    def stats(rows):
+        rows = np.concatenate(rows) if rows else np.zeros((0, 1))
+        probs = np.exp(rows)
+        return (float(-(probs * rows).sum(-1).mean()) if len(rows) else None,
+                float(probs.max(-1).mean()) if len(rows) else None, len(rows))
+    after_error = []
+    if wrong:
+        teacher_rows = _response_rows(teacher, side, [w[0] for w in wrong], [w[1] for w in wrong])
+        for (_, r, ref), rows in zip(wrong, teacher_rows):
+            first = next((i for i, (a, b) in enumerate(zip(r, ref)) if a != b), min(len(r), len(ref)))
+            after_error.append(rows[first + 1:])   # row i predicts token i: prefixes holding token `first`
+    reference = _response_rows(teacher, side, prompts, [q.solution for q in problems])
+    h_err, top1_err, n_err = stats(after_error)
+    h_ref, top1_ref, _ = stats(reference)
+    return {"student_sampled_accuracy": 1 - len(wrong) / len(problems),
+            "teacher_entropy_after_student_error_nats": h_err,
+            "teacher_top1_after_student_error": top1_err, "positions_after_student_error": n_err,
+            "teacher_entropy_on_reference_nats": h_ref, "teacher_top1_on_reference": top1_ref}
+
+
+def sft_loss(model: Decoder, input_ids, labels, attention_mask, label_smoothing=0.0):
+    """Token-mean cross-entropy over the supervised (response + EOS) rows, against targets with
+    ``label_smoothing`` of their mass spread uniformly over the vocabulary (0: one-hot)."""
     positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
     logits = model(input_ids, positions, attention_mask)
     supervised = labels != IGNORE_INDEX
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(supervised, labels, 0))
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, jnp.where(supervised, labels, 0)[..., None], axis=-1)[..., 0]
+    ce = (1.0 - label_smoothing) * nll - label_smoothing * jnp.mean(logp, axis=-1)
     return jnp.sum(ce * supervised) / jnp.maximum(1, jnp.sum(supervised))
 
 
-@nnx.jit
-def _train_step(model, optimizer, input_ids, labels, attention_mask):
-    loss, grads = nnx.value_and_grad(sft_loss)(model, input_ids, labels, attention_mask)
+@nnx.jit(static_argnames="label_smoothing")
+def _train_step(model, optimizer, input_ids, labels, attention_mask, label_smoothing=0.0):
+    loss, grads = nnx.value_and_grad(sft_loss)(model, input_ids, labels, attention_mask,
+                                                label_smoothing)
     optimizer.update(model, grads)
     return loss
 
@@ -275,7 +327,8 @@ def train(spec: PretrainSpec, steps: int | None = None, eval_every: int = 0, log
     history, start = [], time.perf_counter()
     for step in range(1, steps + 1):
         batch = make_batch(side, task.sample(train_problems, spec.batch_size, rng))
-        loss = float(_train_step(model, optimizer, *map(jnp.asarray, batch)))
+        loss = float(_train_step(model, optimizer, *map(jnp.asarray, batch),
+                                 label_smoothing=spec.label_smoothing))
         row = {"step": step, "loss": loss, "time_s": round(time.perf_counter() - start, 1)}
         if eval_every and (step % eval_every == 0 or step == steps):
             row["held_out_accuracy"] = evaluate(model, side)
