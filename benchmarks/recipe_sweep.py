@@ -28,6 +28,7 @@ trainer compiles per instance; on the CPU pairs that costs ~10-20 s of a 1-6 min
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -39,9 +40,11 @@ sys.path.insert(0, str(ROOT))
 
 OBJECTIVES = ("strict", "topk_strict", "span", "simct", "mp_opd", "gkd", "opd", "opd_full", "vopd",
               "opd2", "tcod", "sod", "sage_opd")
-LRS = {"cross": (3e-4, 1e-3, 2e-3, 3e-3),
-       "char": (1e-4, 3e-4, 1e-3, 3e-3),
-       "tools": (3e-5, 1e-4, 3e-4, 1e-3)}
+# in the order they run (the likeliest first, so a sweep cut short still has them; runs go
+# grid-point-major across the objectives of one invocation)
+LRS = {"cross": (1e-3, 3e-4, 2e-3, 3e-3),
+       "char": (3e-4, 1e-3, 1e-4, 3e-3),
+       "tools": (1e-4, 3e-4, 3e-5, 1e-3)}
 LRS_OF = {"mp_opd": (3e-5, 1e-4, 3e-4, 1e-3)}   # a sampled credit: the same-family grid
 # the method's own knobs SPEC names (swept at the best lr), as algorithm.* overrides
 KNOBS = {
@@ -179,16 +182,18 @@ def main(argv=None) -> int:
         return 0
     seeds = args.seeds or ([0, 1, 2] if args.phase == "seeds" else [0])
     baselines: dict = {}
-    for name in args.objectives:
-        for lr, knobs, seed in planned(args.phase, name, args.out, seeds):
-            done = (args.out / name / f"{run_id(lr, knobs, seed)}.json").is_file()
-            print(f"[recipe_sweep] {name} {run_id(lr, knobs, seed)}{' (done)' if done else ''}", flush=True)
-            if args.plan or done:
-                continue
-            row = run(name, lr, knobs, seed, args.steps, args.out, args.problems, baselines)
-            print(f"[recipe_sweep] {name} lr {lr:g} {knobs} seed {seed}: {row['before']:.3f} -> "
-                  f"{row['after']:.3f} (teacher {row['teacher']:.3f}) in {row['wall_seconds']:.0f} s, "
-                  f"{row['seconds_per_iteration'] or 0:.2f} s/iteration", flush=True)
+    per_objective = [[(name, *p) for p in planned(args.phase, name, args.out, seeds)]
+                     for name in args.objectives]
+    queue = [r for grid_point in itertools.zip_longest(*per_objective) for r in grid_point if r]
+    for name, lr, knobs, seed in queue:
+        done = (args.out / name / f"{run_id(lr, knobs, seed)}.json").is_file()
+        print(f"[recipe_sweep] {name} {run_id(lr, knobs, seed)}{' (done)' if done else ''}", flush=True)
+        if args.plan or done:
+            continue
+        row = run(name, lr, knobs, seed, args.steps, args.out, args.problems, baselines)
+        print(f"[recipe_sweep] {name} lr {lr:g} {knobs} seed {seed}: {row['before']:.3f} -> "
+              f"{row['after']:.3f} (teacher {row['teacher']:.3f}) in {row['wall_seconds']:.0f} s, "
+              f"{row['seconds_per_iteration'] or 0:.2f} s/iteration", flush=True)
     return 0
 
 

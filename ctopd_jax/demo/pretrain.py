@@ -408,7 +408,30 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     out = args.out or {"char": CHAR_ASSET_DIR, "char_tools": CHAR_TOOLS_ASSET_DIR}.get(
         args.pair, ASSET_DIR)
-    return [pretrain(r, out, args.steps, args.eval_every, pair=args.pair) for r in args.role]
+    metas = [pretrain(r, out, args.steps, args.eval_every, pair=args.pair) for r in args.role]
+    if args.pair == "char" and all((out / r / "config.json").is_file() for r in SPECS):
+        record_teacher_entropy(out)
+    return metas
+
+
+def record_teacher_entropy(out_root: Path, log=print) -> dict:
+    """Measure the char pair's teacher after its student's sampled errors (on the held-out
+    prompts, seed 0) and record it in the teacher's pretrain.json."""
+    from ctopd_jax.models.weights import load_hf_checkpoint
+
+    teacher, _ = load_hf_checkpoint(out_root / "teacher")
+    student, _ = load_hf_checkpoint(out_root / "student")
+    found = teacher_entropy_after_student_errors(teacher, student, load_tokenizer_side("char"),
+                                                 task.split("held_out"))
+    path = out_root / "teacher" / "pretrain.json"
+    meta = json.loads(path.read_text())
+    meta["on_student_errors"] = found
+    path.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    log(f"[teacher] after the student's sampled errors: entropy "
+        f"{found['teacher_entropy_after_student_error_nats']:.3f} nats, top-1 "
+        f"{found['teacher_top1_after_student_error']:.3f} (on reference solutions "
+        f"{found['teacher_entropy_on_reference_nats']:.3f} nats)")
+    return found
 
 
 if __name__ == "__main__":
