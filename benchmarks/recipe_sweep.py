@@ -51,8 +51,9 @@ KNOBS = {
     "gkd": ({"gkd_beta": 1.0}, {"gkd_lambda": 1.0}, {"gkd_beta": 1.0, "gkd_lambda": 1.0}),
     "opd": ({"opd_clip": "ppo"}, {"opd_clip": "icepop"}),
     "vopd": ({"opd_clip": "ppo"},),
-    "mp_opd": ({"mp_opd_mode": "fixed2"}, {"mp_opd_mode": "grass_chunk"}, {"mp_opd_mode": "align"}),
-    "sage_opd": ({"sage_proxy_skip_above": 0.95}, {"sage_proxy_skip_above": 1.0}),
+    "mp_opd": ({"mp_opd_eos_atom": True}, {"mp_opd_mode": "grass_chunk", "mp_opd_eos_atom": True},
+               {"mp_opd_mode": "fixed2"}, {"mp_opd_mode": "grass_chunk"}, {"mp_opd_mode": "align"}),
+    "sage_opd": ({"sage_proxy_skip_above": 1.0}, {"sage_proxy_skip_above": 0.95}),
     "tcod": ({"tcod_period": 2}, {"tcod_period": 10}),
 }
 
