@@ -92,7 +92,8 @@ CHAR_ASSET_DIR = ASSET_DIR.parent / "demo_char"
 CHAR_BASE_STEPS = 60    # the char teacher's "pre-tuning base" (OPD²): its own first 60 steps
 
 
-def char_student_config(vocab_size: int) -> ModelConfig:
+def tools_student_config(vocab_size: int) -> ModelConfig:
+    """The tool pair's student: a narrower Llama (hidden 64)."""
     return tiny_llama(vocab_size=vocab_size, hidden_size=64, intermediate_size=192,
                       num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
                       max_position_embeddings=256)
@@ -101,7 +102,19 @@ def char_student_config(vocab_size: int) -> ModelConfig:
 # The same-tokenizer pair (`--pair char`): both sides use the repository's character vocabulary
 # (tokenization/char_vocab.py). The teacher_base checkpoint is a snapshot of the teacher's own
 # run after CHAR_BASE_STEPS steps (its "pre-tuning base"); 300 constant-lr steps reached only
-# 25% held-out accuracy, hence 600 steps with the cosine schedule.
+# 25% held-out accuracy, hence 600 steps with the cosine schedule (held-out 0.385 / 0.95 / 1.0 at
+# steps 200 / 300 / 400).
+# Distillable (issue 23): the teacher is trained with label smoothing 0.02, so it is accurate
+# (greedy held-out 1.0) but never certain. Without it the teacher reached SFT loss 1e-4 and, after
+# the student's first sampled mistake, put 0.996 on one token (entropy 0.012 nats): confidently
+# arbitrary where on-policy distillation reads it. With it: 0.972 / 0.226 nats there (0.189 nats
+# on reference solutions: mostly the smoothing floor), recorded in teacher/pretrain.json
+# ("on_student_errors", `record_teacher_entropy`). The student has the cross pair's student
+# architecture (hidden 128; the old 64-wide student was still at SFT loss 0.46 and 0.185 after
+# 80 steps: it had not learned to copy the operands yet, so no per-token signal could teach it
+# the digits in 100 iterations) and 100 constant-lr steps: loss 0.10, held-out 0.32 (measured on
+# one curve of this recipe: 0.14 / 0.32 / 0.54 / 0.90 at steps 80 / 100 / 120 / 140, so it can
+# learn the task) - the same place as the cross student (0.395, loss 0.11).
 CHAR_SPECS = {
     "teacher": PretrainSpec("teacher", "char", teacher_config, steps=600, batch_size=64,
                             lr=3e-3, seed=11, label_smoothing=0.02),
@@ -113,8 +126,11 @@ CHAR_TOOLS_ASSET_DIR = ASSET_DIR.parent / "demo_char_tools"
 TOOLS_SEQ_LEN = 80      # longest transcript: 20 prompt + 18 + 21 + 19 + EOS = 79 tokens
 TOOLS_TURN_TOKENS = 24  # per generated turn (turn 1 is 18 tokens, turn 2 at most 19 + EOS)
 
-# The tool-use character pair (`--pair char_tools`): the char pair's model configs, vocabulary
-# and lr. Both models first learn the format with the wrong operands and results (loss ~0.45),
+# The tool-use character pair (`--pair char_tools`): the char pair's teacher config, vocabulary
+# and lr, with a narrower student (hidden 64, the char pair's student before issue 23) and no
+# label smoothing. Not rebuilt with the char pair's issue-23 recipe: its student already writes
+# the format (tool call made 0.99, loss 0.13) and the recipe sweep found it can be taught at a
+# small lr (benchmarks/RESULTS.md, "Recipes per objective"). Both models first learn the format with the wrong operands and results (loss ~0.45),
 # then learn to copy them within a few dozen steps. Teacher: 400 cosine steps (measured held-out
 # 0.945 at step 300 of that run, 1.0 at 400; a 300-step cosine run was still at 0.015 at step
 # 250, and constant lr had not started copying by step 150). Student: constant lr, whose copy
@@ -125,7 +141,7 @@ TOOLS_TURN_TOKENS = 24  # per generated turn (turn 1 is 18 tokens, turn 2 at mos
 CHAR_TOOLS_SPECS = {
     "teacher": PretrainSpec("teacher", "char", teacher_config, steps=400, batch_size=64,
                             lr=3e-3, seed=21),
-    "student": PretrainSpec("student", "char", char_student_config, steps=128, batch_size=64,
+    "student": PretrainSpec("student", "char", tools_student_config, steps=128, batch_size=64,
                             lr=3e-3, seed=22, schedule="constant"),
 }
 
@@ -385,6 +401,8 @@ def pretrain(role: str, out_root: Path, steps: int | None = None, eval_every: in
             "seed": spec.seed, "final_loss": history[-1]["loss"],
             "held_out_accuracy": accuracy, "train_seconds": round(train_s, 1),
             "command": command, **extra}
+    if spec.label_smoothing:
+        meta["label_smoothing"] = spec.label_smoothing
     save(model, side, out_root / role, meta)
     log(f"[{role}] held-out accuracy {accuracy:.3f} after {meta['steps']} steps "
         f"({train_s:.0f} s) -> {out_root / role}")
