@@ -181,6 +181,15 @@ def recipe_overrides(name: str, pair: str, recipe: str = "demo") -> list[str]:
     return [f"{k}={v}" for k, v in (recipes.get(name) or {}).items()]
 
 
+def recipes_differ(name: str, pair: str, config_dir: Path) -> bool:
+    """Whether the demo recipe and the strict recipe give different configs (else one run)."""
+    from ctopd_jax.config import load_config
+
+    path = write_config(name, config_dir, pair=pair)
+    return (load_config(path, recipe_overrides(name, pair, "demo")).to_dict()
+            != load_config(path, recipe_overrides(name, pair, "strict")).to_dict())
+
+
 def curves(run_dir: Path, samples_per_step: int) -> dict:
     """Per-step loss, mean sampled response length and EOS rate (share of the step's samples that
     ended with the EOS rather than at the length limit) from the run's metrics.jsonl."""
@@ -269,7 +278,7 @@ def compare(out: Path, steps: int, names: list[str] | None = None, problems: int
             row["gap_closed"], row["gap_closed_std"] = _mean_std([r["gap_closed"] for r in runs])
             row["seconds_per_iteration"] = statistics.median(
                 [r["seconds_per_iteration"] for r in runs if r["seconds_per_iteration"]] or [0]) or None
-            if strict_recipe and recipe_overrides(name, pair, "strict") != row["recipe"]:
+            if strict_recipe and recipes_differ(name, pair, out / "configs"):
                 strict = train_and_grade(name, pair, out / f"{stem}_strict_recipe", steps, seeds[0],
                                          "strict", overrides, problems, baselines)
                 row.update(strict_recipe_after=strict["after"], strict_recipe_gap_closed=strict["gap_closed"])

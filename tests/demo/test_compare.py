@@ -69,3 +69,12 @@ def test_compare_with_seeds_writes_rows_table_and_plot(tmp_path, monkeypatch):
     assert "strict_recipe_after" not in rows[0]       # strict has no recipe of its own here
     for name in ("compare.md", "compare.json", "compare.png"):
         assert (tmp_path / "cmp" / name).is_file()
+
+
+def test_strict_recipe_row_only_where_it_differs(tmp_path, monkeypatch):
+    recipes = tmp_path / "recipes.yaml"
+    recipes.write_text("gkd:\n  optimizer.lr: 3.0e-4\nopd:\n  optimizer.lr: 1.0e-3\n")
+    monkeypatch.setattr(compare, "RECIPES", recipes)
+    assert compare.recipes_differ("gkd", "char", tmp_path)
+    assert not compare.recipes_differ("opd", "char", tmp_path)      # the recipe is tiny_cpu's lr
+    assert not compare.recipes_differ("strict", "cross", tmp_path)  # no entry: the pair's config
