@@ -16,7 +16,7 @@ gap closed, s/iteration, loss / response-length / EOS-rate curves); a run whose 
 skipped, so the sweep resumes and can run in slices (`--objectives`, `--seeds`) in parallel
 processes. Phases:
 - `lr`: every lr of LRS[pair] at the objective's default knobs.
-- `knobs`: every setting of KNOBS[objective] at the objective's best lr so far.
+- `knobs`: every setting of KNOBS[objective] at the objective's best lr so far (or `--lr`).
 - `seeds`: the best recipe so far (lr + knobs, highest mean held-out accuracy over the seeds it
   has; ties: the earlier grid point) over `--seeds`.
 - `report`: prints the table and writes <out>/best_recipes.json (per objective: the best
@@ -84,16 +84,18 @@ def best(runs: list[dict], knobs_too: bool = True) -> tuple[float, dict] | None:
     return key[0], json.loads(key[1])
 
 
-def planned(phase: str, name: str, out: Path, seeds: list[int]) -> list[tuple[float, dict, int]]:
+def planned(phase: str, name: str, out: Path, seeds: list[int],
+            lr: float | None = None) -> list[tuple[float, dict, int]]:
+    """The runs of `phase` for objective `name`; `lr` replaces the best lr so far (knobs)."""
     from ctopd_jax.demo.compare import pair_of
 
     runs = load_runs(out, name)
     if phase == "lr":
-        return [(lr, {}, s) for lr in LRS_OF.get(name, LRS[pair_of(name)]) for s in seeds]
+        return [(x, {}, s) for x in LRS_OF.get(name, LRS[pair_of(name)]) for s in seeds]
     chosen = best(runs, knobs_too=phase == "seeds")
     if chosen is None:
         return []
-    lr, knobs = chosen
+    lr, knobs = (lr or chosen[0]), chosen[1]
     if phase == "knobs":
         return [(lr, k, s) for k in KNOBS.get(name, ()) for s in seeds]
     return [(lr, knobs, s) for s in seeds]
@@ -170,6 +172,8 @@ def main(argv=None) -> int:
     ap.add_argument("--problems", type=int, default=0, help="held-out problems graded (0 = all 200)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "recipe_sweep")
     ap.add_argument("--plan", action="store_true", help="list the runs this phase would do")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="knobs: sweep them at this lr instead of the best one so far")
     args = ap.parse_args(argv)
     unknown = [n for n in args.objectives if n not in OBJECTIVES]
     if unknown:
@@ -183,7 +187,7 @@ def main(argv=None) -> int:
         return 0
     seeds = args.seeds or ([0, 1, 2] if args.phase == "seeds" else [0])
     baselines: dict = {}
-    per_objective = [[(name, *p) for p in planned(args.phase, name, args.out, seeds)]
+    per_objective = [[(name, *p) for p in planned(args.phase, name, args.out, seeds, args.lr)]
                      for name in args.objectives]
     queue = [r for grid_point in itertools.zip_longest(*per_objective) for r in grid_point if r]
     for name, lr, knobs, seed in queue:
