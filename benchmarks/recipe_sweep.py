@@ -43,7 +43,7 @@ OBJECTIVES = ("strict", "topk_strict", "span", "simct", "mp_opd", "gkd", "opd", 
 # in the order they run (the likeliest first, so a sweep cut short still has them; runs go
 # grid-point-major across the objectives of one invocation)
 LRS = {"cross": (1e-3, 3e-4, 2e-3, 3e-3),
-       "char": (3e-4, 1e-3, 1e-4, 3e-3),
+       "char": (3e-4, 1e-4, 1e-3, 3e-3),
        "tools": (1e-4, 3e-4, 3e-5, 1e-3)}
 LRS_OF = {"mp_opd": (3e-5, 1e-4, 3e-4, 1e-3)}   # a sampled credit: the same-family grid
 # the method's own knobs SPEC names (swept at the best lr), as algorithm.* overrides
@@ -85,13 +85,14 @@ def best(runs: list[dict], knobs_too: bool = True) -> tuple[float, dict] | None:
 
 
 def planned(phase: str, name: str, out: Path, seeds: list[int],
-            lr: float | None = None) -> list[tuple[float, dict, int]]:
-    """The runs of `phase` for objective `name`; `lr` replaces the best lr so far (knobs)."""
+            lr: float | None = None, lrs: list[float] | None = None) -> list[tuple[float, dict, int]]:
+    """The runs of `phase` for objective `name`; `lr` replaces the best lr so far (knobs),
+    `lrs` the grid (lr)."""
     from ctopd_jax.demo.compare import pair_of
 
     runs = load_runs(out, name)
     if phase == "lr":
-        return [(x, {}, s) for x in LRS_OF.get(name, LRS[pair_of(name)]) for s in seeds]
+        return [(x, {}, s) for x in (lrs or LRS_OF.get(name, LRS[pair_of(name)])) for s in seeds]
     chosen = best(runs, knobs_too=phase == "seeds")
     if chosen is None:
         return []
@@ -174,6 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plan", action="store_true", help="list the runs this phase would do")
     ap.add_argument("--lr", type=float, default=None,
                     help="knobs: sweep them at this lr instead of the best one so far")
+    ap.add_argument("--lrs", type=float, nargs="+", default=None,
+                    help="lr: these learning rates instead of the pair's grid (a slice of it)")
     args = ap.parse_args(argv)
     unknown = [n for n in args.objectives if n not in OBJECTIVES]
     if unknown:
@@ -187,7 +190,7 @@ def main(argv=None) -> int:
         return 0
     seeds = args.seeds or ([0, 1, 2] if args.phase == "seeds" else [0])
     baselines: dict = {}
-    per_objective = [[(name, *p) for p in planned(args.phase, name, args.out, seeds, args.lr)]
+    per_objective = [[(name, *p) for p in planned(args.phase, name, args.out, seeds, args.lr, args.lrs)]
                      for name in args.objectives]
     queue = [r for grid_point in itertools.zip_longest(*per_objective) for r in grid_point if r]
     for name, lr, knobs, seed in queue:

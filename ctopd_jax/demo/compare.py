@@ -19,14 +19,23 @@ the demo task.
   mean reward of greedy episodes on the task's held-out prompts. sage_opd judges with the
   labelled proxy (the tiny teacher cannot read a judge prompt).
 
-`--compare` trains every registered objective for the same number of steps (`--steps`, from the
-same starting student of its pair, same seed and prompts) and writes `<out>/compare.md` (a
-Markdown table), `<out>/compare.png` and `<out>/compare.json`: greedy held-out accuracy of the
-teacher and of the student before and after, the share of the teacher-student gap closed, and
-seconds per iteration as a ratio to `strict` and to `opd` on the same pair, measured in the
-same run.
+Recipes: each objective runs in its demo recipe, configs/demo_recipes.yaml (`--set` overrides
+chosen by benchmarks/recipe_sweep.py, applied on its own pair only; `python -m ctopd_jax.demo
+--algorithm NAME` applies them too). The strict recipe is the pair's config with tiny_cpu.yaml's
+learning rate (the strict family's recipe).
 
-Decisions: seconds per iteration is the median of the per-step wall time (differences of the
+`--compare` trains every registered objective for the same number of steps (`--steps`, from the
+same starting student of its pair, same prompts per seed) in its demo recipe once per seed
+(`--seeds`, default 3: `seed` and `data.seed` set to 0, 1, 2), and once more (seed 0) in the
+strict recipe where that gives a different config, and writes `<out>/compare.md` (a Markdown
+table), `<out>/compare.png` and `<out>/compare.json`: greedy held-out accuracy of the teacher and
+of the student before and after (mean ± std over seeds), the share of the teacher-student gap
+closed (mean ± std), the strict recipe's after / gap closed, and seconds per iteration as a
+ratio to `strict` and to `opd` on the same pair, measured in the same run; the PNG has the
+accuracies, the time ratios and each row's loss curve (mean over seeds, ± std). Every run goes
+through `train_and_grade`, which benchmarks/recipe_sweep.py calls too.
+
+Decisions: seconds per iteration is the median over seeds of the median per-step wall time (differences of the
 cumulative `elapsed_s` of metrics.jsonl: rollout, alignment, teacher, student step, sync,
 logging) over steps 2.. (step 1 carries the compilation); accuracy is greedy mean@1 on the held-out split (all 200 problems unless
 `--problems`); an objective that fails is reported in the table with its one-line error, and
