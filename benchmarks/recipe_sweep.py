@@ -46,11 +46,16 @@ LRS = {"cross": (1e-3, 3e-4, 2e-3, 3e-3),
        "char": (3e-4, 1e-4, 1e-3, 3e-3),
        "tools": (1e-4, 3e-4, 3e-5, 1e-3)}
 LRS_OF = {"mp_opd": (3e-5, 1e-4, 3e-4, 1e-3)}   # a sampled credit: the same-family grid
-# the method's own knobs SPEC names (swept at the best lr), as algorithm.* overrides
+# the method's own knobs SPEC names (swept at the best lr): algorithm.* overrides, or a dotted
+# key as it is. rollout.top_p 0.95 (SPEC §10's example runs): the char teacher is label-smoothed,
+# so a student that matches it puts ~2% on random characters; sampling at top_p 1 then draws them
+TOP_P = {"rollout.top_p": 0.95}
 KNOBS = {
     "gkd": ({"gkd_beta": 1.0}, {"gkd_lambda": 1.0}, {"gkd_beta": 1.0, "gkd_lambda": 1.0}),
-    "opd": ({"opd_clip": "ppo"}, {"opd_clip": "icepop"}),
-    "vopd": ({"opd_clip": "ppo"},),
+    "opd": (TOP_P, {"opd_clip": "ppo"}, {"opd_clip": "icepop"}),
+    "opd_full": (TOP_P,),
+    "opd2": (TOP_P,),
+    "vopd": (TOP_P, {"opd_clip": "ppo"}),
     "mp_opd": ({"mp_opd_eos_atom": True}, {"mp_opd_mode": "grass_chunk", "mp_opd_eos_atom": True},
                {"mp_opd_mode": "fixed2"}, {"mp_opd_mode": "grass_chunk"}, {"mp_opd_mode": "align"}),
     "sage_opd": ({"sage_proxy_skip_above": 1.0}, {"sage_proxy_skip_above": 0.95}),
@@ -111,7 +116,8 @@ def run(name: str, lr: float, knobs: dict, seed: int, steps: int, out: Path, pro
         return json.loads(path.read_text())
     started = time.perf_counter()
     row = train_and_grade(name, pair_of(name), out / "runs" / name / path.stem, steps, seed, "strict",
-                          (f"optimizer.lr={lr}", *(f"algorithm.{k}={v}" for k, v in knobs.items())),
+                          (f"optimizer.lr={lr}", *(f"{k if '.' in k else 'algorithm.' + k}={v}"
+                                                   for k, v in knobs.items())),
                           problems, baselines)
     row.update(knobs=knobs, lr=lr, wall_seconds=round(time.perf_counter() - started, 1),
                finished_at=time.time())
@@ -120,6 +126,22 @@ def run(name: str, lr: float, knobs: dict, seed: int, steps: int, out: Path, pro
     tmp.write_text(json.dumps(row, indent=1) + "\n")
     tmp.replace(path)   # a run is done only once its whole JSON is there
     return row
+
+
+def plot_best(out: Path, summary: dict) -> Path | None:
+    """<out>/best_recipes.png: compare.plot of each objective's best recipe (its seeds' runs)."""
+    from ctopd_jax.demo.compare import plot
+
+    rows = []
+    for name, s in summary.items():
+        group = grouped(load_runs(out, name))[(s["lr"], json.dumps(s["knobs"], sort_keys=True))]
+        strict = next((r["seconds_per_iteration"] for r in load_runs(out, "strict")), None)
+        t = statistics.median(r["seconds_per_iteration"] or 0 for r in group)
+        rows.append({"algorithm": name, "pair_key": s["pair"], "before": s["before"], "teacher": s["teacher"],
+                     "after": s["after_mean"], "after_std": s["after_std"],
+                     "time_vs_strict": t / strict if strict and t else None,
+                     "curves": [r["curves"] for r in group]})
+    return plot(rows, out / "best_recipes.png")
 
 
 def report(out: Path, names: list[str]) -> str:
@@ -156,6 +178,7 @@ def report(out: Path, names: list[str]) -> str:
                      f"{s['after_mean']:.3f} ± {s['after_std']:.3f} | {s['before']:.3f} → {s['teacher']:.3f} | "
                      f"{gap} | {per_lr} |")
     (out / "best_recipes.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot_best(out, summary)
     yaml_lines = []
     for name, s in summary.items():
         yaml_lines += [f"{name}:", f"  optimizer.lr: {s['lr']:.1e}"]
