@@ -94,12 +94,11 @@ def run(argv=None) -> dict:
         return {"rows": compare(out, args.steps or 20, names=args.only, problems=args.problems,
                                 overrides=tuple(args.overrides), seeds=tuple(range(args.seeds)))}
     if args.algorithm:   # that objective's pair, config and demo recipe (ctopd_jax/demo/compare.py)
-        from ctopd_jax.demo.compare import pair_of, recipe_overrides, write_config
-        base = None if args.config == DEFAULT_CONFIG else args.config
+        from ctopd_jax.demo.compare import algorithm_config
         import tempfile
-        args.config = write_config(args.algorithm, Path(tempfile.mkdtemp(prefix="ctopd_demo_")), base)
-        if base is None:   # the recipe belongs to the pair's config; --set still wins
-            args.overrides[:0] = recipe_overrides(args.algorithm, pair_of(args.algorithm))
+        args.config, recipe = algorithm_config(args.algorithm, Path(tempfile.mkdtemp(prefix="ctopd_demo_")),
+                                               None if args.config == DEFAULT_CONFIG else args.config)
+        args.overrides[:0] = recipe   # --set still wins
     if args.steps:
         args.overrides.append(f"steps={args.steps}")
     if not args.config.is_file():

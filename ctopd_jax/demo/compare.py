@@ -190,6 +190,13 @@ def recipe_overrides(name: str, pair: str, recipe: str = "demo") -> list[str]:
     return [f"{k}={v}" for k, v in (recipes.get(name) or {}).items()]
 
 
+def algorithm_config(name: str, out_dir: Path, base: Path | None = None) -> tuple[Path, list[str]]:
+    """What `demo --algorithm NAME` runs: its config written under out_dir, and its demo recipe
+    as overrides (none with a user's `--config`: the recipe belongs to the pair's config)."""
+    path = write_config(name, out_dir, base)
+    return path, ([] if base is not None else recipe_overrides(name, pair_of(name)))
+
+
 def recipes_differ(name: str, pair: str, config_dir: Path) -> bool:
     """Whether the demo recipe and the strict recipe give different configs (else one run)."""
     from ctopd_jax.config import load_config

@@ -78,3 +78,14 @@ def test_strict_recipe_row_only_where_it_differs(tmp_path, monkeypatch):
     assert compare.recipes_differ("gkd", "char", tmp_path)
     assert not compare.recipes_differ("opd", "char", tmp_path)      # the recipe is tiny_cpu's lr
     assert not compare.recipes_differ("strict", "cross", tmp_path)  # no entry: the pair's config
+
+
+def test_demo_algorithm_runs_its_recipe_unless_given_a_config(tmp_path):
+    from ctopd_jax.config import load_yaml
+
+    shipped = load_yaml(compare.RECIPES.read_text())
+    path, recipe = compare.algorithm_config("sage_opd", tmp_path)
+    assert recipe == [f"{k}={v}" for k, v in shipped["sage_opd"].items()] and recipe
+    assert load_yaml(path.read_text())["rollout"]["environment"] == "calculator"
+    _, mine = compare.algorithm_config("sage_opd", tmp_path / "own", base=compare.TOOLS_CONFIG)
+    assert mine == []
