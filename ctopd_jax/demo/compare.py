@@ -210,7 +210,7 @@ def curves(run_dir: Path, samples_per_step: int) -> dict:
     """Per-step loss, mean sampled response length and EOS rate (share of the step's samples that
     ended with the EOS rather than at the length limit) from the run's metrics.jsonl."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "loss" in r]
+    rows = list({r["step"]: r for r in rows if "loss" in r}.values())   # one row per step (the last)
     return {"loss": [r["loss"] for r in rows],
             "response_length": [r["response_length"] for r in rows],
             "eos_rate": [1.0 - r["truncated_samples"] / samples_per_step for r in rows]}
