@@ -72,6 +72,8 @@ class MpOpdSettings(AlgorithmSection):
                          "random2-5", "grass_chunk", "align"] = "atomic"
     mp_opd_random_seed: int = 43
     grass_chunk_atoms: int = 2      # the released fork's fallback chunker
+    # ours, off as upstream: the EOS as one more atom (align.mpopd_atoms; docs/objectives.md)
+    mp_opd_eos_atom: bool = False
 
     def validate(self) -> None:
         super().validate()
@@ -222,10 +224,11 @@ def align_sample(b, w, chunks, grams):
 
 
 # -- host arrays ------------------------------------------------------------------------------------
-def host_atoms(host):
+def host_atoms(host, eos_atom: bool = False):
     """MP-OPD atoms of the whole collected batch (computed once per batch)."""
     from ctopd_jax.align.atoms import mpopd_atoms
-    return host.once("mp_opd_atoms", lambda h: mpopd_atoms(h.teacher, h.student))
+    return host.once(f"mp_opd_atoms_eos{int(eos_atom)}",
+                     lambda h: mpopd_atoms(h.teacher, h.student, eos_atom=eos_atom))
 
 
 def atom_arrays(settings, host, start: int, stop: int, student_len: int, teacher_len: int,
@@ -233,7 +236,7 @@ def atom_arrays(settings, host, start: int, stop: int, student_len: int, teacher
     from ctopd_jax.align.atoms import FAIL_REASONS
 
     s = settings
-    atoms = host_atoms(host)
+    atoms = host_atoms(host, s.mp_opd_eos_atom)
     sel = (atoms.atoms[:, 0] >= start) & (atoms.atoms[:, 0] < stop)
     a = atoms.atoms[sel].astype(np.int64)
     n = len(a)

@@ -14,8 +14,8 @@ The paper has no released code; ours, documented:
   distinct label → it; none, or several different ones ("not Strong but Weak") → unparseable,
   which counts as Strong (the turn keeps full distillation).
 - `sage_judge: proxy` (labelled as such in the metrics, `sage_proxy_judge` 1) for models too
-  small to judge: top-1 agreement of student and teacher over the turn > 0.8 → Skip, > 0 → Weak,
-  else Strong.
+  small to judge: top-1 agreement of student and teacher over the turn > `sage_proxy_skip_above`
+  (0.8) → Skip, > 0 → Weak, else Strong. 1.0 never skips (agreement cannot exceed 1).
 - The mean-1 rescaling is per micro-batch (the optimizer batch when micro_batch_size equals
   train_batch_size); a micro-batch judged all Skip trains nothing.
 """
@@ -57,12 +57,15 @@ class SageSettings(SameTokenizerSettings):
     sage_judge: Literal["teacher", "proxy"] = "teacher"
     sage_alpha: float = 0.5
     sage_judge_tokens: int = 8
+    sage_proxy_skip_above: float = 0.8   # the proxy judge's Skip threshold on top-1 agreement
 
     def validate(self) -> None:
         super().validate()
         require(0.0 <= self.sage_alpha <= 1.0, "algorithm.sage_alpha", f"{self.sage_alpha} must be in [0, 1]")
         require(self.sage_judge_tokens >= 1, "algorithm.sage_judge_tokens",
                  f"{self.sage_judge_tokens} must be >= 1")
+        require(0.0 <= self.sage_proxy_skip_above <= 1.0, "algorithm.sage_proxy_skip_above",
+                 f"{self.sage_proxy_skip_above} must be in [0, 1]")
 
 
 @register("sage_opd")
@@ -143,7 +146,7 @@ class SageOpd(TurnObjective):
         confidence = segment_means(stats[:, 0], x)[seg]
         if s.sage_judge == "proxy":
             agree = segment_means(stats[:, 1], x)[seg]
-            judged = jnp.where(agree > 0.8, 0.0, jnp.where(agree > 0.0, s.sage_alpha, 1.0))
+            judged = jnp.where(agree > s.sage_proxy_skip_above, 0.0, jnp.where(agree > 0.0, s.sage_alpha, 1.0))
         else:
             judged = x.batch["turn_judgment"]
         score = jax.lax.stop_gradient(judged * confidence)

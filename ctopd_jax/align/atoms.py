@@ -89,8 +89,12 @@ def _offsets(side: _Side) -> tuple[np.ndarray, np.ndarray]:
     return offs[last], k[last]
 
 
-def mpopd_atoms(teacher: RetokenizedBatch, student: RetokenizedBatch, alignment=None) -> Atoms:
-    """Atoms of every sample (``alignment`` is accepted for the older call form, unused)."""
+def mpopd_atoms(teacher: RetokenizedBatch, student: RetokenizedBatch, alignment=None,
+                eos_atom: bool = False) -> Atoms:
+    """Atoms of every sample (``alignment`` is accepted for the older call form, unused).
+    ``eos_atom`` (off in SPEC §8 and the released code): each valid sample gets one more atom,
+    last, of the one row on each side that predicts the EOS after the content (the first of any
+    trailing EOS copies, else the appended EOS), so the EOS decision gets its own credit."""
     num = teacher.batch_size
     t_ends = np.concatenate([[0], np.cumsum(teacher.resp_byte_len)]).astype(np.int64)
     s_ends = np.concatenate([[0], np.cumsum(student.resp_byte_len)]).astype(np.int64)
@@ -113,8 +117,11 @@ def mpopd_atoms(teacher: RetokenizedBatch, student: RetokenizedBatch, alignment=
             continue
         t_stop, s_stop = t_k[ti], s_k[si]
         t_start, s_start = np.r_[0, t_stop[:-1]], np.r_[0, s_stop[:-1]]
+        if eos_atom:
+            t_start, t_stop = np.r_[t_start, t.n], np.r_[t_stop, t.n + 1]
+            s_start, s_stop = np.r_[s_start, s.n], np.r_[s_stop, s.n + 1]
         tb, sb = teacher.row_base[b], student.row_base[b]
-        out.append(np.stack([np.full(len(common), b), tb + t_start, tb + t_stop,
+        out.append(np.stack([np.full(len(t_start), b), tb + t_start, tb + t_stop,
                              sb + s_start, sb + s_stop], axis=1))
     atoms = np.concatenate(out) if out else np.zeros((0, 5), np.int64)
     return Atoms(atoms=atoms.astype(np.int32).reshape(-1, 5), sample_valid=reason < 0,

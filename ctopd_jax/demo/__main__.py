@@ -78,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=at_least(1), default=None, help="training steps (with --algorithm / --compare)")
     p.add_argument("--problems", type=at_least(0), default=0,
                    help="--compare: held-out problems graded (0 = all)")
+    p.add_argument("--seeds", type=at_least(1), default=3,
+                   help="--compare: seeds per objective (mean ± std over them)")
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                   help="--compare: these objectives only (the reference rows are added)")
     return p
 
 
@@ -87,12 +91,14 @@ def run(argv=None) -> dict:
     if args.compare:   # every objective, one table (ctopd_jax/demo/compare.py)
         from ctopd_jax.demo.compare import compare
         out = fresh_output_dir(args.out if args.out != Path("runs/demo") else Path("runs/compare"))
-        return {"rows": compare(out, args.steps or 20, problems=args.problems, overrides=tuple(args.overrides))}
-    if args.algorithm:   # that objective's pair and config (ctopd_jax/demo/compare.py)
-        from ctopd_jax.demo.compare import write_config
-        base = None if args.config == DEFAULT_CONFIG else args.config
+        return {"rows": compare(out, args.steps or 20, names=args.only, problems=args.problems,
+                                overrides=tuple(args.overrides), seeds=tuple(range(args.seeds)))}
+    if args.algorithm:   # that objective's pair, config and demo recipe (ctopd_jax/demo/compare.py)
+        from ctopd_jax.demo.compare import algorithm_config
         import tempfile
-        args.config = write_config(args.algorithm, Path(tempfile.mkdtemp(prefix="ctopd_demo_")), base)
+        args.config, recipe = algorithm_config(args.algorithm, Path(tempfile.mkdtemp(prefix="ctopd_demo_")),
+                                               None if args.config == DEFAULT_CONFIG else args.config)
+        args.overrides[:0] = recipe   # --set still wins
     if args.steps:
         args.overrides.append(f"steps={args.steps}")
     if not args.config.is_file():

@@ -19,14 +19,23 @@ the demo task.
   mean reward of greedy episodes on the task's held-out prompts. sage_opd judges with the
   labelled proxy (the tiny teacher cannot read a judge prompt).
 
-`--compare` trains every registered objective for the same number of steps (`--steps`, from the
-same starting student of its pair, same seed and prompts) and writes `<out>/compare.md` (a
-Markdown table), `<out>/compare.png` and `<out>/compare.json`: greedy held-out accuracy of the
-teacher and of the student before and after, the share of the teacher-student gap closed, and
-seconds per iteration as a ratio to `strict` and to `opd` on the same pair, measured in the
-same run.
+Recipes: each objective runs in its demo recipe, configs/demo_recipes.yaml (`--set` overrides
+chosen by benchmarks/recipe_sweep.py, applied on its own pair only; `python -m ctopd_jax.demo
+--algorithm NAME` applies them too). The strict recipe is the pair's config with tiny_cpu.yaml's
+learning rate (the strict family's recipe).
 
-Decisions: seconds per iteration is the median of the per-step wall time (differences of the
+`--compare` trains every registered objective for the same number of steps (`--steps`, from the
+same starting student of its pair, same prompts per seed) in its demo recipe once per seed
+(`--seeds`, default 3: `seed` and `data.seed` set to 0, 1, 2), and once more (seed 0) in the
+strict recipe where that gives a different config, and writes `<out>/compare.md` (a Markdown
+table), `<out>/compare.png` and `<out>/compare.json`: greedy held-out accuracy of the teacher and
+of the student before and after (mean ± std over seeds), the share of the teacher-student gap
+closed (mean ± std), the strict recipe's after / gap closed, and seconds per iteration as a
+ratio to `strict` and to `opd` on the same pair, measured in the same run; the PNG has the
+accuracies, the time ratios and each row's loss curve (mean over seeds, ± std). Every run goes
+through `train_and_grade`, which benchmarks/recipe_sweep.py calls too.
+
+Decisions: seconds per iteration is the median over seeds of the median per-step wall time (differences of the
 cumulative `elapsed_s` of metrics.jsonl: rollout, alignment, teacher, student step, sync,
 logging) over steps 2.. (step 1 carries the compilation); accuracy is greedy mean@1 on the held-out split (all 200 problems unless
 `--problems`); an objective that fails is reported in the table with its one-line error, and
@@ -47,6 +56,7 @@ CROSS_CONFIG = CONFIGS / "tiny_cpu.yaml"
 SAME_CONFIG = CONFIGS / "tiny_cpu_same.yaml"
 TOOLS_CONFIG = CONFIGS / "tiny_cpu_tools.yaml"
 LORA_CONFIG = CONFIGS / "tiny_cpu_same_lora.yaml"
+RECIPES = CONFIGS / "demo_recipes.yaml"   # each objective's demo recipe (benchmarks/recipe_sweep.py)
 PAIRS = {"cross": (CROSS_CONFIG, "cross (tiny_bpe → tiny_unigram)"),
          "char": (SAME_CONFIG, "char (same tokenizer)"),
          "char_lora": (LORA_CONFIG, "char + LoRA student (rank 8)"),
@@ -163,53 +173,136 @@ def jobs(names: list[str]) -> list[tuple[str, str]]:
     return runs
 
 
-def compare(out: Path, steps: int, names: list[str] | None = None, problems: int = 0,
-            overrides: tuple[str, ...] = (), log=print) -> list[dict]:
-    """Train every objective in `names` (default: all registered that run with the demo's
-    local teacher, i.e. not the served teacher's top-k ones) for `steps` steps; write the
-    table, plot and json under `out`; return the rows."""
-    from ctopd_jax.algorithms import objectives_that
-    from ctopd_jax.config import from_dict, load_config
+def recipe_overrides(name: str, pair: str, recipe: str = "demo") -> list[str]:
+    """`--set` overrides of objective `name` on `pair`: `recipe="demo"` its demo recipe
+    (configs/demo_recipes.yaml, on its own pair only: the LoRA and time-reference rows keep
+    their pair's config), `"strict"` the strict family's recipe (tiny_cpu.yaml's optimizer lr)."""
+    from ctopd_jax.config import load_yaml
+
+    if recipe == "strict":
+        lr = (load_yaml(CROSS_CONFIG.read_text(encoding="utf-8")) or {})["optimizer"]["lr"]
+        return [f"optimizer.lr={lr}"]
+    if recipe != "demo":
+        raise ValueError(f"recipe must be 'demo' or 'strict', got {recipe!r}")
+    if pair != pair_of(name):
+        return []
+    recipes = load_yaml(RECIPES.read_text(encoding="utf-8")) or {}
+    return [f"{k}={v}" for k, v in (recipes.get(name) or {}).items()]
+
+
+def algorithm_config(name: str, out_dir: Path, base: Path | None = None) -> tuple[Path, list[str]]:
+    """What `demo --algorithm NAME` runs: its config written under out_dir, and its demo recipe
+    as overrides (none with a user's `--config`: the recipe belongs to the pair's config)."""
+    path = write_config(name, out_dir, base)
+    return path, ([] if base is not None else recipe_overrides(name, pair_of(name)))
+
+
+def recipes_differ(name: str, pair: str, config_dir: Path) -> bool:
+    """Whether the demo recipe and the strict recipe give different configs (else one run)."""
+    from ctopd_jax.config import load_config
+
+    path = write_config(name, config_dir, pair=pair)
+    return (load_config(path, recipe_overrides(name, pair, "demo")).to_dict()
+            != load_config(path, recipe_overrides(name, pair, "strict")).to_dict())
+
+
+def curves(run_dir: Path, samples_per_step: int) -> dict:
+    """Per-step loss, mean sampled response length and EOS rate (share of the step's samples that
+    ended with the EOS rather than at the length limit) from the run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = list({r["step"]: r for r in rows if "loss" in r}.values())   # one row per step (the last)
+    return {"loss": [r["loss"] for r in rows],
+            "response_length": [r["response_length"] for r in rows],
+            "eos_rate": [1.0 - r["truncated_samples"] / samples_per_step for r in rows]}
+
+
+def train_and_grade(name: str, pair: str, run_dir: Path, steps: int, seed: int = 0,
+                    recipe: str = "demo", overrides: tuple[str, ...] = (), problems: int = 0,
+                    baselines: dict | None = None) -> dict:
+    """One demo run: objective `name` on `pair` in `recipe` (recipe_overrides) with `overrides`
+    on top, `seed` for the run and its prompt order, `steps` iterations from the pair's starting
+    student; then greedy held-out accuracy (the first `problems`, 0 = all). `baselines` caches
+    (teacher, before) accuracies per base pair across calls. The row: accuracies, gap closed,
+    seconds per iteration, final loss and the curves."""
+    from ctopd_jax.config import load_config
     from ctopd_jax.datasets import load_dataset
     from ctopd_jax.trainer import Trainer
 
+    baselines = {} if baselines is None else baselines
+    cfg_path = write_config(name, run_dir.parent / "configs", pair=pair)
+    applied = [*recipe_overrides(name, pair, recipe), *overrides]
+    config = load_config(cfg_path, [*applied, f"steps={steps}", f"seed={seed}", f"data.seed={seed}",
+                                    f"output_dir={run_dir}", "evaluation.dataset=''",
+                                    "logging.progress=false", "logging.tensorboard=false",
+                                    "checkpoint.export_hf=false", "checkpoint.every=0"])
+    trainer = Trainer(config)
+    dataset = None if pair == "tools" else load_dataset("demo", limit=problems or None)
+
+    def accuracy(model, side, out_dir=None, engine=None):
+        if pair == "tools":
+            return episode_accuracy(model, side, config, problems, engine)
+        return _accuracy(model, side, dataset, config.rollout.generate_max_len, out_dir, engine=engine)
+
+    base = BASE_PAIR.get(pair, pair)
+    if base not in baselines:
+        baselines[base] = (accuracy(trainer.teacher, trainer.t_tok),
+                           accuracy(trainer.student, trainer.s_tok, engine=trainer.engine))
+    teacher_acc, before = baselines[base]
+    result = trainer.train()
+    after = accuracy(trainer.student, trainer.s_tok, run_dir / "eval_after", engine=trainer.engine)
+    r = config.rollout
+    return {"algorithm": name, "pair_key": pair, "recipe": recipe, "seed": seed, "steps": steps,
+            "lr": config.optimizer.lr, "overrides": applied,
+            "teacher": teacher_acc, "before": before, "after": after,
+            "gap_closed": gap_closed(before, after, teacher_acc),
+            "seconds_per_iteration": iteration_seconds(result.run_dir),
+            "final_loss": result.last_metrics.get("loss"),
+            "curves": curves(result.run_dir, r.rollout_batch_size * r.n_samples_per_prompt)}
+
+
+def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def compare(out: Path, steps: int, names: list[str] | None = None, problems: int = 0,
+            overrides: tuple[str, ...] = (), seeds: tuple[int, ...] = (0, 1, 2),
+            strict_recipe: bool = True, log=print) -> list[dict]:
+    """Train every objective in `names` (default: all registered that run with the demo's
+    local teacher, i.e. not the served teacher's top-k ones) for `steps` steps in its demo
+    recipe, once per seed, and (`strict_recipe`) once more, seed 0, in the strict recipe where
+    that differs; write the table, plot and json under `out`; return one row per (objective,
+    pair) with the mean and standard deviation over seeds."""
+    from ctopd_jax.algorithms import objectives_that
+
     names = names or objectives_that(lambda o: o.needs.teacher_scores != "topk")
-    dataset = load_dataset("demo", limit=problems or None)
     baselines: dict[str, tuple[float, float]] = {}
     rows = []
     for name, pair in jobs(names):
         started = time.perf_counter()
-        row = {"algorithm": name, "pair": PAIRS[pair][1], "pair_key": pair}
-        run_dir = out / (name if pair == pair_of(name) else f"{name}_{pair}")
+        row = {"algorithm": name, "pair": PAIRS[pair][1], "pair_key": pair,
+               "recipe": recipe_overrides(name, pair)}
+        stem = name if pair == pair_of(name) else f"{name}_{pair}"
         try:
-            cfg_path = write_config(name, out / "configs", pair=pair)
-            config = load_config(cfg_path, [*overrides, f"steps={steps}", f"output_dir={run_dir}",
-                                            "evaluation.dataset=''", "logging.progress=false",
-                                            "logging.tensorboard=false", "checkpoint.export_hf=false",
-                                            "checkpoint.every=0"])
-            trainer = Trainer(config)
-            max_new = config.rollout.generate_max_len
-
-            def accuracy(model, side, out_dir=None, engine=None):
-                if pair == "tools":
-                    return episode_accuracy(model, side, config, problems, engine)
-                return _accuracy(model, side, dataset, max_new, out_dir, engine=engine)
-
-            base = BASE_PAIR.get(pair, pair)
-            if base not in baselines:
-                baselines[base] = (accuracy(trainer.teacher, trainer.t_tok),
-                                   accuracy(trainer.student, trainer.s_tok, engine=trainer.engine))
-            teacher_acc, before = baselines[base]
-            result = trainer.train()
-            after = accuracy(trainer.student, trainer.s_tok, run_dir / "eval_after", engine=trainer.engine)
-            row.update(teacher=teacher_acc, before=before, after=after,
-                       gap_closed=gap_closed(before, after, teacher_acc),
-                       seconds_per_iteration=iteration_seconds(result.run_dir),
-                       final_loss=result.last_metrics.get("loss"))
+            runs = [train_and_grade(name, pair, out / f"{stem}_seed{s}", steps, s, "demo", overrides,
+                                    problems, baselines) for s in seeds]
+            afters = [r["after"] for r in runs]
+            row.update(teacher=runs[0]["teacher"], before=runs[0]["before"], seeds=list(seeds),
+                       after_seeds=afters, curves=[r["curves"] for r in runs])
+            row["after"], row["after_std"] = _mean_std(afters)
+            row["gap_closed"], row["gap_closed_std"] = _mean_std([r["gap_closed"] for r in runs])
+            row["seconds_per_iteration"] = statistics.median(
+                [r["seconds_per_iteration"] for r in runs if r["seconds_per_iteration"]] or [0]) or None
+            if strict_recipe and recipes_differ(name, pair, out / "configs"):
+                strict = train_and_grade(name, pair, out / f"{stem}_strict_recipe", steps, seeds[0],
+                                         "strict", overrides, problems, baselines)
+                row.update(strict_recipe_after=strict["after"], strict_recipe_gap_closed=strict["gap_closed"])
         except Exception as err:  # noqa: BLE001  (one objective failing must not hide the others)
             row["error"] = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
         row["wall_seconds"] = round(time.perf_counter() - started, 1)
-        log(f"[compare] {json.dumps(row)}")
+        log(f"[compare] {json.dumps({k: v for k, v in row.items() if k != 'curves'})}")
         rows.append(row)
     ref = next((r.get("seconds_per_iteration") for r in rows if r["algorithm"] == REFERENCE), None)
     same_ref = {r["pair_key"]: r.get("seconds_per_iteration") for r in rows if r["algorithm"] == SAME_REFERENCE}
@@ -228,42 +321,67 @@ def compare(out: Path, steps: int, names: list[str] | None = None, problems: int
 def markdown_table(rows: list[dict], steps: int) -> str:
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"
     num = lambda v, f="{:.3f}": "n/a" if v is None else f.format(v)
-    lines = [f"| objective | pair | teacher | before | after ({steps} steps) | gap closed | s / iteration | "
-             "× strict | × opd (same pair) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    pm = lambda m, sd, f=num: f(m) if sd is None or m is None else f"{f(m)} ± {f(sd)}"
+    lines = [f"| objective | pair | recipe | teacher | before | after ({steps} steps, mean ± std) | "
+             "gap closed | strict recipe: after / gap closed | s / iteration | × strict | × opd (same pair) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['algorithm']} | {r.get('pair', '')} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['algorithm']} | {r.get('pair', '')} | | failed: {r['error']} | | | | | | | |")
             continue
-        lines.append(f"| {r['algorithm']} | {r['pair']} | {num(r['teacher'])} | {num(r['before'])} | "
-                     f"{num(r['after'])} | {pct(r['gap_closed'])} | {num(r['seconds_per_iteration'], '{:.2f}')} | "
-                     f"{num(r['time_vs_strict'], '{:.2f}')} | {num(r.get('time_vs_opd'), '{:.2f}')} |")
+        strict = (f"{num(r['strict_recipe_after'])} / {pct(r['strict_recipe_gap_closed'])}"
+                  if "strict_recipe_after" in r else "= recipe")
+        lines.append(f"| {r['algorithm']} | {r['pair']} | {', '.join(r['recipe']) or 'pair config'} | "
+                     f"{num(r['teacher'])} | {num(r['before'])} | {pm(r['after'], r['after_std'])} "
+                     f"(n={len(r['seeds'])}) | {pm(r['gap_closed'], r['gap_closed_std'], pct)} | {strict} | "
+                     f"{num(r['seconds_per_iteration'], '{:.2f}')} | {num(r['time_vs_strict'], '{:.2f}')} | "
+                     f"{num(r.get('time_vs_opd'), '{:.2f}')} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], path: Path) -> Path | None:
+    """Accuracy before / after (mean ± std over seeds, the teacher marked), the time ratio to
+    strict, and each row's loss curve (mean over seeds, ± std shaded)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     ok = [r for r in rows if "error" not in r]
     if not ok:
         return None
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    x = range(len(ok))
-    labels = [r["algorithm"] + ("+LoRA" if r.get("pair_key") == "char_lora" else "") for r in ok]
-    a.bar([i - 0.2 for i in x], [r["before"] for r in ok], 0.4, label="before")
-    a.bar([i + 0.2 for i in x], [r["after"] for r in ok], 0.4, label="after")
-    a.scatter(list(x), [r["teacher"] for r in ok], color="k", marker="_", s=300, label="teacher", zorder=3)
-    a.set_xticks(list(x), labels, rotation=45, ha="right")
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    a, b, c = axes
+    x = np.arange(len(ok))
+    labels = [r["algorithm"] + ("+LoRA" if r.get("pair_key") == "char_lora" else "")
+              + (" (tools)" if r["pair_key"] == "tools" and r["algorithm"] == SAME_REFERENCE else "") for r in ok]
+    a.bar(x - 0.2, [r["before"] for r in ok], 0.4, label="before")
+    a.bar(x + 0.2, [r["after"] for r in ok], 0.4, yerr=[r["after_std"] or 0 for r in ok], capsize=3,
+          label="after (mean ± std over seeds)")
+    a.scatter(x, [r["teacher"] for r in ok], color="k", marker="_", s=300, label="teacher", zorder=3)
+    a.set_xticks(x, labels, rotation=45, ha="right")
     a.set_ylabel("held-out accuracy (greedy)")
-    a.set_title("accuracy before / after")
-    a.legend()
-    b.bar(list(x), [r["time_vs_strict"] or 0 for r in ok])
+    a.set_title("accuracy before / after, each in its recipe")
+    a.legend(fontsize=7)
+    b.bar(x, [r["time_vs_strict"] or 0 for r in ok])
     b.axhline(1.0, color="k", lw=0.8)
-    b.set_xticks(list(x), labels, rotation=45, ha="right")
+    b.set_xticks(x, labels, rotation=45, ha="right")
     b.set_ylabel("seconds per iteration / strict")
     b.set_title("time per iteration (ratio to strict)")
+    for r, label in zip(ok, labels):
+        n = min(len(cv["loss"]) for cv in r["curves"])
+        if n == 0:
+            continue
+        loss = np.array([cv["loss"][:n] for cv in r["curves"]])
+        scale = max(abs(loss[:, 0].mean()), 1e-9)   # objectives' losses differ in scale
+        mean, std = loss.mean(0) / scale, loss.std(0) / scale
+        steps = np.arange(1, n + 1)
+        c.plot(steps, mean, label=label)
+        c.fill_between(steps, mean - std, mean + std, alpha=0.15)
+    c.set_xlabel("iteration")
+    c.set_ylabel("loss / its mean first-iteration value")
+    c.set_title("training loss (mean over seeds, ± std)")
+    c.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -48,7 +48,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from ctopd_jax.demo import task, tools_task
@@ -74,6 +73,7 @@ class PretrainSpec:
     seed: int
     schedule: str = "cosine_with_min_lr"
     warmup_ratio: float = 0.05
+    label_smoothing: float = 0.0   # share of each target's mass spread uniformly over the vocabulary
 
 
 def teacher_config(vocab_size: int) -> ModelConfig:
@@ -92,7 +92,8 @@ CHAR_ASSET_DIR = ASSET_DIR.parent / "demo_char"
 CHAR_BASE_STEPS = 60    # the char teacher's "pre-tuning base" (OPD²): its own first 60 steps
 
 
-def char_student_config(vocab_size: int) -> ModelConfig:
+def tools_student_config(vocab_size: int) -> ModelConfig:
+    """The tool pair's student: a narrower Llama (hidden 64)."""
     return tiny_llama(vocab_size=vocab_size, hidden_size=64, intermediate_size=192,
                       num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
                       max_position_embeddings=256)
@@ -101,11 +102,23 @@ def char_student_config(vocab_size: int) -> ModelConfig:
 # The same-tokenizer pair (`--pair char`): both sides use the repository's character vocabulary
 # (tokenization/char_vocab.py). The teacher_base checkpoint is a snapshot of the teacher's own
 # run after CHAR_BASE_STEPS steps (its "pre-tuning base"); 300 constant-lr steps reached only
-# 25% held-out accuracy, hence 600 steps with the cosine schedule.
+# 25% held-out accuracy, hence 600 steps with the cosine schedule (held-out 0.385 / 0.95 / 1.0 at
+# steps 200 / 300 / 400).
+# Distillable (issue 23): the teacher is trained with label smoothing 0.02, so it is accurate
+# (greedy held-out 1.0) but never certain. Without it the teacher reached SFT loss 1e-4 and, after
+# the student's first sampled mistake, put 0.996 on one token (entropy 0.012 nats): confidently
+# arbitrary where on-policy distillation reads it. With it: 0.972 / 0.226 nats there (0.189 nats
+# on reference solutions: mostly the smoothing floor), recorded in teacher/pretrain.json
+# ("on_student_errors", `record_teacher_entropy`). The student has the cross pair's student
+# architecture (hidden 128; the old 64-wide student was still at SFT loss 0.46 and 0.185 after
+# 80 steps: it had not learned to copy the operands yet, so no per-token signal could teach it
+# the digits in 100 iterations) and 100 constant-lr steps: loss 0.10, held-out 0.32 (measured on
+# one curve of this recipe: 0.14 / 0.32 / 0.54 / 0.90 at steps 80 / 100 / 120 / 140, so it can
+# learn the task) - the same place as the cross student (0.395, loss 0.11).
 CHAR_SPECS = {
     "teacher": PretrainSpec("teacher", "char", teacher_config, steps=600, batch_size=64,
-                            lr=3e-3, seed=11),
-    "student": PretrainSpec("student", "char", char_student_config, steps=80, batch_size=64,
+                            lr=3e-3, seed=11, label_smoothing=0.02),
+    "student": PretrainSpec("student", "char", student_config, steps=100, batch_size=64,
                             lr=3e-3, seed=12, schedule="constant"),
 }
 
@@ -113,8 +126,11 @@ CHAR_TOOLS_ASSET_DIR = ASSET_DIR.parent / "demo_char_tools"
 TOOLS_SEQ_LEN = 80      # longest transcript: 20 prompt + 18 + 21 + 19 + EOS = 79 tokens
 TOOLS_TURN_TOKENS = 24  # per generated turn (turn 1 is 18 tokens, turn 2 at most 19 + EOS)
 
-# The tool-use character pair (`--pair char_tools`): the char pair's model configs, vocabulary
-# and lr. Both models first learn the format with the wrong operands and results (loss ~0.45),
+# The tool-use character pair (`--pair char_tools`): the char pair's teacher config, vocabulary
+# and lr, with a narrower student (hidden 64, the char pair's student before issue 23) and no
+# label smoothing. Not rebuilt with the char pair's issue-23 recipe: its student already writes
+# the format (tool call made 0.99, loss 0.13) and the recipe sweep found it can be taught at a
+# small lr (benchmarks/RESULTS.md, "Recipes per objective"). Both models first learn the format with the wrong operands and results (loss ~0.45),
 # then learn to copy them within a few dozen steps. Teacher: 400 cosine steps (measured held-out
 # 0.945 at step 300 of that run, 1.0 at 400; a 300-step cosine run was still at 0.015 at step
 # 250, and constant lr had not started copying by step 150). Student: constant lr, whose copy
@@ -125,7 +141,7 @@ TOOLS_TURN_TOKENS = 24  # per generated turn (turn 1 is 18 tokens, turn 2 at mos
 CHAR_TOOLS_SPECS = {
     "teacher": PretrainSpec("teacher", "char", teacher_config, steps=400, batch_size=64,
                             lr=3e-3, seed=21),
-    "student": PretrainSpec("student", "char", char_student_config, steps=128, batch_size=64,
+    "student": PretrainSpec("student", "char", tools_student_config, steps=128, batch_size=64,
                             lr=3e-3, seed=22, schedule="constant"),
 }
 
@@ -227,18 +243,70 @@ def tools_held_out_metrics(model: Decoder, side: TokenizerSide) -> dict:
                 for e in episodes) / n}
 
 
-def sft_loss(model: Decoder, input_ids, labels, attention_mask):
-    """Token-mean cross-entropy over the supervised (response + EOS) rows."""
+def _response_rows(model: Decoder, side: TokenizerSide, prompts: list[str], responses: list[str]):
+    """Per sample, the model's next-token log-probs [response tokens + EOS, V] (teacher-forced)."""
+    batch = retokenize(side, prompts, responses)
+    positions = jnp.broadcast_to(jnp.arange(batch.seq_len, dtype=jnp.int32), batch.input_ids.shape)
+    logits = model(jnp.asarray(batch.input_ids), positions, jnp.asarray(batch.attention_mask))
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+    supervised = batch.labels != IGNORE_INDEX
+    return [logp[b][supervised[b]] for b in range(len(prompts))]
+
+
+def teacher_entropy_after_student_errors(teacher: Decoder, student: Decoder, side: TokenizerSide,
+                                         problems: list[task.Problem], seed: int = 0) -> dict:
+    """How the teacher behaves where on-policy distillation asks it to: after the student's own
+    mistakes. The student samples one response per problem at temperature 1 (as the trainer's
+    rollouts do); in each wrong response, the teacher's next-token entropy (nats) and top-1
+    probability are averaged over the positions whose prefix already holds the first character
+    that departs from the reference solution (the char pair: one token per character). The
+    same on the reference solutions, for contrast. A near-deterministic teacher (entropy ~0 after
+    an error) is confidently arbitrary there; on-policy signal then pushes the student to it."""
+    from ctopd_jax.rollout import SamplingParams, make_rollout_engine
+
+    engine = make_rollout_engine("jax", student, [side.eos_id], side.pad_id)
+    prompts = [side.render_prompt(p.prompt) for p in problems]
+    sampled = engine.generate([side.encode(p) for p in prompts],
+                              SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=seed))
+    responses = [side.decode(t) for t in sampled.token_ids]
+    wrong = [(p, r, q.solution) for p, r, q in zip(prompts, responses, problems)
+             if not task.grade(r, q.answer)]
+    def stats(rows):
+        rows = np.concatenate(rows) if rows else np.zeros((0, 1))
+        probs = np.exp(rows)
+        return (float(-(probs * rows).sum(-1).mean()) if len(rows) else None,
+                float(probs.max(-1).mean()) if len(rows) else None, len(rows))
+    after_error = []
+    if wrong:
+        teacher_rows = _response_rows(teacher, side, [w[0] for w in wrong], [w[1] for w in wrong])
+        for (_, r, ref), rows in zip(wrong, teacher_rows):
+            first = next((i for i, (a, b) in enumerate(zip(r, ref)) if a != b), min(len(r), len(ref)))
+            after_error.append(rows[first + 1:])   # row i predicts token i: prefixes holding token `first`
+    reference = _response_rows(teacher, side, prompts, [q.solution for q in problems])
+    h_err, top1_err, n_err = stats(after_error)
+    h_ref, top1_ref, _ = stats(reference)
+    return {"student_sampled_accuracy": 1 - len(wrong) / len(problems),
+            "teacher_entropy_after_student_error_nats": h_err,
+            "teacher_top1_after_student_error": top1_err, "positions_after_student_error": n_err,
+            "teacher_entropy_on_reference_nats": h_ref, "teacher_top1_on_reference": top1_ref}
+
+
+def sft_loss(model: Decoder, input_ids, labels, attention_mask, label_smoothing=0.0):
+    """Token-mean cross-entropy over the supervised (response + EOS) rows, against targets with
+    ``label_smoothing`` of their mass spread uniformly over the vocabulary (0: one-hot)."""
     positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
     logits = model(input_ids, positions, attention_mask)
     supervised = labels != IGNORE_INDEX
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(supervised, labels, 0))
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, jnp.where(supervised, labels, 0)[..., None], axis=-1)[..., 0]
+    ce = (1.0 - label_smoothing) * nll - label_smoothing * jnp.mean(logp, axis=-1)
     return jnp.sum(ce * supervised) / jnp.maximum(1, jnp.sum(supervised))
 
 
-@nnx.jit
-def _train_step(model, optimizer, input_ids, labels, attention_mask):
-    loss, grads = nnx.value_and_grad(sft_loss)(model, input_ids, labels, attention_mask)
+@nnx.jit(static_argnames="label_smoothing")
+def _train_step(model, optimizer, input_ids, labels, attention_mask, label_smoothing=0.0):
+    loss, grads = nnx.value_and_grad(sft_loss)(model, input_ids, labels, attention_mask,
+                                                label_smoothing)
     optimizer.update(model, grads)
     return loss
 
@@ -275,7 +343,8 @@ def train(spec: PretrainSpec, steps: int | None = None, eval_every: int = 0, log
     history, start = [], time.perf_counter()
     for step in range(1, steps + 1):
         batch = make_batch(side, task.sample(train_problems, spec.batch_size, rng))
-        loss = float(_train_step(model, optimizer, *map(jnp.asarray, batch)))
+        loss = float(_train_step(model, optimizer, *map(jnp.asarray, batch),
+                                 label_smoothing=spec.label_smoothing))
         row = {"step": step, "loss": loss, "time_s": round(time.perf_counter() - start, 1)}
         if eval_every and (step % eval_every == 0 or step == steps):
             row["held_out_accuracy"] = evaluate(model, side)
@@ -332,6 +401,8 @@ def pretrain(role: str, out_root: Path, steps: int | None = None, eval_every: in
             "seed": spec.seed, "final_loss": history[-1]["loss"],
             "held_out_accuracy": accuracy, "train_seconds": round(train_s, 1),
             "command": command, **extra}
+    if spec.label_smoothing:
+        meta["label_smoothing"] = spec.label_smoothing
     save(model, side, out_root / role, meta)
     log(f"[{role}] held-out accuracy {accuracy:.3f} after {meta['steps']} steps "
         f"({train_s:.0f} s) -> {out_root / role}")
@@ -355,7 +426,30 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     out = args.out or {"char": CHAR_ASSET_DIR, "char_tools": CHAR_TOOLS_ASSET_DIR}.get(
         args.pair, ASSET_DIR)
-    return [pretrain(r, out, args.steps, args.eval_every, pair=args.pair) for r in args.role]
+    metas = [pretrain(r, out, args.steps, args.eval_every, pair=args.pair) for r in args.role]
+    if args.pair == "char" and all((out / r / "config.json").is_file() for r in SPECS):
+        record_teacher_entropy(out)
+    return metas
+
+
+def record_teacher_entropy(out_root: Path, log=print) -> dict:
+    """Measure the char pair's teacher after its student's sampled errors (on the held-out
+    prompts, seed 0) and record it in the teacher's pretrain.json."""
+    from ctopd_jax.models.weights import load_hf_checkpoint
+
+    teacher, _ = load_hf_checkpoint(out_root / "teacher")
+    student, _ = load_hf_checkpoint(out_root / "student")
+    found = teacher_entropy_after_student_errors(teacher, student, load_tokenizer_side("char"),
+                                                 task.split("held_out"))
+    path = out_root / "teacher" / "pretrain.json"
+    meta = json.loads(path.read_text())
+    meta["on_student_errors"] = found
+    path.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    log(f"[teacher] after the student's sampled errors: entropy "
+        f"{found['teacher_entropy_after_student_error_nats']:.3f} nats, top-1 "
+        f"{found['teacher_top1_after_student_error']:.3f} (on reference solutions "
+        f"{found['teacher_entropy_on_reference_nats']:.3f} nats)")
+    return found
 
 
 if __name__ == "__main__":

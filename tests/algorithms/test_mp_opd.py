@@ -177,7 +177,7 @@ def side_tokens(side, batch, b):
     return ids, pieces
 
 
-def run_torch(host, t_side, s_side, hs, ws, ht, wt, mode, noise=None):
+def run_torch(host, t_side, s_side, hs, ws, ht, wt, mode, noise=None, eos_atom=False):
     s_b, t_b = host.student, host.teacher
     hs_t, ws_t = torch.tensor(hs, requires_grad=True), torch.tensor(ws, requires_grad=True)
     samples = []
@@ -187,6 +187,8 @@ def run_torch(host, t_side, s_side, hs, ws, ht, wt, mode, noise=None):
         dec = lambda pieces: lambda k: b"".join(pieces[i] for i in range(len(k))).decode("utf-8", "replace")  # noqa: E731
         _, atoms = atoms_oracle(t_ids, s_ids, dec(t_p), dec(s_p), lambda i: bool(t_side.is_added[i]),
                                 lambda i: bool(s_side.is_added[i]), t_side.eos_id, s_side.eos_id)
+        if eos_atom and atoms:   # the row after the last atom on each side (the EOS), one atom
+            atoms = atoms + [([atoms[-1][0][-1] + 1], [atoms[-1][1][-1] + 1])]
         s_rows = s_b.row_base[b] + np.arange(s_b.response_lens[b])
         t_rows = t_b.row_base[b] + np.arange(t_b.response_lens[b])
         samples.append({"atoms": atoms, "row": b, "s_labels": s_b.labels.reshape(-1)[s_rows],
@@ -234,6 +236,24 @@ def test_matches_torch_reference(demo, mode):
         fresh = objective(mp_opd_mode=mode)
         fresh.load_state_dict(state)
         assert fresh.state_dict() == state
+
+
+@pytest.mark.parametrize("mode", ["atomic", "fixed2"])
+def test_eos_atom_matches_torch_reference_with_the_eos_as_last_atom(demo, mode):
+    """`mp_opd_eos_atom` (ours, off by default): the reference's loss over the SPEC §8 atoms plus
+    one EOS atom per valid sample; the EOS row's student logits now get gradient."""
+    host, t_side, s_side = demo
+    hs, ws, ht, wt = random_model(host, t_side, s_side, seed=7)
+    want, _, r_h, r_w, samples = run_torch(host, t_side, s_side, hs, ws, ht, wt, mode, eos_atom=True)
+    got, metrics, g_h, g_w = run_jax(objective(mp_opd_mode=mode, mp_opd_eos_atom=True), host, hs, ws, ht, wt)
+    assert sum(len(s["atoms"]) for s in samples) == float(metrics["mp_opd_atoms_per_sample"][0])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(g_h, r_h, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(g_w, r_w, rtol=1e-3, atol=1e-4)
+    eos_rows = [host.student.row_base[b] + s["atoms"][-1][1][0] for b, s in enumerate(samples) if s["atoms"]]
+    assert eos_rows and all(np.abs(g_h[r]).sum() > 0 for r in eos_rows)
+    _, _, plain_h, _ = run_jax(objective(mp_opd_mode=mode), host, hs, ws, ht, wt)
+    assert all(np.abs(plain_h[r]).sum() == 0 for r in eos_rows)   # upstream: the EOS is not trained
 
 
 def test_per_shard_arrays_stack_and_sum_to_the_whole(demo):

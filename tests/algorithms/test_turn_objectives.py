@@ -84,7 +84,8 @@ def test_judge_parsing(answer, label):
 
 @pytest.mark.parametrize("name,field,value", [
     ("tcod", "tcod_mode", "both"), ("tcod", "tcod_period", 0), ("sod", "sod_delta", -1.0),
-    ("sage_opd", "sage_judge", "oracle"), ("sage_opd", "sage_alpha", 1.5)])
+    ("sage_opd", "sage_judge", "oracle"), ("sage_opd", "sage_alpha", 1.5),
+    ("sage_opd", "sage_proxy_skip_above", 1.2)])
 def test_bad_settings_name_the_field(name, field, value):
     with pytest.raises(ConfigError, match=f"algorithm.{field}"):
         from_dict({"algorithm": {"name": name, field: value}})
@@ -143,8 +144,8 @@ def sage_reference(s, t, judged):
     return float((w * kl).sum()), grad, w
 
 
-@pytest.mark.parametrize("judge", ["teacher", "proxy"])
-def test_sage_matches_reference(judge):
+@pytest.mark.parametrize("judge,skip_above", [("teacher", 0.8), ("proxy", 0.8), ("proxy", 1.0)])
+def test_sage_matches_reference(judge, skip_above):
     rows, vocab = 12, 9
     s, t = random_logits(7, rows, vocab), random_logits(8, rows, vocab)
     t[:3] = s[:3] * 3            # turn 0 of sample 0: the same argmax (proxy: Skip)
@@ -155,11 +156,13 @@ def test_sage_matches_reference(judge):
     else:
         agree = (s.argmax(-1) == t.argmax(-1)).astype(float)
         a = np.array([agree[SEGMENT == k].mean() for k in range(5)])[SEGMENT]
-        judged = np.where(a > .8, 0.0, np.where(a > 0, 0.5, 1.0))
+        judged = np.where(a > skip_above, 0.0, np.where(a > 0, 0.5, 1.0))
         assert len(set(judged)) >= 2   # the case exercises more than one label
+        assert (0.0 in judged) == (skip_above < 1.0)   # 1.0: turn 0 agrees fully, yet is not skipped
     want, want_grad, w = sage_reference(s, t, judged)
     np.testing.assert_allclose(w.mean(), 1.0, rtol=1e-9)     # the weights have mean 1
-    got, grad = value_and_grad(objective("sage_opd", sage_judge=judge), "sage_opd", s, t, targets, None,
+    got, grad = value_and_grad(objective("sage_opd", sage_judge=judge, sage_proxy_skip_above=skip_above),
+                               "sage_opd", s, t, targets, None,
                                judgment=judged if judge == "teacher" else None)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-3, atol=1e-5)

@@ -232,3 +232,23 @@ def test_fast_path_with_empty_samples_at_the_edges():
         for field in ("teacher_rows", "student_rows", "pair_sample", "pair_is_eos",
                       "mismatch_groups", "teacher_pairs"):
             assert np.array_equal(getattr(fast, field), getattr(general, field)), field
+
+
+def test_eos_atom_is_one_more_atom_on_the_eos_rows():
+    """`eos_atom`: each valid sample keeps its SPEC §8 atoms and gains one last atom, the row
+    after its content on each side (the appended EOS, or the first trailing EOS copy); a sample
+    that fails closed still has none."""
+    cases = [([b"ab", b"c"], [b"a", b"bc"], [True] * 2, [True] * 2),
+             ([b"ab"], [b"ac"], [True], [True]),                      # normalization mismatch
+             ([b"x", b"y", b""], [b"xy", b""], [True] * 3, [True] * 2)]   # a trailing EOS copy
+    ids = ([5, 6, 7, 8, 9, 0], [5, 6, 7, 8, 0])                         # EOS id 0
+    teacher, student = make_batch(cases, ids=ids)
+    plain, extra = mpopd_atoms(teacher, student), mpopd_atoms(teacher, student, eos_atom=True)
+    assert extra.fail_reason.tolist() == plain.fail_reason.tolist()
+    local = lambda batch, b, rows: [local_index(batch, b, r) for r in rows]
+    for b, n_t, n_s in ((0, 2, 2), (2, 2, 1)):   # content tokens before the EOS on each side
+        mine, base = extra.atoms[extra.atoms[:, 0] == b], plain.atoms[plain.atoms[:, 0] == b]
+        assert mine[:-1].tolist() == base.tolist()
+        assert local(teacher, b, mine[-1, 1:3]) == [n_t, n_t + 1]
+        assert local(student, b, mine[-1, 3:5]) == [n_s, n_s + 1]
+    assert not (extra.atoms[:, 0] == 1).any()

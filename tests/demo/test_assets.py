@@ -2,6 +2,7 @@
 really knows the task where the student does not (teacher-forced on held-out solutions)."""
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -58,3 +59,26 @@ def test_teacher_knows_the_task_and_student_starts_behind(sides):
     recorded = {r: json.loads((data.checkpoint_dir(r) / "pretrain.json").read_text())
                 for r in data.ROLES}
     assert recorded["teacher"]["held_out_accuracy"] - recorded["student"]["held_out_accuracy"] > 0.3
+
+
+def test_char_pair_is_distillable():
+    """The committed character pair (issue 23): a teacher that solves the task but is never
+    certain (label smoothing), and a student of the recipe's architecture that starts far behind."""
+    from ctopd_jax.demo.pretrain import CHAR_ASSET_DIR, CHAR_SPECS
+
+    side = load_tokenizer_side("char")
+    (teacher, t_cfg), (student, s_cfg) = (load_hf_checkpoint(CHAR_ASSET_DIR / r) for r in ("teacher", "student"))
+    assert s_cfg.hidden_size == CHAR_SPECS["student"].make_config(side.vocab_size).hidden_size
+    problems = task.split("held_out")[:48]
+    assert _teacher_forced_token_accuracy(teacher, side, problems) == 1.0
+    assert _teacher_forced_token_accuracy(student, side, problems) < 0.8
+    ids, labels, mask = sft_batch(side, problems)
+    positions = jnp.broadcast_to(jnp.arange(SEQ_LEN), ids.shape)
+    logp = np.asarray(jax.nn.log_softmax(teacher(jnp.asarray(ids), positions, jnp.asarray(mask)), -1))
+    entropy = -(np.exp(logp) * logp).sum(-1)[labels != IGNORE_INDEX]
+    assert entropy.mean() > 0.1          # not near-deterministic (the old teacher: ~0.001 nats)
+    recorded = {r: json.loads((CHAR_ASSET_DIR / r / "pretrain.json").read_text()) for r in ("teacher", "student")}
+    assert recorded["teacher"]["label_smoothing"] == CHAR_SPECS["teacher"].label_smoothing > 0
+    errors = recorded["teacher"]["on_student_errors"]
+    assert errors["teacher_entropy_after_student_error_nats"] > 0.1 and errors["positions_after_student_error"] > 0
+    assert recorded["teacher"]["held_out_accuracy"] - recorded["student"]["held_out_accuracy"] > 0.5
