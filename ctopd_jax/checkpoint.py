@@ -99,11 +99,29 @@ def _quiet_closed_loop_callbacks() -> None:
 
 class _QuietOrbaxThreads(logging.Filter):
     """Drop the ERROR records (with tracebacks) that Orbax's background threads log for one
-    failed write, one per thread: the failure reaches the caller as one exception, which the
-    command reports in one line (--debug still raises it)."""
+    failed write, one per thread, and asyncio's "Task exception was never retrieved" for its
+    sibling write tasks (one fragment's failure ends the gather; the others' exceptions are
+    logged whenever their tasks are collected, at exit too): the failure reaches the caller as
+    one exception, which the command reports in one line (--debug still raises it)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+        if record.levelno < logging.ERROR:
+            return True
+        if "orbax" in record.pathname:
+            return False
+        tb = record.exc_info[1].__traceback__ if record.exc_info and record.exc_info[1] else None
+        while tb is not None:
+            if "orbax" in tb.tb_frame.f_code.co_filename:
+                return False
+            tb = tb.tb_next
+        return True
+
+
+def _quiet_orbax_write_tasks() -> None:
+    """Installed once, for the process's life: the tasks' records come when they are collected."""
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _QuietOrbaxThreads) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_QuietOrbaxThreads())
 
 
 @dataclass
@@ -191,6 +209,7 @@ class Checkpointer:
         self._pending: int | None = None      # the step whose asynchronous write is in flight
         self._quiet = _QuietOrbaxThreads()
         _quiet_closed_loop_callbacks()
+        _quiet_orbax_write_tasks()
         logging.getLogger("absl").addFilter(self._quiet)
         # left by a process killed in the middle of a save; the Checkpointer is the folder's one
         # writer (the trainer, under the run lock), so no write of another is in flight
