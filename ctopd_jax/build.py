@@ -132,6 +132,8 @@ class TeacherParts:
     overlap: Any                    # tokenization.OverlapMap with the student
     overlap_arrays: dict            # its id arrays on the mesh: {"s_ids", "t_ids"}
     collector: Any                  # host.Collector / SameTokenizerCollector / EpisodeCollector
+    scoring: tuple = (None, None, None)   # (graphdef, state, lm_head) of `model`, as
+                                          # teacher_hidden_rows and the loss read them
 
 
 @dataclasses.dataclass
@@ -194,7 +196,12 @@ def load_teacher(view, name: str, objective, s_tok, mesh, seed: int, checked=Non
         objective.check(overlap)
     arrays = {"s_ids": replicated(overlap.s_ids.astype(np.int32), mesh),
               "t_ids": replicated(overlap.t_ids.astype(np.int32), mesh)}
-    return TeacherParts(name, model, served, t_tok, overlap, arrays, None)
+    scoring = (None, None, None)
+    if model is not None:
+        from ctopd_jax.teacher import lm_head_of
+        graphdef, state = nnx.split(model)
+        scoring = (graphdef, state, lm_head_of(graphdef, state))
+    return TeacherParts(name, model, served, t_tok, overlap, arrays, None, scoring)
 
 
 def replicated(value: np.ndarray, mesh) -> jax.Array:

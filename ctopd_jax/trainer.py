@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ctopd_jax import build
+from ctopd_jax import build, teacher_batches
 from ctopd_jax.build import TrainerSetupError  # noqa: F401  (re-exported for callers)
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig, default_teacher
@@ -47,19 +47,11 @@ from ctopd_jax.models import lora
 from ctopd_jax.preflight import check_objective
 from ctopd_jax.step.grad import micro_grad, scalar, zero_grads
 from ctopd_jax.step.shards import stack_shards
-from ctopd_jax.teacher import lm_head_of, teacher_hidden_rows
+from ctopd_jax.teacher import teacher_hidden_rows
 from ctopd_jax.teacher_service import TeacherServiceError
-from ctopd_jax.teacher_service.batch_rows import score_teacher_batch
 
 
 COVERAGE_FIELDS = ("pairs", "student_tokens", "teacher_tokens", "mismatched", "samples")
-
-
-def _scoring_parts(teacher) -> tuple:
-    """(graphdef, state, lm_head) of a teacher model on the mesh, as teacher_hidden_rows and
-    the loss read them."""
-    graphdef, state = nnx.split(teacher)
-    return graphdef, state, lm_head_of(graphdef, state)
 
 
 class TrainingDiverged(RuntimeError):
@@ -95,9 +87,6 @@ class Trainer:
         self.student, self.base, self.s_tok = parts.student, parts.teacher_base, parts.student_tokenizer
         self.engine, self.teachers = parts.engine, parts.teachers   # name -> build.TeacherParts
         self.default_teacher = default_teacher(c)
-        # (graphdef, state, lm_head) of each teacher on the mesh; Nones for a served teacher
-        self.teacher_scoring = {name: (None, None, None) if t.model is None else
-                                _scoring_parts(t.model) for name, t in self.teachers.items()}
         startup("optimizer state")
         responses = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
         self.updates_per_iteration = responses // c.optimizer.train_batch_size
@@ -161,7 +150,7 @@ class Trainer:
         parts = [self.objective.prepare(host, a, a + step) for a in range(start, stop, step)]
         batch = build.to_global(stack_shards(parts), self.mesh)
         mesh = self.mesh if shards > 1 else None
-        t_graphdef, t_state, t_lm_head = self.teacher_scoring[teacher.name]
+        t_graphdef, t_state, t_lm_head = teacher.scoring
         with timer("teacher"), jax.set_mesh(self.mesh):  # the models' activation constraints bind
             t_hidden = None   # a served teacher's log-probs came with the host batch (iteration)
             if teacher.served is None:
@@ -179,14 +168,15 @@ class Trainer:
         self.rng, sub = jax.random.split(self.rng)
         seed = int(jax.random.randint(sub, (), 0, 2 ** 31 - 1))
         dropout_key = jax.random.fold_in(sub, 1)  # LoRA dropout masks of this iteration's micro-batches
-        collected = self.collect(self.stream.next_batch(), seed, timer, rollout_index)
+        collected = teacher_batches.collect(self.teachers, self.config, self.objective, self.stream.next_batch(),
+                                            seed, timer, rollout_index)
         coverage = {name: self.coverage[name].update(host.alignment) for name, host in collected.items()}
         accumulation = o.train_batch_size // o.micro_batch_size
         sums: dict[str, float] = {}
         by_teacher = {name: {} for name in collected}   # name -> its micro-batches' sums
         metric_parts: dict[str, list[float]] = {}
         infos = []
-        for pieces in self._updates(collected):
+        for pieces in teacher_batches.update_pieces(collected, o.train_batch_size, bool(self.config.teachers)):
             total = sum(host.tokens(a, b) for _, host, a, b, _ in pieces)
             grads, loss = zero_grads(self.params), 0.0
             for name, host, first, last, offset in pieces:
@@ -216,49 +206,10 @@ class Trainer:
         return (self._metrics(collected, sums, by_teacher, metric_parts, infos, coverage),
                 [record for host in hosts for record in host.mismatch_samples()])
 
-    def collect(self, prompts, seed: int, timer, rollout_index: int) -> dict[str, Any]:
-        """name -> the HostBatch of the prompts routed to that teacher (`teachers:`: a row's
-        data.teacher_key field or data.default_teacher; else every prompt to the one teacher),
-        with a served teacher's token log-probs. Teacher g's prompts sample with seed + g, so
-        teachers do not share random streams (g = 0: the single-teacher seed)."""
-        from ctopd_jax.teacher_service.routing import route_rows
-
-        d = self.config.data
-        routed = route_rows([p.extra for p in prompts], list(self.teachers), self.default_teacher,
-                            d.teacher_key) if self.config.teachers else {self.default_teacher: range(len(prompts))}
-        collected = {}
-        for g, (name, rows) in enumerate(routed.items()):
-            if not rows:
-                continue
-            t = self.teachers[name]
-            host = t.collector.collect([prompts[i] for i in rows], (seed + g) % 2 ** 31, timer,
-                                       rollout_index=rollout_index)
-            host.overlap = t.overlap
-            if t.served is not None:   # the realised tokens' log-probs (and top-k), before any step
-                top_k = t.served.settings.top_k if self.objective.needs.teacher_scores == "topk" else 0
-                with timer("teacher"):
-                    host.served_teacher_rows = score_teacher_batch(t.served, host.teacher, top_k=top_k)
-            collected[name] = host
-        return collected
-
-    def _updates(self, collected: dict[str, Any]) -> list[list[tuple]]:
-        """The optimizer updates of an iteration, each a list of (teacher name, host batch,
-        first, last sample, offset of that host's samples in the iteration): with one teacher,
-        consecutive train_batch_size blocks; with several, one update over every teacher's
-        samples (preflight holds train_batch_size to the iteration's responses)."""
-        o = self.config.optimizer
-        if len(self.teachers) == 1:
-            (name, host), = collected.items()
-            return [[(name, host, a, a + o.train_batch_size, 0)]
-                    for a in range(0, host.size, o.train_batch_size)]
-        offsets = np.cumsum([0] + [host.size for host in collected.values()])
-        return [[(name, host, 0, host.size, int(offsets[i]))
-                 for i, (name, host) in enumerate(collected.items())]]
-
     def _metrics(self, collected, sums, by_teacher, metric_parts, infos, coverage) -> dict[str, Any]:
         hosts = list(collected.values())
         tokens = max(sum(host.tokens(0, host.size) for host in hosts), 1.0)
-        metrics = self._loss_metrics(sums, tokens)
+        metrics = teacher_batches.loss_metrics(self.objective, sums, tokens)
         for k, (num, den) in metric_parts.items():
             if den is None or den:  # no log-prob gap when no re-tokenized response equals its samples
                 metrics[k] = num if den is None else num / den
@@ -272,23 +223,10 @@ class Trainer:
             "strict_pairs": sum(h.alignment.num_pairs for h in hosts)})
         if not self.config.teachers:
             metrics.update(coverage[self.default_teacher])
-        else:   # per teacher: its share of the loss, its samples, its pair's coverage
-            for name, host in collected.items():
-                own = max(host.tokens(0, host.size), 1.0)
-                metrics.update({f"{name}/{k}": v for k, v in self._loss_metrics(by_teacher[name], own).items()})
-                metrics.update({f"{name}/samples": host.size, f"{name}/student_response_tokens": int(own),
-                                **{f"{name}/{k}": v for k, v in coverage[name].items()}})
+        else:
+            metrics.update(teacher_batches.teacher_metrics(collected, by_teacher, coverage, self.objective))
         for host in hosts:
             metrics.update({k: v for k, v in (host.turn_stats or {}).items() if v is not None})
-        return metrics
-
-    def _loss_metrics(self, sums: dict[str, float], tokens: float) -> dict[str, float]:
-        """Each sum ÷ `tokens` (`<name>_loss`), the trained mix (`loss`) and its KD part."""
-        weights = self.objective.loss_weights()
-        metrics = {f"{k}_loss": v / tokens for k, v in sums.items()}
-        metrics["loss"] = sum(weights.get(k, 0.0) * v for k, v in sums.items() if weights.get(k)) / tokens
-        metrics["kd_loss"] = sum(w * sums[k] for k, w in self.objective.kd_weights().items()
-                                 if w and k in sums) / tokens
         return metrics
 
     # -- the loop ---------------------------------------------------------------------------
@@ -385,7 +323,7 @@ class Trainer:
                 teacher = self.teachers[self.default_teacher]   # preflight: one teacher
                 diagnostics = self.diagnostics.run(
                     teacher.collector, self.mesh, (self.graphdef, self.params, self.rest),
-                    self.teacher_scoring[teacher.name], teacher.overlap_arrays)
+                    teacher.scoring, teacher.overlap_arrays)
         metrics, samples = self.iteration(timer, step - 1)   # rollout batch n = step − 1 (TCOD's curriculum)
         metrics.update(diagnostics)
         metrics["tokens_per_s"] = metrics["student_response_tokens"] / max(time.perf_counter() - began, 1e-9)
