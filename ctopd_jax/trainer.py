@@ -106,22 +106,10 @@ class Trainer:
             self.diagnostics = Diagnostics(c, self.objective, self.stream.prompts)
         startup("ready")
 
-    # the default teacher's parts (the only teacher without `teachers:`)
     @property
-    def teacher(self):
-        return self.teachers[self.default_teacher].model
-
-    @property
-    def t_tok(self):
-        return self.teachers[self.default_teacher].tokenizer
-
-    @property
-    def overlap(self):
-        return self.teachers[self.default_teacher].overlap
-
-    @property
-    def collector(self):
-        return self.teachers[self.default_teacher].collector
+    def default_parts(self) -> build.TeacherParts:
+        """The default teacher's parts (the only teacher without `teachers:`)."""
+        return self.teachers[self.default_teacher]
 
     # -- checkpoint state -----------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -277,7 +265,7 @@ class Trainer:
                                tensorboard=lg.tensorboard, progress=lg.progress, is_writer=self.is_writer, config=c)
         logger.write(f"run {c.run_name}, objective {c.algorithm.name}; " + (
             f"resumed from step {start} ({ck_dir})" if start else
-            "overlap: " + json.dumps(self.overlap.summary() if not c.teachers else
+            "overlap: " + json.dumps(self.default_parts.overlap.summary() if not c.teachers else
                                      {name: t.overlap.summary() for name, t in self.teachers.items()})))
         record: dict[str, Any] = {}
         try:
@@ -320,7 +308,7 @@ class Trainer:
         diagnostics = {}
         if self.diagnostics is not None and self.diagnostics.due(step - 1):
             with timer("diagnostics"):
-                teacher = self.teachers[self.default_teacher]   # preflight: one teacher
+                teacher = self.default_parts   # preflight: diagnostics run with one teacher
                 diagnostics = self.diagnostics.run(
                     teacher.collector, self.mesh, (self.graphdef, self.params, self.rest),
                     teacher.scoring, teacher.overlap_arrays)

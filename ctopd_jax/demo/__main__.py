@@ -44,7 +44,7 @@ def fresh_output_dir(base: Path) -> Path:
 def strict_targets_in_shared_vocab(t_tok, s_tok, overlap, problems) -> float:
     """Share of the student tokens at strict pairs of reference solutions that have a column in
     the shared vocabulary V∩. The strict objectives only see V∩ columns, so a token outside it
-    cannot be taught even where the alignment is perfect (a pre-flight check of the pair)."""
+    cannot be teacher_parts even where the alignment is perfect (a pre-flight check of the pair)."""
     import numpy as np
 
     from ctopd_jax.align import strict_align
@@ -141,18 +141,19 @@ def run(argv=None) -> dict:
     # starts itself (teacher.launch) stops when training ends, also on an error or Ctrl-C
     with preflight(config, device_count=jax.device_count()) as pre:
         trainer = Trainer(config, preflight=pre)
-        in_shared = strict_targets_in_shared_vocab(trainer.t_tok, trainer.s_tok, trainer.overlap,
+        teacher_parts = trainer.default_parts   # the demo's one teacher
+        in_shared = strict_targets_in_shared_vocab(teacher_parts.tokenizer, trainer.s_tok, teacher_parts.overlap,
                                                    task.split("held_out")[:64])
-        print(f"[demo] |V∩| = {trainer.overlap.shared}; {100 * in_shared:.1f}% of the strictly "
+        print(f"[demo] |V∩| = {teacher_parts.overlap.shared}; {100 * in_shared:.1f}% of the strictly "
               "aligned tokens of reference solutions have a shared-vocabulary column", flush=True)
         if in_shared < 0.95:
             print("[demo] WARNING: the strict objectives cannot supervise aligned tokens outside "
                   "V∩; expect little or no improvement (see tokenization.overlap_map)", flush=True)
-        teacher = trainer.teacher
+        teacher = teacher_parts.model
         if teacher is None:   # served (teacher.engine): the demo grades the same checkpoint here
             from ctopd_jax.build import model_dir
             teacher, _ = load_hf_checkpoint(model_dir(config.model.teacher), dtype=config.model.dtype)
-        teacher_acc = accuracy(teacher, trainer.t_tok, "teacher")
+        teacher_acc = accuracy(teacher, teacher_parts.tokenizer, "teacher")
         before = accuracy(trainer.student, trainer.s_tok, "student_before", engine=trainer.engine)
         train_started = time.perf_counter()
         result = trainer.train()
@@ -167,7 +168,7 @@ def run(argv=None) -> dict:
         "student_accuracy_after": after, "gap_closed": gap_closed(before, after, teacher_acc),
         "coverage_student": last.get("coverage_student_cum"),
         "coverage_teacher": last.get("coverage_teacher_cum"),
-        "shared_vocab": trainer.overlap.shared, "aligned_targets_in_shared_vocab": in_shared,
+        "shared_vocab": teacher_parts.overlap.shared, "aligned_targets_in_shared_vocab": in_shared,
         "steps": config.steps, "train_seconds": round(train_s, 1), "algorithm": config.algorithm.name,
         "model_teacher": config.model.teacher, "model_student": config.model.student,
         "teacher_engine": config.teacher.engine,

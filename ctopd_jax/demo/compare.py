@@ -245,7 +245,7 @@ def train_and_grade(name: str, pair: str, run_dir: Path, steps: int, seed: int =
 
     base = BASE_PAIR.get(pair, pair)
     if base not in baselines:
-        baselines[base] = (accuracy(trainer.teacher, trainer.t_tok),
+        baselines[base] = (accuracy(trainer.default_parts.model, trainer.default_parts.tokenizer),
                            accuracy(trainer.student, trainer.s_tok, engine=trainer.engine))
     teacher_acc, before = baselines[base]
     result = trainer.train()

@@ -74,11 +74,11 @@ def logged_steps(run_dir):
 def test_two_processes_agree_with_one(tmp_path, compile_cache):
     cfg, single_dir = write(tmp_path, "single")
     trainer = Trainer(load_config(cfg))
-    teacher_before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(trainer.teacher))]
+    teacher_before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(trainer.default_parts.model))]
     student_before = np.array(trainer.student.embed[...])
     trainer.train()
     # the teacher is frozen: not one of its parameters moved
-    for a, b in zip(teacher_before, jax.tree.leaves(nnx.state(trainer.teacher))):
+    for a, b in zip(teacher_before, jax.tree.leaves(nnx.state(trainer.default_parts.model))):
         np.testing.assert_array_equal(a, np.asarray(b))
     # the exported student loads in transformers and computes what the trained student computes
     hf = AutoModelForCausalLM.from_pretrained(single_dir / "hf_student", dtype=torch.float32)

@@ -66,18 +66,18 @@ def run(write_config, prompt_file, qwen, llama, run_name, micro_batch=None, **al
     began = time.perf_counter()
     trainer = Trainer(load_config(cfg))
     assert trainer.s_tok.vocab_size == llama.vocab_size == 128256
-    assert trainer.t_tok.vocab_size == qwen.vocab_size
+    assert trainer.default_parts.tokenizer.vocab_size == qwen.vocab_size
     assert trainer.student.cfg.vocab_size == llama.vocab_size and trainer.student.cfg.family == "llama"
-    assert trainer.teacher.cfg.vocab_size == qwen.vocab_size and trainer.teacher.cfg.family == "qwen2"
+    assert trainer.default_parts.model.cfg.vocab_size == qwen.vocab_size and trainer.default_parts.model.cfg.family == "qwen2"
     before = jax.tree.map(np.array, trainer.params)
     hosts = []
-    collect = trainer.collector.collect
+    collect = trainer.default_parts.collector.collect
 
     def recording(*args, **kwargs):
         hosts.append(collect(*args, **kwargs))
         return hosts[-1]
 
-    trainer.collector.collect = recording
+    trainer.default_parts.collector.collect = recording
     metrics = trainer.train().last_metrics
     seconds = time.perf_counter() - began
     after = jax.tree.map(np.array, trainer.params)

@@ -108,7 +108,7 @@ def train(config, served: bool):
     pre = preflight(config)   # the CLI's path: the server's start-up check runs here
     assert (pre.teacher.served is not None) == served
     trainer = Trainer(config, preflight=pre)
-    assert (trainer.teacher is None) == served   # a served teacher's weights never load
+    assert (trainer.default_parts.model is None) == served   # a served teacher's weights never load
     trainer.train()
     return trainer
 
