@@ -44,7 +44,7 @@ def fresh_output_dir(base: Path) -> Path:
 def strict_targets_in_shared_vocab(t_tok, s_tok, overlap, problems) -> float:
     """Share of the student tokens at strict pairs of reference solutions that have a column in
     the shared vocabulary V∩. The strict objectives only see V∩ columns, so a token outside it
-    cannot be teacher_parts even where the alignment is perfect (a pre-flight check of the pair)."""
+    cannot be taught even where the alignment is perfect (a pre-flight check of the pair)."""
     import numpy as np
 
     from ctopd_jax.align import strict_align
