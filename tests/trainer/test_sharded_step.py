@@ -26,6 +26,16 @@ from test_student_step import VS, VT, host_batch, samples, tiny
 M = 8  # one micro-batch: one sample per batch shard
 
 
+@pytest.fixture
+def no_persistent_cache():
+    """This step's 8-device programs compile once per suite, so the shared persistent cache gains
+    nothing here; writing (or reading back) them has crashed the process (SIGSEGV inside jaxlib)
+    in two suite runs, so this test keeps them in memory only."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+
+
 def gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
     """Result shapes of every all-gather in an optimized HLO module."""
     shapes = []
@@ -38,7 +48,7 @@ def gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
 
 @pytest.mark.slow  # compiles the step twice for 8 devices (~1-4 min on 2 cores)
 @pytest.mark.parametrize("name", ["span"])  # span = strict top-k rows + mismatch-group rows
-def test_per_shard_loss_equals_one_unit_and_gathers_no_rows(name):
+def test_per_shard_loss_equals_one_unit_and_gathers_no_rows(name, no_persistent_cache):
     rng = np.random.default_rng(5)
     mesh = make_mesh({"data": 4, "fsdp": 2, "tensor": 1})
     student = shard_module(tiny(tiny_llama(vocab_size=VS, num_layers=1), 0), mesh)
@@ -63,8 +73,8 @@ def test_per_shard_loss_equals_one_unit_and_gathers_no_rows(name):
                                        batch["teacher_rows"], mesh=step_mesh)
         args = (params, rest, batch, t_hidden, lm_head_of(t_graph, t_state), overlap, total)
         kw = dict(graphdef=graphdef, accumulation=1, objective=objective, mesh=step_mesh)
-        hlo = micro_grad.lower(*args, zero_grads(params), **kw).compile().as_text()
-        return micro_grad(*args, zero_grads(params), **kw), hlo
+        compiled = micro_grad.lower(*args, zero_grads(params), **kw).compile()
+        return compiled(*args, zero_grads(params)), compiled.as_text()
 
     one_unit = objective.prepare(host, 0, M)
     (loss_1, _, _, grads_1), hlo_1 = run(one_unit, None)
