@@ -4,6 +4,7 @@ then the best recipe over 3 seeds (issue 23).
     python benchmarks/recipe_sweep.py --phase lr    [--objectives opd gkd ...] [--seeds 0]
     python benchmarks/recipe_sweep.py --phase knobs [--objectives ...] [--seeds 0]
     python benchmarks/recipe_sweep.py --phase seeds [--objectives ...] [--seeds 0 1 2]
+    python benchmarks/recipe_sweep.py --phase shipped [--objectives ...] [--seeds 0 1 2]
     python benchmarks/recipe_sweep.py --phase report            # best recipe per objective
     python benchmarks/recipe_sweep.py --phase lr --plan         # list the runs, run nothing
 
@@ -19,6 +20,8 @@ processes. Phases:
 - `knobs`: every setting of KNOBS[objective] at the objective's best lr so far (or `--lr`).
 - `seeds`: the best recipe so far (lr + knobs, highest mean held-out accuracy over the seeds it
   has; ties: the earlier grid point) over `--seeds`.
+- `shipped`: the objective's shipped recipe (configs/demo_recipes.yaml) over `--seeds`, whatever
+  the sweep has run so far.
 - `report`: prints the table and writes <out>/best_recipes.json and .png (per objective: the
   shipped recipe of configs/demo_recipes.yaml where the sweep ran it, else the best one; the
   seeds it has, mean ± std of accuracy and gap closed), and the YAML lines for those recipes.
@@ -54,7 +57,9 @@ KNOBS = {
     "gkd": ({"gkd_beta": 1.0}, {"gkd_lambda": 1.0}, {"gkd_beta": 1.0, "gkd_lambda": 1.0}),
     "opd": (TOP_P, {"opd_clip": "ppo"}, {"opd_clip": "icepop"}),
     "opd_full": (TOP_P,),
-    "opd2": (TOP_P,),
+    # the base: the teacher's 60-step snapshot (no response format yet) or the starting student
+    # (the format, not the skill: the paper's instruct base, in the demo's terms)
+    "opd2": ({"model.teacher_base": "demo:char_student"}, TOP_P),
     "vopd": (TOP_P, {"opd_clip": "ppo"}),
     "mp_opd": ({"mp_opd_eos_atom": True}, {"mp_opd_mode": "grass_chunk", "mp_opd_eos_atom": True},
                {"mp_opd_mode": "fixed2"}, {"mp_opd_mode": "grass_chunk"}, {"mp_opd_mode": "align"}),
@@ -95,13 +100,16 @@ def planned(phase: str, name: str, out: Path, seeds: list[int],
     `lrs` the grid (lr)."""
     from ctopd_jax.demo.compare import pair_of
 
+    if phase == "shipped":
+        lr, knobs = shipped(name)
+        return [(lr, knobs, s) for s in seeds]
     runs = load_runs(out, name)
     if phase == "lr":
         return [(x, {}, s) for x in (lrs or LRS_OF.get(name, LRS[pair_of(name)])) for s in seeds]
     chosen = best(runs, knobs_too=phase == "seeds")
-    if chosen is None:
+    if chosen is None and (phase == "seeds" or lr is None):
         return []
-    lr, knobs = (lr or chosen[0]), chosen[1]
+    lr, knobs = (lr or chosen[0]), (chosen[1] if chosen else {})
     if phase == "knobs":
         return [(lr, k, s) for k in KNOBS.get(name, ()) for s in seeds]
     return [(lr, knobs, s) for s in seeds]
@@ -128,16 +136,21 @@ def run(name: str, lr: float, knobs: dict, seed: int, steps: int, out: Path, pro
     return row
 
 
-def shipped_recipe(name: str, runs: list[dict]) -> tuple[float, dict] | None:
-    """(lr, knobs) of the objective's entry in configs/demo_recipes.yaml when the sweep ran it."""
+def shipped(name: str) -> tuple[float, dict]:
+    """(lr, knobs) of the objective's entry in configs/demo_recipes.yaml (its pair's lr when the
+    entry has none)."""
     from ctopd_jax.config import load_yaml
-    from ctopd_jax.demo.compare import RECIPES
+    from ctopd_jax.demo.compare import RECIPES, config_tree
 
     entry = dict((load_yaml(RECIPES.read_text()) or {}).get(name) or {})
-    lr = entry.pop("optimizer.lr", None)
-    knobs = {k.removeprefix("algorithm."): v for k, v in entry.items()}
-    key = (lr, json.dumps(knobs, sort_keys=True))
-    return (lr, knobs) if key in grouped(runs) else None
+    lr = entry.pop("optimizer.lr", None) or config_tree(name)["optimizer"]["lr"]
+    return float(lr), {k.removeprefix("algorithm."): v for k, v in entry.items()}
+
+
+def shipped_recipe(name: str, runs: list[dict]) -> tuple[float, dict] | None:
+    """The shipped recipe when the sweep ran it."""
+    lr, knobs = shipped(name)
+    return (lr, knobs) if (lr, json.dumps(knobs, sort_keys=True)) in grouped(runs) else None
 
 
 def plot_best(out: Path, summary: dict) -> Path | None:
@@ -200,7 +213,7 @@ def report(out: Path, names: list[str]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--phase", choices=("lr", "knobs", "seeds", "report"), required=True)
+    ap.add_argument("--phase", choices=("lr", "knobs", "seeds", "shipped", "report"), required=True)
     ap.add_argument("--objectives", nargs="+", default=list(OBJECTIVES))
     ap.add_argument("--seeds", nargs="+", type=int, default=None,
                     help="default: 0 for lr and knobs, 0 1 2 for seeds")
@@ -223,7 +236,7 @@ def main(argv=None) -> int:
     if args.phase == "report":
         print(report(args.out, args.objectives))
         return 0
-    seeds = args.seeds or ([0, 1, 2] if args.phase == "seeds" else [0])
+    seeds = args.seeds or ([0, 1, 2] if args.phase in ("seeds", "shipped") else [0])
     baselines: dict = {}
     per_objective = [[(name, *p) for p in planned(args.phase, name, args.out, seeds, args.lr, args.lrs)]
                      for name in args.objectives]

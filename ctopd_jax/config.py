@@ -697,7 +697,7 @@ def _check_teachers(config: TrainConfig) -> None:
     """`teachers:` entries: names, settings, the default; the single-teacher fields unset."""
     if not config.teachers:
         return
-    from ctopd_jax.teacher_service.routing import check_teacher_names
+    from ctopd_jax.routing import check_teacher_names
     try:
         check_teacher_names([t.name for t in config.teachers],
                             config.data.default_teacher or None, field="teachers")

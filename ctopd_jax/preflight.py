@@ -526,7 +526,7 @@ def _check_data(config: TrainConfig):
             text = f"data.path {d.path}: {text}"
         raise _fail(text) from None
     if config.teachers:   # every row's teacher is one of them (one line naming the row)
-        from ctopd_jax.teacher_service.routing import route_rows
+        from ctopd_jax.routing import route_rows
         try:
             route_rows([p.extra for p in prompts], list(teacher_views(config)),
                        default_teacher(config), d.teacher_key, row_names=[p.source for p in prompts])

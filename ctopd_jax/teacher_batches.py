@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ctopd_jax.teacher_service.batch_rows import score_teacher_batch
-from ctopd_jax.teacher_service.routing import route_rows
+from ctopd_jax.routing import route_rows
 
 
 def collect(teachers: dict, config, objective, prompts, seed: int, timer, rollout_index: int) -> dict[str, Any]:
