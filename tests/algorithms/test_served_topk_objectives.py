@@ -20,55 +20,14 @@ from ctopd_jax.algorithms.served_topk import TeacherTopkStrict, TopkGkd, TopkGkd
 from ctopd_jax.config import AlgorithmSection
 from ctopd_jax.tokenization.overlap import OverlapMap
 
+from divergences import gkd_jsd, log_softmax, served_top_k, softmax, spec5, top_k_ids
+
 
 # ------------------------------------------------------------------- references (float64)
 
-def log_softmax(z):
-    z = np.asarray(z, np.float64)
-    return z - np.logaddexp.reduce(z, axis=-1, keepdims=True)
-
-
-def softmax(z):
-    return np.exp(log_softmax(z))
-
-
-def kl(p, q):
-    return float(sum(a * (np.log(a) - np.log(b)) for a, b in zip(p, q) if a > 0))
-
-
-def spec5(name, ps, pt, jsd_beta=0.5):
-    """SPEC §5 on probability vectors (jsd: β weights the student)."""
-    if name == "rkl":
-        return kl(ps, pt)
-    if name == "kl":
-        return kl(pt, ps)
-    if name == "jsd":
-        m = jsd_beta * ps + (1 - jsd_beta) * pt
-        return jsd_beta * kl(ps, m) + (1 - jsd_beta) * kl(pt, m)
-    if name == "tvd":
-        return 0.5 * float(np.abs(ps - pt).sum())
-    raise AssertionError(name)
-
-
-def gkd_jsd(ps, pt, beta):
-    """SPEC §9: β weights the teacher; β = 0 forward KL, β = 1 reverse KL (substitutions)."""
-    if beta == 0:
-        return kl(pt, ps)
-    if beta == 1:
-        return kl(ps, pt)
-    m = beta * pt + (1 - beta) * ps
-    return beta * kl(pt, m) + (1 - beta) * kl(ps, m)
-
-
-def top_k_ids(logprobs_row, k):
-    """A server's top-k: by log-prob, ties by id."""
-    return sorted(range(len(logprobs_row)), key=lambda i: (-logprobs_row[i], i))[:k]
-
-
 def served_answer(teacher_logits, k):
-    lp = log_softmax(teacher_logits)
-    ids = np.array([top_k_ids(row, k) for row in lp])
-    return ids, np.take_along_axis(lp, ids, axis=1).astype(np.float32), lp
+    ids, lps = served_top_k(teacher_logits, k)
+    return ids, lps, log_softmax(teacher_logits)
 
 
 def reference_teacher_topk_strict(hidden, lm_head, pairs, weight, zt, s_ids, t_ids, k, name, tau):

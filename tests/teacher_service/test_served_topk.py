@@ -11,51 +11,7 @@ from ctopd_jax.teacher_service.topk import (gather_logprobs, overlap_pairs_by_te
                                             take_columns, topk_gkd_rows, topk_gkd_support,
                                             topk_strict_columns, topk_strict_rows)
 
-
-def log_softmax(z):
-    z = np.asarray(z, np.float64)
-    return z - np.logaddexp.reduce(z, axis=-1, keepdims=True)
-
-
-def kl(p, q):
-    return sum(pi * (np.log(pi) - np.log(qi)) for pi, qi in zip(p, q) if pi > 0)
-
-
-def reference_divergence(name, ps, pt, beta=0.5):
-    """SPEC §5 (kdflow jsd: β weights the STUDENT) on probability vectors."""
-    if name == "kl":
-        return kl(pt, ps)
-    if name == "rkl":
-        return kl(ps, pt)
-    if name == "jsd":
-        m = [beta * a + (1 - beta) * b for a, b in zip(ps, pt)]
-        return beta * kl(ps, m) + (1 - beta) * kl(pt, m)
-    if name == "tvd":
-        return 0.5 * sum(abs(a - b) for a, b in zip(ps, pt))
-    raise AssertionError(name)
-
-
-def gkd_jsd(ps, pt, beta):
-    """SPEC §9 GKD (β weights the TEACHER; β = 0 / 1 are forward / reverse KL)."""
-    if beta == 0:
-        return kl(pt, ps)
-    if beta == 1:
-        return kl(ps, pt)
-    m = [beta * t + (1 - beta) * s for s, t in zip(ps, pt)]
-    return beta * kl(pt, m) + (1 - beta) * kl(ps, m)
-
-
-def softmax_list(values):
-    values = np.asarray(values, np.float64)
-    e = np.exp(values - values.max())
-    return list(e / e.sum())
-
-
-def served_top_k(teacher_logits, k):
-    """What a server returns: the top-k of the full-vocabulary log-softmax (ties by id)."""
-    lp = log_softmax(teacher_logits)
-    ids = np.array([sorted(range(lp.shape[1]), key=lambda i: (-row[i], i))[:k] for row in lp])
-    return ids, np.take_along_axis(lp, ids, axis=1).astype(np.float32)
+from divergences import gkd_jsd, log_softmax, served_top_k, softmax, spec5
 
 
 def make_overlap(rng, v_teacher, v_student, shared, duplicate_eos=True):
@@ -77,9 +33,9 @@ def reference_topk_strict(zs, zt, s_ids, t_ids, k, name, tau, beta=0.5):
             values.append(0.0)
             valid.append(False)
             continue
-        pt = softmax_list([zt[r, t_ids[i]] / tau for i in cols])
-        ps = softmax_list([zs[r, s_ids[i]] / tau for i in cols])
-        values.append(reference_divergence(name, ps, pt, beta))
+        pt = softmax([zt[r, t_ids[i]] / tau for i in cols])
+        ps = softmax([zs[r, s_ids[i]] / tau for i in cols])
+        values.append(spec5(name, ps, pt, beta))
         valid.append(True)
     return np.array(values), np.array(valid)
 
@@ -186,7 +142,7 @@ def reference_topk_gkd(zs, zt, sampled, k, beta, include_sampled, tail, tau=1.0)
             pt.append(1 - sum(pt))
             ps.append(1 - sum(ps))
         else:
-            pt = softmax_list([lp_t[r, i] / tau for i in support])
+            pt = softmax([lp_t[r, i] / tau for i in support])
             ps = [p / sum(ps) for p in ps]
         out.append(gkd_jsd(ps, pt, beta))
     return np.array(out)
