@@ -55,12 +55,14 @@ LRS_OF = {"mp_opd": (3e-5, 1e-4, 3e-4, 1e-3)}   # a sampled credit: the same-fam
 TOP_P = {"rollout.top_p": 0.95}
 KNOBS = {
     "gkd": ({"gkd_beta": 1.0}, {"gkd_lambda": 1.0}, {"gkd_beta": 1.0, "gkd_lambda": 1.0}),
-    "opd": (TOP_P, {"opd_clip": "ppo"}, {"opd_clip": "icepop"}),
+    # the clip acts only when an iteration makes more than one update (at its first, θ = θ_old)
+    "opd": (TOP_P, {"optimizer.train_batch_size": 32, "optimizer.micro_batch_size": 32, "opd_clip": "ppo"},
+            {"optimizer.train_batch_size": 32, "optimizer.micro_batch_size": 32}),
     "opd_full": (TOP_P,),
     # the base: the teacher's 60-step snapshot (no response format yet) or the starting student
     # (the format, not the skill: the paper's instruct base, in the demo's terms)
     "opd2": ({"model.teacher_base": "demo:char_student"}, TOP_P),
-    "vopd": (TOP_P, {"opd_clip": "ppo"}),
+    "vopd": (TOP_P,),
     "mp_opd": ({"mp_opd_eos_atom": True}, {"mp_opd_mode": "grass_chunk", "mp_opd_eos_atom": True},
                {"mp_opd_mode": "fixed2"}, {"mp_opd_mode": "grass_chunk"}, {"mp_opd_mode": "align"}),
     "sage_opd": ({"sage_proxy_skip_above": 1.0}, {"sage_proxy_skip_above": 0.95}),
@@ -95,9 +97,10 @@ def best(runs: list[dict], knobs_too: bool = True) -> tuple[float, dict] | None:
 
 
 def planned(phase: str, name: str, out: Path, seeds: list[int],
-            lr: float | None = None, lrs: list[float] | None = None) -> list[tuple[float, dict, int]]:
+            lr: float | None = None, lrs: list[float] | None = None,
+            settings: list[dict] | None = None) -> list[tuple[float, dict, int]]:
     """The runs of `phase` for objective `name`; `lr` replaces the best lr so far (knobs),
-    `lrs` the grid (lr)."""
+    `lrs` the grid (lr), `settings` KNOBS[name] (knobs)."""
     from ctopd_jax.demo.compare import pair_of
 
     if phase == "shipped":
@@ -111,7 +114,7 @@ def planned(phase: str, name: str, out: Path, seeds: list[int],
         return []
     lr, knobs = (lr or chosen[0]), (chosen[1] if chosen else {})
     if phase == "knobs":
-        return [(lr, k, s) for k in KNOBS.get(name, ()) for s in seeds]
+        return [(lr, k, s) for k in (settings or KNOBS.get(name, ())) for s in seeds]
     return [(lr, knobs, s) for s in seeds]
 
 
@@ -225,6 +228,8 @@ def main(argv=None) -> int:
                     help="knobs: sweep them at this lr instead of the best one so far")
     ap.add_argument("--lrs", type=float, nargs="+", default=None,
                     help="lr: these learning rates instead of the pair's grid (a slice of it)")
+    ap.add_argument("--knobs", type=json.loads, nargs="+", default=None,
+                    help='knobs: these settings (JSON objects, e.g. \'{"gkd_beta": 1.0}\') instead of KNOBS')
     args = ap.parse_args(argv)
     unknown = [n for n in args.objectives if n not in OBJECTIVES]
     if unknown:
@@ -238,7 +243,7 @@ def main(argv=None) -> int:
         return 0
     seeds = args.seeds or ([0, 1, 2] if args.phase in ("seeds", "shipped") else [0])
     baselines: dict = {}
-    per_objective = [[(name, *p) for p in planned(args.phase, name, args.out, seeds, args.lr, args.lrs)]
+    per_objective = [[(name, *p) for p in planned(args.phase, name, args.out, seeds, args.lr, args.lrs, args.knobs)]
                      for name in args.objectives]
     queue = [r for grid_point in itertools.zip_longest(*per_objective) for r in grid_point if r]
     for name, lr, knobs, seed in queue:

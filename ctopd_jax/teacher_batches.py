@@ -3,7 +3,9 @@
     collected = collect(teachers, config, objective, prompts, seed, timer, rollout_index)
     for pieces in update_pieces(collected, train_batch_size, several=bool(config.teachers)):
         ...  # (name, host batch, first, last sample, offset in the iteration) per piece
-    metrics.update(teacher_metrics(collected, sums_by_teacher, coverage, objective))
+    sums = IterationSums(collected)
+    ...  # sums.add(name, micro-batch sums, micro-batch metrics) per micro-batch
+    metrics = sums.metrics(objective, collected, update_infos, coverage, several)
 
 Decisions: teacher g's prompts sample with seed + g, so teachers do not share random streams
 (g = 0 is the single-teacher seed); with several teachers one update covers every teacher's
@@ -18,6 +20,7 @@ import numpy as np
 
 from ctopd_jax.teacher_service.batch_rows import score_teacher_batch
 from ctopd_jax.routing import route_rows
+from ctopd_jax.step.grad import scalar
 
 
 def collect(teachers: dict, config, objective, prompts, seed: int, timer, rollout_index: int) -> dict[str, Any]:
@@ -78,3 +81,50 @@ def teacher_metrics(collected: dict[str, Any], by_teacher: dict, coverage: dict,
         metrics.update({f"{name}/samples": host.size, f"{name}/student_response_tokens": int(own),
                         **{f"{name}/{k}": v for k, v in coverage[name].items()}})
     return metrics
+
+
+class IterationSums:
+    """What an iteration's micro-batches add up to: each objective sum, over the iteration and
+    per teacher, and the objective's (numerator, denominator) metrics."""
+
+    def __init__(self, names):
+        self.total: dict[str, float] = {}
+        self.by_teacher: dict[str, dict[str, float]] = {name: {} for name in names}
+        self.parts: dict[str, list] = {}
+
+    def add(self, name: str, sums: dict, metrics: dict) -> None:
+        for k, v in sums.items():
+            v = scalar(v)
+            self.total[k] = self.total.get(k, 0.0) + v
+            self.by_teacher[name][k] = self.by_teacher[name].get(k, 0.0) + v
+        for k, (num, den) in metrics.items():  # den None: a count, reported as the total
+            part = self.parts.setdefault(k, [0.0, None if den is None else 0.0])
+            part[0] += scalar(num)
+            part[1] = None if den is None else part[1] + scalar(den)
+
+    def metrics(self, objective, collected: dict[str, Any], infos: list[dict], coverage: dict,
+                several: bool) -> dict[str, Any]:
+        """The iteration's metrics: losses over its student response tokens, the last update's
+        lr and gradient norm, rollout counts, and coverage (per teacher with several)."""
+        hosts = list(collected.values())
+        tokens = max(sum(host.tokens(0, host.size) for host in hosts), 1.0)
+        metrics = loss_metrics(objective, self.total, tokens)
+        for k, (num, den) in self.parts.items():
+            if den is None or den:  # no log-prob gap when no re-tokenized response equals its samples
+                metrics[k] = num if den is None else num / den
+        metrics.update({
+            "lr": infos[-1]["lr"], "grad_norm": infos[-1]["grad_norm"],
+            "update_applied": min(i["update_applied"] for i in infos),
+            "response_length": float(np.mean(np.concatenate([h.student.response_lens for h in hosts]))),
+            "truncated_samples": sum(r == "length" for h in hosts for r in h.finish_reasons),
+            "rollout_shard_samples": sum(h.shard_samples for h in hosts),
+            "student_response_tokens": int(tokens),
+            "strict_pairs": sum(h.alignment.num_pairs for h in hosts)})
+        if several:
+            metrics.update(teacher_metrics(collected, self.by_teacher, coverage, objective))
+        else:
+            (name, cov), = coverage.items()
+            metrics.update(cov)
+        for host in hosts:
+            metrics.update({k: v for k, v in (host.turn_stats or {}).items() if v is not None})
+        return metrics

@@ -160,9 +160,7 @@ class Trainer:
                                             seed, timer, rollout_index)
         coverage = {name: self.coverage[name].update(host.alignment) for name, host in collected.items()}
         accumulation = o.train_batch_size // o.micro_batch_size
-        sums: dict[str, float] = {}
-        by_teacher = {name: {} for name in collected}   # name -> its micro-batches' sums
-        metric_parts: dict[str, list[float]] = {}
+        sums = teacher_batches.IterationSums(collected)
         infos = []
         for pieces in teacher_batches.update_pieces(collected, o.train_batch_size, bool(self.config.teachers)):
             total = sum(host.tokens(a, b) for _, host, a, b, _ in pieces)
@@ -174,14 +172,7 @@ class Trainer:
                         self.teachers[name], host, start, stop, total, accumulation, grads, timer,
                         lora.train_dropout(self.config, dropout_key, offset + start))
                     loss = loss + l
-                    for k, v in s.items():
-                        v = scalar(v)
-                        sums[k] = sums.get(k, 0.0) + v
-                        by_teacher[name][k] = by_teacher[name].get(k, 0.0) + v
-                    for k, (num, den) in m.items():  # den None: a count, reported as the total
-                        part = metric_parts.setdefault(k, [0.0, None if den is None else 0.0])
-                        part[0] += scalar(num)
-                        part[1] = None if den is None else part[1] + scalar(den)
+                    sums.add(name, s, m)
             with timer("student"):
                 self.params, self.opt_state, info = self.apply_update(
                     self.params, self.opt_state, grads, loss, np.int32(self.update_count))
@@ -190,32 +181,9 @@ class Trainer:
         with timer("sync"):
             nnx.update(self.student, self.params)
             self.engine.update_weights(self.student)
-        hosts = list(collected.values())
-        return (self._metrics(collected, sums, by_teacher, metric_parts, infos, coverage),
-                [record for host in hosts for record in host.mismatch_samples()])
-
-    def _metrics(self, collected, sums, by_teacher, metric_parts, infos, coverage) -> dict[str, Any]:
-        hosts = list(collected.values())
-        tokens = max(sum(host.tokens(0, host.size) for host in hosts), 1.0)
-        metrics = teacher_batches.loss_metrics(self.objective, sums, tokens)
-        for k, (num, den) in metric_parts.items():
-            if den is None or den:  # no log-prob gap when no re-tokenized response equals its samples
-                metrics[k] = num if den is None else num / den
-        metrics.update({
-            "lr": infos[-1]["lr"], "grad_norm": infos[-1]["grad_norm"],
-            "update_applied": min(i["update_applied"] for i in infos),
-            "response_length": float(np.mean(np.concatenate([h.student.response_lens for h in hosts]))),
-            "truncated_samples": sum(r == "length" for h in hosts for r in h.finish_reasons),
-            "rollout_shard_samples": sum(h.shard_samples for h in hosts),
-            "student_response_tokens": int(tokens),
-            "strict_pairs": sum(h.alignment.num_pairs for h in hosts)})
-        if not self.config.teachers:
-            metrics.update(coverage[self.default_teacher])
-        else:
-            metrics.update(teacher_batches.teacher_metrics(collected, by_teacher, coverage, self.objective))
-        for host in hosts:
-            metrics.update({k: v for k, v in (host.turn_stats or {}).items() if v is not None})
-        return metrics
+        metrics = sums.metrics(self.objective, collected, infos, coverage,
+                               several=bool(self.config.teachers))
+        return metrics, [record for host in collected.values() for record in host.mismatch_samples()]
 
     # -- the loop ---------------------------------------------------------------------------
     def _checkpoint_meta(self) -> dict[str, Any]:

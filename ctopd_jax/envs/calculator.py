@@ -23,6 +23,7 @@ import ast
 import math
 import operator
 import re
+import warnings
 from typing import Any
 
 from ctopd_jax.envs.base import EnvConfigError, StepResult
@@ -99,7 +100,9 @@ def evaluate(expression: str) -> int | float:
         if depth > MAX_DEPTH:
             raise CalcError(f"parentheses nested deeper than {MAX_DEPTH}")
     try:
-        tree = ast.parse(expression, mode="eval")
+        with warnings.catch_warnings():   # a model's "3x" is a refused call, not a warning on stderr
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(expression, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         raise CalcError("cannot parse the expression") from None
     nodes = list(ast.walk(tree))

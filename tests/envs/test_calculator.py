@@ -153,3 +153,9 @@ def test_through_run_step():
     env = _env(42)
     assert run_step(env, "<calc>6*7</calc>", 5.0) == StepResult("<result>42</result>", 0.0, False)
     assert run_step(env, "The answer is 42.", 5.0) == StepResult("", 1.0, True)
+
+
+def test_a_malformed_number_is_refused_without_a_warning(recwarn):
+    value, _ = _calc(_env(), "3and 4")   # Python warns "invalid decimal literal" parsing it
+    assert value.startswith("error: ")
+    assert not [w for w in recwarn if issubclass(w.category, SyntaxWarning)]
