@@ -123,8 +123,8 @@ class IterationSums:
         if several:
             metrics.update(teacher_metrics(collected, self.by_teacher, coverage, objective))
         else:
-            (name, cov), = coverage.items()
-            metrics.update(cov)
+            (one_teacher,) = coverage.values()
+            metrics.update(one_teacher)
         for host in hosts:
             metrics.update({k: v for k, v in (host.turn_stats or {}).items() if v is not None})
         return metrics
