@@ -70,6 +70,11 @@ KNOBS = {
 }
 
 
+def setting_key(knob: str) -> str:
+    """The config key of a knob: an algorithm field by its name, any other key dotted."""
+    return knob if "." in knob else f"algorithm.{knob}"
+
+
 def run_id(lr: float, knobs: dict, seed: int) -> str:
     parts = [f"lr{lr:g}"] + [f"{k}-{v}" for k, v in sorted(knobs.items())] + [f"s{seed}"]
     return "__".join(parts)
@@ -127,8 +132,7 @@ def run(name: str, lr: float, knobs: dict, seed: int, steps: int, out: Path, pro
         return json.loads(path.read_text())
     started = time.perf_counter()
     row = train_and_grade(name, pair_of(name), out / "runs" / name / path.stem, steps, seed, "strict",
-                          (f"optimizer.lr={lr}", *(f"{k if '.' in k else 'algorithm.' + k}={v}"
-                                                   for k, v in knobs.items())),
+                          (f"optimizer.lr={lr}", *(f"{setting_key(k)}={v}" for k, v in knobs.items())),
                           problems, baselines)
     row.update(knobs=knobs, lr=lr, wall_seconds=round(time.perf_counter() - started, 1),
                finished_at=time.time())
@@ -210,7 +214,7 @@ def report(out: Path, names: list[str]) -> str:
     yaml_lines = []
     for name, s in summary.items():
         yaml_lines += [f"{name}:", f"  optimizer.lr: {s['lr']:.1e}"]
-        yaml_lines += [f"  algorithm.{k}: {v}" for k, v in s["knobs"].items()]
+        yaml_lines += [f"  {setting_key(k)}: {v}" for k, v in s["knobs"].items()]
     return "\n".join(lines) + "\n\nconfigs/demo_recipes.yaml entries:\n" + "\n".join(yaml_lines)
 
 
