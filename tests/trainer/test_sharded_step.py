@@ -29,11 +29,17 @@ M = 8  # one micro-batch: one sample per batch shard
 @pytest.fixture
 def no_persistent_cache():
     """This step's 8-device programs compile once per suite, so the shared persistent cache gains
-    nothing here; writing (or reading back) them has crashed the process (SIGSEGV inside jaxlib)
-    in two suite runs, so this test keeps them in memory only."""
+    nothing here, and serializing them for it (`executable.serialize()` in the cache write) has
+    killed the suite's process inside jaxlib (SIGSEGV / abort) in three suite runs, never alone.
+    So they stay in memory: the cache decides once whether it is used, so it is reset around
+    the switch."""
+    from jax.experimental.compilation_cache import compilation_cache
+
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     yield
     jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
 
 
 def gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
