@@ -53,9 +53,9 @@ def trainers(out: Path, lr: float, seed: int, opd2_base: str) -> dict:
     built = {}
     for name in OBJECTIVES:
         path = write_config(name, out / "configs", pair="char")
+        base = [f"model.teacher_base={opd2_base}"] if name == "opd2" else []   # only opd2 reads one
         built[name] = Trainer(load_config(path, [f"optimizer.lr={lr}", f"seed={seed}", f"output_dir={out / name}",
-                                                 f"model.teacher_base={opd2_base}",
-                                                 "logging.progress=false", "logging.tensorboard=false"]))
+                                                 *base, "logging.progress=false", "logging.tensorboard=false"]))
     return built
 
 
@@ -99,12 +99,11 @@ def main(argv=None) -> int:
         print("--batches must be >= 2 (the exact gradient's batch-to-batch cosine needs two)", file=sys.stderr)
         return 2
     rows = gradients(trainers(args.out, args.lr, args.seed, args.opd2_base), args.batches, args.seed)
-    median = lambda values: statistics.median(values)
-    summary = {f"cos({k}, opd_full) same responses": median([cos(r[k], r["opd_full"]) for r in rows])
+    summary = {f"cos({k}, opd_full) same responses": statistics.median([cos(r[k], r["opd_full"]) for r in rows])
                for k in SAMPLED}
-    summary.update({f"|{k}| / |opd_full|": median([np.linalg.norm(r[k]) / np.linalg.norm(r["opd_full"])
+    summary.update({f"|{k}| / |opd_full|": statistics.median([np.linalg.norm(r[k]) / np.linalg.norm(r["opd_full"])
                                                    for r in rows]) for k in SAMPLED})
-    summary.update({f"cos({k}, {k} of the next batch)": median([cos(a[k], b[k]) for a, b in zip(rows, rows[1:])])
+    summary.update({f"cos({k}, {k} of the next batch)": statistics.median([cos(a[k], b[k]) for a, b in zip(rows, rows[1:])])
                     for k in OBJECTIVES})
     mean_opd = np.mean([r["opd"] for r in rows], axis=0)
     mean_full = np.mean([r["opd_full"] for r in rows], axis=0)
