@@ -1,6 +1,7 @@
 """How noisy is the sampled OPD gradient against the exact one on the same responses? (issue 23)
 
-    python benchmarks/opd_gradient_noise.py [--batches 8] [--lr 1e-4]
+    python benchmarks/opd_gradient_noise.py [--batches 8] [--lr 1e-4] [--top-p 0.95]
+        [--opd2-base demo:char_student] [--opd2-temperature 1.0]
 
 On the character pair (configs/tiny_cpu_same.yaml, the starting student), each of `--batches`
 rollout batches (64 responses, sampled once by the student) gives the first optimizer step's
@@ -19,6 +20,13 @@ and each objective's cos(g of this batch, g of the next batch); opd_full's is th
 same signal". When the sampled
 gradient's cosine to the exact one on the same responses is far below the exact gradient's own
 batch-to-batch cosine, a step of the sampled estimator is mostly noise at that batch size.
+
+Also, per objective, the lm_head columns of the "tail": the tokens that appear in no sampled
+response or prompt of any batch (characters the task never writes). Their gradient is tiny, but
+AdamW divides each entry by its own running RMS, so what sets their step is how consistently its
+sign repeats from batch to batch: `sign agreement` is the fraction of tail entries whose sign is
+the same in consecutive batches (0.5: random, 1: constant); the same for the
+columns of the tokens the batches do write, for contrast.
 """
 from __future__ import annotations
 
@@ -45,7 +53,7 @@ def cos(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-def trainers(out: Path, lr: float, seed: int, opd2_base: str) -> dict:
+def trainers(out: Path, lr: float, seed: int, opd2_base: str, opd2_temperature: float, top_p: float) -> dict:
     from ctopd_jax.config import load_config
     from ctopd_jax.demo.compare import write_config
     from ctopd_jax.trainer import Trainer
@@ -53,15 +61,24 @@ def trainers(out: Path, lr: float, seed: int, opd2_base: str) -> dict:
     built = {}
     for name in OBJECTIVES:
         path = write_config(name, out / "configs", pair="char")
-        base = [f"model.teacher_base={opd2_base}"] if name == "opd2" else []   # only opd2 reads one
+        base = ([f"model.teacher_base={opd2_base}", f"algorithm.opd2_temperature={opd2_temperature}"]
+                if name == "opd2" else [])   # only opd2 reads them
         built[name] = Trainer(load_config(path, [f"optimizer.lr={lr}", f"seed={seed}", f"output_dir={out / name}",
-                                                 *base, "logging.progress=false", "logging.tensorboard=false"]))
+                                                 f"rollout.top_p={top_p}", *base, "logging.progress=false",
+                                                 "logging.tensorboard=false"]))
     return built
+
+
+def lm_head_of(grads) -> np.ndarray:
+    import jax
+    (leaf,) = [x for path, x in jax.tree_util.tree_flatten_with_path(grads)[0] if "lm_head" in jax.tree_util.keystr(path)]
+    return np.asarray(leaf, np.float64)
 
 
 def gradients(built: dict, batches: int, seed: int) -> list[dict[str, np.ndarray]]:
     """Per batch, each objective's gradient (one micro-batch of the whole batch) on the
-    responses that the first trainer's collector sampled."""
+    responses that the first trainer's collector sampled; row["lm_head <objective>"] is its
+    [H, V] lm_head part, row["seen"] the token ids in the batch."""
     from ctopd_jax import teacher_batches
     from ctopd_jax.metrics import StepTimer
     from ctopd_jax.step.grad import zero_grads
@@ -72,17 +89,33 @@ def gradients(built: dict, batches: int, seed: int) -> list[dict[str, np.ndarray
         timer = StepTimer()
         (name, host), = teacher_batches.collect(first.teachers, first.config, first.objective,
                                                 first.stream.next_batch(), seed + b, timer, b).items()
-        row = {}
+        row = {"seen": set(np.unique(host.student.input_ids).tolist())}
         for objective, trainer in built.items():
             _, _, _, grads = trainer.micro_batch(trainer.teachers[name], host, 0, host.size,
                                                  host.tokens(0, host.size), 1, zero_grads(trainer.params),
                                                  timer, None)
             row[objective] = flat(grads)
+            row[f"lm_head {objective}"] = lm_head_of(grads)
         out.append(row)
         print(f"[opd_gradient_noise] batch {b}: " + ", ".join(
             f"cos({k}, opd_full) {cos(row[k], row['opd_full']):.3f}, "
             f"|{k}|/|opd_full| {np.linalg.norm(row[k]) / np.linalg.norm(row['opd_full']):.2f}"
             for k in SAMPLED), flush=True)
+    return out
+
+
+def tail_rows(rows: list[dict]) -> dict[str, float]:
+    """Sign agreement between consecutive batches of the tail tokens' lm_head gradient, against
+    the same for the tokens the batches do write."""
+    vocab = rows[0]["lm_head opd"].shape[1]
+    tail = np.array(sorted(set(range(vocab)) - set().union(*(r["seen"] for r in rows))))
+    used = np.array(sorted(set().union(*(r["seen"] for r in rows))))
+    out = {"tail tokens (of the vocabulary)": float(len(tail))}
+    for k in OBJECTIVES:
+        for name, cols in (("tail", tail), ("written", used)):
+            signs = [np.sign(r[f"lm_head {k}"][:, cols]) for r in rows]
+            out[f"{k}: {name} sign agreement"] = statistics.median(
+                float(np.mean(a == b)) for a, b in zip(signs, signs[1:]))
     return out
 
 
@@ -93,18 +126,26 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--opd2-base", default="demo:char_teacher_base",
                     help="opd2's model.teacher_base (demo:char_student: the starting student)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="the rollouts' top_p (the demo recipes': 0.95)")
+    ap.add_argument("--opd2-temperature", type=float, default=0.7,
+                    help="opd2's softmax temperature (1.0 with --opd2-base demo:char_student: at the "
+                         "starting student opd2's gradient is then 0.1 x vopd's, the responses being "
+                         "sampled at temperature 1)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "opd_gradient_noise")
     args = ap.parse_args(argv)
     if args.batches < 2:
         print("--batches must be >= 2 (the exact gradient's batch-to-batch cosine needs two)", file=sys.stderr)
         return 2
-    rows = gradients(trainers(args.out, args.lr, args.seed, args.opd2_base), args.batches, args.seed)
+    rows = gradients(trainers(args.out, args.lr, args.seed, args.opd2_base, args.opd2_temperature, args.top_p), args.batches, args.seed)
     summary = {f"cos({k}, opd_full) same responses": statistics.median([cos(r[k], r["opd_full"]) for r in rows])
                for k in SAMPLED}
     summary.update({f"|{k}| / |opd_full|": statistics.median([np.linalg.norm(r[k]) / np.linalg.norm(r["opd_full"])
                                                    for r in rows]) for k in SAMPLED})
     summary.update({f"cos({k}, {k} of the next batch)": statistics.median([cos(a[k], b[k]) for a, b in zip(rows, rows[1:])])
                     for k in OBJECTIVES})
+    summary["cos(opd2, vopd) same responses"] = statistics.median(cos(r["opd2"], r["vopd"]) for r in rows)
+    summary["|opd2| / |vopd|"] = statistics.median(np.linalg.norm(r["opd2"]) / np.linalg.norm(r["vopd"]) for r in rows)
+    summary.update(tail_rows(rows))
     mean_opd = np.mean([r["opd"] for r in rows], axis=0)
     mean_full = np.mean([r["opd_full"] for r in rows], axis=0)
     summary[f"cos(mean of {len(rows)} opd, mean of {len(rows)} opd_full)"] = cos(mean_opd, mean_full)

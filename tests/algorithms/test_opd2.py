@@ -48,3 +48,30 @@ def test_values_and_gradients_match_torch():
     ref.backward()
     assert value == pytest.approx(ref.item(), rel=1e-4, abs=1e-6)
     np.testing.assert_allclose(grad, zs.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_metrics_count_kept_and_unopposed_tokens():
+    """opd2_kept_fraction: tokens whose A^Δ and A^OPD agree in sign; opd2_unopposed_fraction:
+    A^Δ > 0 while A^OPD < 0 (the student already above the teacher, the gate drops the pull
+    back). Numpy reference with k = V at temperature 1; the SPEC-style example row
+    π_θ = (.2,.7,.1), π_T = (.6,.3,.1), π_B = (.8,.1,.1) is unopposed at token 1."""
+    from same_helpers import step_inputs
+
+    rows, vocab = 9, 6
+    s, t, b = random_logits(50, rows, vocab), random_logits(51, rows, vocab), random_logits(52, rows, vocab)
+    s[0], t[0], b[0] = np.log([.2, .7, .1, 1e-9, 1e-9, 1e-9]), np.log([.6, .3, .1, 1e-9, 1e-9, 1e-9]), \
+        np.log([.8, .1, .1, 1e-9, 1e-9, 1e-9])
+    y = np.random.default_rng(53).integers(0, vocab, rows)
+    y[0] = 1
+    obj = Opd2(Opd2Settings(name="opd2", opd2_topk=vocab, opd2_temperature=1.0))
+    _, metrics = obj.kd_sums(step_inputs(s, t, y, base_logits=b))
+
+    def centred(reward, ls):
+        return reward[np.arange(rows), y] - (np.exp(ls) * reward).sum(-1)
+    ls, lt, lb = (x - np.logaddexp.reduce(x, axis=-1, keepdims=True) for x in (s.astype(np.float64), t, b))
+    a_opd, a_delta = centred(lt - ls, ls), centred(lt - lb, ls)
+    assert a_delta[0] > 0 > a_opd[0]
+    for name, expected in (("opd2_kept_fraction", np.mean(a_delta * a_opd > 0)),
+                           ("opd2_unopposed_fraction", np.mean((a_delta > 0) & (a_opd < 0)))):
+        num, den = metrics[name]
+        assert float(num) / float(den) == pytest.approx(expected)

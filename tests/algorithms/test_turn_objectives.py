@@ -14,6 +14,7 @@ from ctopd_jax.algorithms.tcod import b2f_prefix, f2b_turns
 from ctopd_jax.config import ConfigError, from_dict
 from ctopd_jax.turns import group_advantage
 
+from divergences import log_softmax
 from same_helpers import random_logits, step_inputs
 
 # two samples of 6 rows; turns within each sample
@@ -34,11 +35,6 @@ def inputs(s_logits, t_logits, targets, old, outcome=None, judgment=None):
                     "outcome_advantage": jnp.asarray(np.zeros(rows) if outcome is None else outcome, jnp.float32),
                     "turn_judgment": jnp.asarray(np.full(rows, -1.0) if judgment is None else judgment, jnp.float32)})
     return x
-
-
-def log_softmax(z):
-    z = z - z.max(-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
 def value_and_grad(obj, name, s, t, targets, old, **kw):
