@@ -76,7 +76,8 @@ def setting_key(knob: str) -> str:
 
 
 def run_id(lr: float, knobs: dict, seed: int) -> str:
-    parts = [f"lr{lr:g}"] + [f"{k}-{v}" for k, v in sorted(knobs.items())] + [f"s{seed}"]
+    """The run's file name: lr, knobs, seed (a path among the values is written with "_" for "/")."""
+    parts = [f"lr{lr:g}"] + [f"{k}-{str(v).replace('/', '_')}" for k, v in sorted(knobs.items())] + [f"s{seed}"]
     return "__".join(parts)
 
 

@@ -36,3 +36,5 @@ def test_knobs_at_a_given_lr_run_without_earlier_runs(tmp_path):
     assert sweep.planned("seeds", "gkd", tmp_path, [0], lr=3e-4) == []
     assert sweep.run_id(3e-4, {"rollout.top_p": 0.95, "opd_clip": "ppo"}, 1) == \
         "lr0.0003__opd_clip-ppo__rollout.top_p-0.95__s1"
+    # a path among the values stays one file name (not folders)
+    assert sweep.run_id(1e-4, {"model.teacher_base": "/tmp/base"}, 0) == "lr0.0001__model.teacher_base-_tmp_base__s0"
