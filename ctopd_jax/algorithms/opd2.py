@@ -8,6 +8,7 @@ Per response position t with sampled token y (SPEC §9):
                                             p̃_θ = π_θ renormalised on those k (our choice, as
                                             SPEC says: the paper's is unverified)
     A_t = A^Δ_t where A^Δ_t · A^OPD_t > 0, else 0
+          (`opd2_disagree: opd`, ours, off by default: else A^OPD_t)
     loss −Σ_t stop_grad(s · A_t) · log π_θ(y_t)
 
 s = `opd2_reward_scale` 0.1 multiplies every reward (the gate is sign based, unchanged by s).
@@ -41,6 +42,10 @@ class Opd2Settings(SameTokenizerSettings):
     opd2_topk: int = 1024
     opd2_reward_scale: float = 0.1
     opd2_temperature: float = 0.7
+    # where A^Δ and A^OPD disagree in sign: "drop" (the paper's gate: A = 0) or "opd" (ours: A =
+    # A^OPD, so a token the student already samples more than the teacher is still pulled back;
+    # docs/objectives.md, benchmarks/RESULTS.md issue 23)
+    opd2_disagree: Literal["drop", "opd"] = "drop"
     gap_logprobs: Literal["rollout", "recomputed"] = "recomputed"   # OPD² reads π_θ itself
 
     def validate(self) -> None:
@@ -50,11 +55,11 @@ class Opd2Settings(SameTokenizerSettings):
         require(self.opd2_temperature > 0, "algorithm.opd2_temperature", "must be > 0")
 
 
-def opd2_advantages(lp_s, lp_t, lp_b, centre_opd, centre_delta):
+def opd2_advantages(lp_s, lp_t, lp_b, centre_opd, centre_delta, disagree="drop"):
     """(A_t, A^Δ_t, A^OPD_t) from the sampled-token log-probs and the centring expectations."""
     a_opd = (lp_t - lp_s) - centre_opd
     a_delta = (lp_t - lp_b) - centre_delta
-    return jnp.where(a_delta * a_opd > 0, a_delta, 0.0), a_delta, a_opd
+    return jnp.where(a_delta * a_opd > 0, a_delta, 0.0 if disagree == "drop" else a_opd), a_delta, a_opd
 
 
 @register("opd2")
@@ -81,7 +86,7 @@ class Opd2(SameTokenizerObjective):
             [(rows, x.lm_head), (x.teacher_hidden, x.teacher_lm_head), base],
             temperature=tau, chunk_rows=s.chunked_loss_size)
         adv, a_delta, a_opd = opd2_advantages(jax.lax.stop_gradient(logp), lp_t, lp_b,
-                                              centres[:, 0], centres[:, 1])
+                                              centres[:, 0], centres[:, 1], s.opd2_disagree)
         adv = jax.lax.stop_gradient(s.opd2_reward_scale * adv)
         w = b["response_weight"]
         # opd2_unopposed_fraction: tokens the student already samples more than the teacher

@@ -30,21 +30,24 @@ def test_spec_check_values():
 
 
 def test_gate_rule():
-    a, d, o = opd2_advantages(np.array([0.0, 0.0, 0.0]), np.array([1.0, 1.0, -1.0]),
-                              np.array([0.5, 2.0, 0.0]), np.array([0.0, 0.0, 0.0]),
-                              np.array([0.0, 0.0, 0.0]))
+    args = (np.array([0.0, 0.0, 0.0]), np.array([1.0, 1.0, -1.0]), np.array([0.5, 2.0, 0.0]),
+            np.array([0.0, 0.0, 0.0]), np.array([0.0, 0.0, 0.0]))
+    a, d, o = opd2_advantages(*args)
     assert np.asarray(a).tolist() == [0.5, 0.0, -1.0]  # kept, gated (signs differ), kept
+    a, d, o = opd2_advantages(*args, disagree="opd")
+    assert np.asarray(a).tolist() == [0.5, 1.0, -1.0]  # where the signs differ: A^OPD
 
 
-def test_values_and_gradients_match_torch():
+@pytest.mark.parametrize("disagree", ["drop", "opd"])
+def test_values_and_gradients_match_torch(disagree):
     rows, vocab, k = 7, 10, 4
     s, t, b = random_logits(40, rows, vocab), random_logits(41, rows, vocab), random_logits(42, rows, vocab)
     y = np.random.default_rng(43).integers(0, vocab, rows)
-    obj = Opd2(Opd2Settings(name="opd2", opd2_topk=k, chunked_loss_size=3))
+    obj = Opd2(Opd2Settings(name="opd2", opd2_topk=k, chunked_loss_size=3, opd2_disagree=disagree))
     value, grad = objective_sum(obj, s, t, y, "opd2", base_logits=b)
     zs = torch.tensor(s, dtype=torch.float64, requires_grad=True)
     ref = torch_opd.opd2_loss(zs, torch.tensor(t, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
-                              y, k, scale=0.1, temperature=0.7)
+                              y, k, scale=0.1, temperature=0.7, disagree=disagree)
     ref.backward()
     assert value == pytest.approx(ref.item(), rel=1e-4, abs=1e-6)
     np.testing.assert_allclose(grad, zs.grad.numpy(), rtol=1e-4, atol=1e-6)

@@ -71,9 +71,10 @@ def vopd_advantages(s_logits, t_logits):
     return lt - ls + kl(ls, lt)[:, None]
 
 
-def opd2_advantages(s_logits, t_logits, b_logits, targets, k: int, temperature: float = 1.0):
+def opd2_advantages(s_logits, t_logits, b_logits, targets, k: int, temperature: float = 1.0,
+                    disagree: str = "drop"):
     """Gated A_t of OPD² (before the reward scale): centred over the student's top-k with the
-    student's probabilities renormalised there."""
+    student's probabilities renormalised there; where the signs differ, 0 ("drop") or A^OPD ("opd")."""
     ls, lt, lb = (log_probs(z, temperature) for z in (s_logits, t_logits, b_logits))
     idx = torch.topk(ls, k, dim=-1).indices
     q = torch.softmax(ls.gather(-1, idx), dim=-1)
@@ -83,12 +84,13 @@ def opd2_advantages(s_logits, t_logits, b_logits, targets, k: int, temperature: 
     y = torch.as_tensor(targets, dtype=torch.long).view(-1, 1)
     a_opd = r_opd.gather(-1, y)[:, 0] - c_opd
     a_delta = r_delta.gather(-1, y)[:, 0] - c_delta
-    return torch.where(a_opd * a_delta > 0, a_delta, torch.zeros_like(a_delta))
+    return torch.where(a_opd * a_delta > 0, a_delta, torch.zeros_like(a_delta) if disagree == "drop" else a_opd)
 
 
-def opd2_loss(s_logits, t_logits, b_logits, targets, k: int, scale: float, temperature: float):
+def opd2_loss(s_logits, t_logits, b_logits, targets, k: int, scale: float, temperature: float,
+              disagree: str = "drop"):
     """−Σ_t stop_grad(s·A_t) log π_θ(y_t) (softmaxes at `temperature`)."""
-    adv = opd2_advantages(s_logits.detach(), t_logits, b_logits, targets, k, temperature)
+    adv = opd2_advantages(s_logits.detach(), t_logits, b_logits, targets, k, temperature, disagree)
     y = torch.as_tensor(targets, dtype=torch.long).view(-1, 1)
     lp = log_probs(s_logits, temperature).gather(-1, y)[:, 0]
     return -(scale * adv.detach() * lp).sum()
