@@ -90,8 +90,8 @@ class Opd2(SameTokenizerObjective):
         adv = jax.lax.stop_gradient(s.opd2_reward_scale * adv)
         w = b["response_weight"]
         # opd2_unopposed_fraction: tokens the student already samples more than the teacher
-        # (A^OPD < 0) while the teacher beats the base there (A^Δ > 0): the gate drops them, so
-        # nothing pulls such a token back down (benchmarks/RESULTS.md, issue 23)
+        # (A^OPD < 0) while the teacher beats the base there (A^Δ > 0); the paper's gate (`drop`)
+        # gives them no gradient, so nothing pulls them back down (benchmarks/RESULTS.md, issue 23)
         metrics = {"opd2_kept_fraction": (jnp.sum(w * (a_delta * a_opd > 0)), jnp.sum(w)),
                    "opd2_unopposed_fraction": (jnp.sum(w * ((a_delta > 0) & (a_opd < 0))), jnp.sum(w)),
                    "opd2_advantage": (jnp.sum(w * adv), jnp.sum(w))}
