@@ -78,3 +78,21 @@ def test_metrics_count_kept_and_unopposed_tokens():
                            ("opd2_unopposed_fraction", np.mean((a_delta > 0) & (a_opd < 0)))):
         num, den = metrics[name]
         assert float(num) / float(den) == pytest.approx(expected)
+
+
+def test_at_its_base_opd2_is_vopd_times_the_scale():
+    """With the student as its own base (θ = θ_B), temperature 1 and k = V, A^Δ = A^OPD = vOPD's
+    advantage g + KL_t, every token passes the gate, and OPD²'s gradient is vOPD's times the
+    reward scale (benchmarks/opd_gradient_noise.py measures the same on the demo's rollouts)."""
+    from ctopd_jax.algorithms.vopd import Vopd, VopdSettings
+
+    rows, vocab = 8, 12
+    s, t = random_logits(60, rows, vocab), random_logits(61, rows, vocab)
+    y = np.random.default_rng(62).integers(0, vocab, rows)
+    z = s.astype(np.float64)
+    old = (z - np.logaddexp.reduce(z, axis=-1, keepdims=True))[np.arange(rows), y]
+    opd2 = Opd2(Opd2Settings(name="opd2", opd2_temperature=1.0, opd2_topk=vocab, opd2_reward_scale=0.1))
+    _, g_opd2 = objective_sum(opd2, s, t, y, "opd2", base_logits=s)
+    _, g_vopd = objective_sum(Vopd(VopdSettings(name="vopd")), s, t, y, "vopd", old=old)
+    assert np.abs(g_vopd).max() > 1e-3
+    np.testing.assert_allclose(g_opd2, 0.1 * g_vopd, rtol=1e-4, atol=1e-6)
