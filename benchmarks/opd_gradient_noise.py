@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     if args.batches < 2:
         print("--batches must be >= 2 (the exact gradient's batch-to-batch cosine needs two)", file=sys.stderr)
         return 2
-    rows = gradients(trainers(args.out, args.lr, args.seed, args.opd2_base, args.opd2_temperature, args.top_p), args.batches, args.seed)
+    built = trainers(args.out, args.lr, args.seed, args.opd2_base, args.opd2_temperature, args.top_p)
+    rows = gradients(built, args.batches, args.seed)
     summary = {f"cos({k}, opd_full) same responses": statistics.median([cos(r[k], r["opd_full"]) for r in rows])
                for k in SAMPLED}
     summary.update({f"|{k}| / |opd_full|": statistics.median([np.linalg.norm(r[k]) / np.linalg.norm(r["opd_full"])

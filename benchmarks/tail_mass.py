@@ -11,8 +11,8 @@ the held-out problems' reference solutions (teacher-forced, every response posit
 - `entropy`: the mean next-token entropy, nats;
 - `early EOS`: the mean probability of EOS at the positions before the last (where it ends the
   answer too soon);
-- the same two for the teacher, whose label smoothing (0.02 of each target's mass spread over
-  the vocabulary) sets what the reverse KL asks the tail to hold.
+- rows for the teacher, whose label smoothing (0.02 of each target's mass spread over the
+  vocabulary) sets what the reverse KL asks the tail to hold, and for the starting student.
 
 Why it matters: the sampled OPD advantage averages −KL_t, and the exact reverse-KL gradient pulls
 the tail up to the teacher's smoothing floor; on the never-written tokens' lm_head columns both
@@ -42,7 +42,7 @@ def restored_student(run_dir: Path):
     tree["output_dir"] = str(run_dir)      # nothing is written: the trainer only restores
     trainer = Trainer(from_dict(tree))
     checkpointer = Checkpointer(run_dir / "checkpoints", every=0, keep=100, async_save=False)
-    step = trainer._resume(checkpointer)
+    step = trainer._resume(checkpointer)      # what `train(resume=True)` does before its first step
     checkpointer.close()
     if not step:
         raise SystemExit(f"{run_dir}: no checkpoint to restore; give a run directory that holds checkpoints/")
