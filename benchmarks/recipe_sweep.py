@@ -60,8 +60,10 @@ KNOBS = {
             {"optimizer.train_batch_size": 32, "optimizer.micro_batch_size": 32}),
     "opd_full": (TOP_P,),
     # the base: the teacher's 60-step snapshot (no response format yet) or the starting student
-    # (the format, not the skill: the paper's instruct base, in the demo's terms)
-    "opd2": ({"model.teacher_base": "demo:char_student"}, TOP_P),
+    # (the format, not the skill: the paper's instruct base, in the demo's terms); the gate's
+    # disagreeing tokens dropped (the paper) or given A^OPD (`opd2_disagree: opd`, ours)
+    "opd2": ({"model.teacher_base": "demo:char_student"}, TOP_P,
+             {"model.teacher_base": "demo:char_student", "opd2_disagree": "opd"}),
     "vopd": (TOP_P,),
     "mp_opd": ({"mp_opd_eos_atom": True}, {"mp_opd_mode": "grass_chunk", "mp_opd_eos_atom": True},
                {"mp_opd_mode": "fixed2"}, {"mp_opd_mode": "grass_chunk"}, {"mp_opd_mode": "align"}),
