@@ -41,16 +41,14 @@ def write_config(tmp_path):
     return write
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def compile_cache(tmp_path_factory):
-    """A persistent XLA cache shared with subprocesses so each program compiles once."""
-    import jax
-
-    path = str(tmp_path_factory.mktemp("xla_cache"))
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return path
+    """A persistent XLA cache for the tests' subprocesses (`subprocess_env`), so a program they
+    share compiles once. The pytest process itself does not use it: jaxlib crashed (segfault)
+    inside the cache write, `executable.serialize()`, in the long-lived suite process, on
+    different tests in different runs and never when a test ran alone; short-lived
+    subprocesses have not."""
+    return str(tmp_path_factory.mktemp("xla_cache"))
 
 
 def subprocess_env(compile_cache, devices=8, **extra):
