@@ -50,11 +50,11 @@ def restored_student(run_dir: Path):
 
 
 def stats(model, side, problems) -> dict[str, float]:
-    from ctopd_jax.demo.pretrain import _response_rows
+    from ctopd_jax.demo.pretrain import response_logprob_rows
 
     prompts = [side.render_prompt(p.prompt) for p in problems]
     solutions = [p.solution for p in problems]
-    rows = _response_rows(model, side, prompts, solutions)      # [response tokens + EOS, V] each
+    rows = response_logprob_rows(model, side, prompts, solutions)      # [response tokens + EOS, V] each
     written = set()
     for text in prompts + solutions:
         written.update(side.encode(text))

@@ -243,7 +243,7 @@ def tools_held_out_metrics(model: Decoder, side: TokenizerSide) -> dict:
                 for e in episodes) / n}
 
 
-def _response_rows(model: Decoder, side: TokenizerSide, prompts: list[str], responses: list[str]):
+def response_logprob_rows(model: Decoder, side: TokenizerSide, prompts: list[str], responses: list[str]):
     """Per sample, the model's next-token log-probs [response tokens + EOS, V] (teacher-forced)."""
     batch = retokenize(side, prompts, responses)
     positions = jnp.broadcast_to(jnp.arange(batch.seq_len, dtype=jnp.int32), batch.input_ids.shape)
@@ -278,11 +278,11 @@ def teacher_entropy_after_student_errors(teacher: Decoder, student: Decoder, sid
                 float(probs.max(-1).mean()) if len(rows) else None, len(rows))
     after_error = []
     if wrong:
-        teacher_rows = _response_rows(teacher, side, [w[0] for w in wrong], [w[1] for w in wrong])
+        teacher_rows = response_logprob_rows(teacher, side, [w[0] for w in wrong], [w[1] for w in wrong])
         for (_, r, ref), rows in zip(wrong, teacher_rows):
             first = next((i for i, (a, b) in enumerate(zip(r, ref)) if a != b), min(len(r), len(ref)))
             after_error.append(rows[first + 1:])   # row i predicts token i: prefixes holding token `first`
-    reference = _response_rows(teacher, side, prompts, [q.solution for q in problems])
+    reference = response_logprob_rows(teacher, side, prompts, [q.solution for q in problems])
     h_err, top1_err, n_err = stats(after_error)
     h_ref, top1_ref, _ = stats(reference)
     return {"student_sampled_accuracy": 1 - len(wrong) / len(problems),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from divergences import log_softmax
 from same_helpers import objective_sum, random_logits
 import torch_opd
 
@@ -71,7 +72,7 @@ def test_metrics_count_kept_and_unopposed_tokens():
 
     def centred(reward, ls):
         return reward[np.arange(rows), y] - (np.exp(ls) * reward).sum(-1)
-    ls, lt, lb = (x - np.logaddexp.reduce(x, axis=-1, keepdims=True) for x in (s.astype(np.float64), t, b))
+    ls, lt, lb = (log_softmax(x) for x in (s, t, b))
     a_opd, a_delta = centred(lt - ls, ls), centred(lt - lb, ls)
     assert a_delta[0] > 0 > a_opd[0]
     for name, expected in (("opd2_kept_fraction", np.mean(a_delta * a_opd > 0)),
@@ -89,8 +90,7 @@ def test_at_its_base_opd2_is_vopd_times_the_scale():
     rows, vocab = 8, 12
     s, t = random_logits(60, rows, vocab), random_logits(61, rows, vocab)
     y = np.random.default_rng(62).integers(0, vocab, rows)
-    z = s.astype(np.float64)
-    old = (z - np.logaddexp.reduce(z, axis=-1, keepdims=True))[np.arange(rows), y]
+    old = log_softmax(s)[np.arange(rows), y]
     opd2 = Opd2(Opd2Settings(name="opd2", opd2_temperature=1.0, opd2_topk=vocab, opd2_reward_scale=0.1))
     _, g_opd2 = objective_sum(opd2, s, t, y, "opd2", base_logits=s)
     _, g_vopd = objective_sum(Vopd(VopdSettings(name="vopd")), s, t, y, "vopd", old=old)
