@@ -7,8 +7,8 @@ some element-wise ops away and keeps a few extra copies (transposes, the embeddi
 scatter buffer), which moved the ratio between 0.86 and 1.08 over 12 shapes here. A term left
 out or counted twice is a factor of 1.5 to 3 at these shapes (the [T, T] scores alone are 3x the
 rest at T = 512), so the window separates "the formula is right" from "a term is wrong".
-Shapes are float32 because XLA CPU computes bf16 in float32 internally (DESIGN.md "Scale"), so
-a bf16 estimate could not be checked here.
+Shapes are float32 because XLA CPU computes bf16 in float32 internally (docs/architecture.md,
+"Scale"), so a bf16 estimate could not be checked here.
 """
 from __future__ import annotations
 
@@ -222,8 +222,8 @@ def test_activation_estimate_matches_compile_only_memory_analysis(attention, lay
 @pytest.mark.parametrize("layers", [2, 8])
 def test_remat_estimate_matches_a_scanned_layer_stack(layers):
     """The Decoder unrolls its layers, and XLA CPU ignores jax.checkpoint on unrolled layers
-    (DESIGN.md "Scale"), so remat is checked on the Decoder's own DecoderLayer under lax.scan,
-    where CPU honours it: L layer inputs plus one layer's live set, not L layers' sets."""
+    (docs/architecture.md, "Scale"), so remat is checked on the Decoder's own DecoderLayer under
+    lax.scan, where CPU honours it: L layer inputs plus one layer's live set, not L layers' sets."""
     import jax
     import jax.numpy as jnp
     from flax import nnx

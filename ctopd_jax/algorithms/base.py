@@ -1,4 +1,4 @@
-"""The objective interface the trainer drives (DESIGN.md, "The objective interface").
+"""The objective interface the trainer drives (docs/architecture.md, "The objective contract").
 
 An objective is one module in `algorithms/` that registers a class with:
 

@@ -1,4 +1,4 @@
-"""Independent PyTorch reference for MP-OPD credits (SPEC §8), written from SPEC.md only; it
+"""Independent PyTorch reference for MP-OPD credits (SPEC §8), written from docs/spec.md only; it
 shares no code with ctopd_jax.
 
 Inputs per sample: its atoms as (teacher token indices, student token indices), the response

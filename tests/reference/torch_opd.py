@@ -1,5 +1,5 @@
 """Independent PyTorch reference for the same-tokenizer OPD family (SPEC §9) and the §5 `jsd`
-it relates to. Written from SPEC.md only; it shares no code with ctopd_jax.
+it relates to. Written from docs/spec.md only; it shares no code with ctopd_jax.
 
 All functions take logits [R, V] (float64 or float32 tensors) and work per row over the full
 vocabulary, with log-softmax of logits / τ.

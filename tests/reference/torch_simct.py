@@ -1,4 +1,4 @@
-"""Independent PyTorch reference for SimCT (SPEC §7), written from SPEC.md only; it shares no
+"""Independent PyTorch reference for SimCT (SPEC §7), written from docs/spec.md only; it shares no
 code with ctopd_jax.
 
 Per sample the inputs are each side's response label ids (EOS last), their per-token decoded

@@ -1,6 +1,6 @@
 """Independent PyTorch reference for SPEC §6 (span loss) and the per-row full-vocabulary
-statistics it is built on, plus the byte grouping of SPEC §2 step 3. Written from SPEC.md only;
-it shares no code with ctopd_jax.
+statistics it is built on, plus the byte grouping of SPEC §2 step 3. Written from docs/spec.md
+only; it shares no code with ctopd_jax.
 
 * `token_rows`: logits = hidden @ lm_head / τ in float32 over the FULL vocabulary; returns the
   realised-token log-prob and the logsumexp per row.

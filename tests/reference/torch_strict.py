@@ -1,5 +1,6 @@
 """Independent PyTorch reference for SPEC §1 (normalization), §3 (projection), §4 (strict full and
-strict top-k) and §5 (divergences). Written from SPEC.md only; it shares no code with ctopd_jax.
+strict top-k) and §5 (divergences). Written from docs/spec.md only; it shares no code with
+ctopd_jax.
 
 Conventions (the same decisions ctopd_jax documents, taken independently here):
 * float32 log-softmax of logits / τ, no τ² factor; 0·log 0 = 0 (terms weighted by a zero
