@@ -92,13 +92,13 @@ def load_yaml(text: str) -> Any:
 @dataclass(frozen=True)
 class ModelSection:
     """Student and teacher: an HF checkpoint directory or a preset name (`tiny_llama`, ...)."""
-    student: str = "demo:student"
-    teacher: str = "demo:teacher"
+    student: str = "demo:student"    # checkpoint directory, named source or preset
+    teacher: str = "demo:teacher"    # the same for the teacher
     # Tokenizer directory or name (tiny_bpe, tiny_unigram, qwen2.5, llama3); "" = the model's dir.
     student_tokenizer: str = ""
-    teacher_tokenizer: str = ""
+    teacher_tokenizer: str = ""      # the same for the teacher
     dtype: Literal["float32", "bfloat16"] = "float32"        # compute dtype
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"  # storage dtype of the weights
     remat: bool = False                                      # gradient checkpointing per layer
     # The frozen teacher's storage dtype; "" = param_dtype. bf16 halves its memory, while the
     # student keeps float32 master weights (lr 1e-6 updates vanish in bf16).
@@ -109,6 +109,7 @@ class ModelSection:
     # Execution options of the decoder (ModelConfig in models/config.py, which decoder.py and
     # attention.py read): they change memory and speed, not the numbers beyond float rounding.
     # The defaults are the unrolled, unchunked path with the `auto` attention.
+
     # remat_policy: "" follows `remat` (true = "full"); a non-empty value wins over `remat`.
     # remat, remat_policy and scan_layers apply to the student only: they shape the backward
     # pass, which the frozen teacher never runs (for a forward alone the scan only adds its
@@ -170,7 +171,7 @@ class NamedTeacherSection(TeacherSection):
     (`data.teacher_key`), its model and tokenizer (as model.teacher / model.teacher_tokenizer)
     and where it runs (the `teacher:` fields). Each gets its own tokenizer side, overlap map,
     alignment and metrics (`<name>/...`)."""
-    name: str = ""
+    name: str = ""                  # what data rows name it by (data.teacher_key)
     checkpoint: str = ""            # a checkpoint directory, named source or preset
     tokenizer: str = ""             # "" = the checkpoint's own
 
@@ -184,21 +185,21 @@ class NamedTeacherSection(TeacherSection):
 @dataclass(frozen=True)
 class MeshSection:
     """Mesh axis sizes; one may be -1 to take the remaining devices."""
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
+    data: int = -1                       # data parallelism (batch split across devices)
+    fsdp: int = 1                        # parameters and optimizer state sharded (FSDP)
+    tensor: int = 1                      # tensor parallelism inside layers
 
 
 @dataclass(frozen=True)
 class RolloutSection:
-    engine: Literal["jax", "vllm"] = "jax"
+    engine: Literal["jax", "vllm"] = "jax"  # the native JAX sampler, or vLLM in process
     rollout_batch_size: int = 8          # prompts per iteration
-    n_samples_per_prompt: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
+    n_samples_per_prompt: int = 1        # responses sampled per prompt
+    temperature: float = 1.0             # sampling temperature; 0 = greedy
+    top_p: float = 1.0                   # nucleus sampling; 1 = off
     top_k: int = -1                      # -1 disables top-k filtering
     generate_max_len: int = 64           # max new tokens
-    max_prompt_len: int = 256
+    max_prompt_len: int = 256            # longest rendered prompt, in tokens (longer ones are dropped)
     vllm_gpu_memory_utilization: float = 0.5  # pair with XLA_PYTHON_CLIENT_MEM_FRACTION <= 0.95 - it
     vllm_sleep_between_rollouts: bool = False  # GPU: free vLLM memory while the student trains
     jax_decode_slots: int = 256          # JaxSampler: samples decoded together (refilled)
@@ -216,18 +217,19 @@ class AlgorithmSection:
     with its fields and checks (`algorithms/<name>.py`, `settings_class`); `algorithm.name`
     picks the class, so `algorithm.span_lambda` is known exactly when the objective is `span`."""
     name: str = "topk_strict"            # registry name, see ctopd_jax.algorithms
+    # the divergence D of the distillation terms (SPEC §5)
     kd_loss_fn: Literal["kl", "rkl", "jsd", "skl", "srkl", "akl", "tvd", "top1_ce"] = "rkl"
     kd_ratio: float = 1.0                # (1 - kd_ratio) * CE + kd_ratio * KD
-    kd_temperature: float = 1.0
-    jsd_beta: float = 0.5
-    skl_lambda: float = 0.1
-    akl_alpha: float = 0.5
-    implementation: Literal["reference", "xla", "pallas"] = "xla"
+    kd_temperature: float = 1.0          # τ: logits are divided by it in the divergence
+    jsd_beta: float = 0.5                # β of jsd, in (0, 1)
+    skl_lambda: float = 0.1              # λ of skl / srkl, in (0, 1)
+    akl_alpha: float = 0.5               # α of akl: the tail's probability mass, in (0, 1)
+    implementation: Literal["reference", "xla", "pallas"] = "xla"  # strict kernels (kernels/api.py)
     chunked_loss_size: int = 2048        # rows per lm_head/loss chunk
     # Gradient diagnostics (SPEC §6) for objectives with a strict part: every N steps (and at
     # step 0) on a fixed, seeded replay set of `diagnostics_prompts` prompts; 0 = off.
     diagnostics_every: int = 0
-    diagnostics_prompts: int = 8
+    diagnostics_prompts: int = 8         # size of the replay set of the diagnostics
 
     def validate(self) -> None:
         """Impossible values, one ConfigError naming the field (the objective's own checks
@@ -301,14 +303,14 @@ def _drop_other_objectives_keys(tree: dict, file_algorithm: Mapping[str, Any],
 
 @dataclass(frozen=True)
 class OptimizerSection:
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.98)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    schedule: Literal["cosine_with_min_lr", "constant"] = "cosine_with_min_lr"
-    warmup_ratio: float = 0.05
-    min_lr: float = 1e-8
+    lr: float = 1e-6                     # peak learning rate (AdamW)
+    betas: tuple[float, float] = (0.9, 0.98)  # AdamW β1, β2
+    eps: float = 1e-8                    # AdamW ε
+    weight_decay: float = 0.0            # never applied to biases or norm scales
+    max_grad_norm: float = 1.0           # clip the gradient at this global norm
+    schedule: Literal["cosine_with_min_lr", "constant"] = "cosine_with_min_lr"  # lr schedule
+    warmup_ratio: float = 0.05           # linear warmup over ceil(updates * warmup_ratio)
+    min_lr: float = 1e-8                 # the cosine schedule's floor
     train_batch_size: int = 8            # responses per optimizer step
     micro_batch_size: int = 8            # responses per forward/backward
     mu_dtype: Literal["float32", "bfloat16"] = "float32"  # AdamW first moment (bf16 halves it)
@@ -318,11 +320,11 @@ class OptimizerSection:
 class DataSection:
     path: str = "demo:train"             # jsonl / parquet file, or a named set
     prompt_key: str = "prompt"           # string prompt or chat `messages` list
-    system_prompt: str = ""
+    system_prompt: str = ""              # added to rows that have no system message
     teacher_key: str = "teacher"         # with `teachers:`: the row field naming its teacher
     default_teacher: str = ""            # the teacher of rows without it; "" = the first one
-    shuffle: bool = True
-    seed: int = 0
+    shuffle: bool = True                 # shuffle the prompts (each epoch)
+    seed: int = 0                        # seed of the shuffle
 
 
 @dataclass(frozen=True)
@@ -330,29 +332,29 @@ class CheckpointSection:
     dir: str = ""                        # "" = <output_dir>/checkpoints
     every: int = 10                      # steps between checkpoints; 0 = only the last
     save: bool = True                    # false: no checkpoints at all (throwaway runs, the GPU check)
-    keep: int = 3
-    async_save: bool = True
+    keep: int = 3                        # checkpoints kept on disk (the newest)
+    async_save: bool = True              # write checkpoints while training goes on
     export_hf: bool = True               # write the final student as HF safetensors
     export_merged: bool = False          # with lora.rank > 0: also the merged HF model
 
 
 @dataclass(frozen=True)
 class LoggingSection:
-    jsonl: bool = True
-    tensorboard: bool = True
-    progress: bool = True
-    log_every: int = 1
+    jsonl: bool = True                   # metrics.jsonl in output_dir
+    tensorboard: bool = True             # TensorBoard scalars in output_dir
+    progress: bool = True                # a progress bar on the terminal
+    log_every: int = 1                   # steps between logged metrics (the last is always)
     wandb: bool = False                  # also log to Weights & Biases (pip install wandb)
-    wandb_project: str = "ctopd_jax"
-    wandb_entity: str = ""
-    wandb_mode: Literal["online", "offline"] = "online"
+    wandb_project: str = "ctopd_jax"     # Weights & Biases project
+    wandb_entity: str = ""               # Weights & Biases entity; "" = your default
+    wandb_mode: Literal["online", "offline"] = "online"  # offline: log locally, sync later
 
 
 @dataclass(frozen=True)
 class EvaluationSection:
     dataset: str = ""                    # "" disables evaluation inside training
-    samples: int = 1
-    greedy: bool = True
+    samples: int = 1                     # K responses per problem (mean@K)
+    greedy: bool = True                  # temperature 0 when samples is 1
     every: int = 0                       # evaluate every N steps (0 = only at the end)
     max_problems: int = 0                # 0 = all
 
@@ -366,10 +368,10 @@ class GuardSection:
     gradient norm exactly 0.0 for `zero_grad_norm_steps` steps in a row, or a loss above
     `loss_jump_factor` times the median of the last `loss_jump_window` losses (judged once
     `loss_jump_warmup` losses are known). 0 switches a rule off."""
-    zero_grad_norm_steps: int = 3
-    loss_jump_factor: float = 10.0
-    loss_jump_window: int = 20
-    loss_jump_warmup: int = 5
+    zero_grad_norm_steps: int = 3        # stop after this many steps of gradient norm 0; 0 = off
+    loss_jump_factor: float = 10.0       # stop at a loss above this × the recent median; 0 = off
+    loss_jump_window: int = 20           # losses in that median
+    loss_jump_warmup: int = 5            # losses known before the jump rule applies
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -378,18 +380,18 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 @dataclass(frozen=True)
 class LoraSection:
     """LoRA on the student (ctopd_jax/models/lora.py); rank 0 = full fine-tuning."""
-    rank: int = 0
+    rank: int = 0                        # adapter rank r; 0 = full fine-tuning
     alpha: float = 16.0                  # the update is scaled by alpha / rank (as PEFT)
     dropout: float = 0.0                 # on the adapters' input, training forwards only
-    target_modules: tuple[str, ...] = LORA_TARGETS
+    target_modules: tuple[str, ...] = LORA_TARGETS  # projections that get adapters
     init_adapter: str = ""               # a PEFT adapter folder to start from
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     run_name: str = "run"                # named in the run's first log line (and loggers)
-    output_dir: str = "runs/run"
-    seed: int = 0
+    output_dir: str = "runs/run"         # metrics, checkpoints, exports (one run per folder)
+    seed: int = 0                        # model init and rollout sampling
     steps: int = 10                      # on-policy iterations (optimizer steps)
     model: ModelSection = field(default_factory=ModelSection)
     teacher: TeacherSection = field(default_factory=TeacherSection)

@@ -38,6 +38,7 @@ class GkdSettings(SameTokenizerSettings):
     gkd_beta: float = 0.5                 # β ∈ [0, 1]: 0 → forward KL, 1 → reverse KL
     gkd_lambda: float = 0.5               # probability of on-policy (student) responses
     seq_kd: bool = False                  # off-policy responses from the teacher, else the dataset
+    # one λ draw per optimizer step (the paper) or per micro-batch (TRL)
     gkd_lambda_granularity: Literal["step", "micro_batch"] = "step"
     gkd_seed: int = 0                     # seed of the λ draws
 

@@ -68,11 +68,12 @@ MAD_SCALE = 1.4826
 
 @dataclass(frozen=True)
 class MpOpdSettings(AlgorithmSection):
+    # how atoms are grouped into credit spans (SPEC §8)
     mp_opd_mode: Literal["atomic", "fixed1", "fixed2", "fixed3", "fixed4", "fixed5", "random1-2",
                          "random2-5", "grass_chunk", "align"] = "atomic"
-    mp_opd_random_seed: int = 43
-    grass_chunk_atoms: int = 2      # the released fork's fallback chunker
-    # ours, off as upstream: the EOS as one more atom (align.mpopd_atoms; docs/objectives.md)
+    mp_opd_random_seed: int = 43    # seed of the random{min}-{max} partitions
+    grass_chunk_atoms: int = 2      # atoms per grass_chunk/align chunk (the fork's fallback)
+    # ours, off as upstream: the EOS as one more atom (align.mpopd_atoms; docs/recipes.md)
     mp_opd_eos_atom: bool = False
 
     def validate(self) -> None:

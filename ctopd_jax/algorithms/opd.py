@@ -30,10 +30,11 @@ from ctopd_jax.config import require
 
 @dataclass(frozen=True)
 class OpdSettings(SameTokenizerSettings):
+    # the ratio π_θ/π_old: used as is, clipped (ppo) or its outliers masked (icepop)
     opd_clip: Literal["none", "ppo", "icepop"] = "none"
-    opd_clip_eps: float = 0.2
-    icepop_low: float = 0.5
-    icepop_high: float = 2.0
+    opd_clip_eps: float = 0.2            # ppo: the ratio is clipped at 1 ± this
+    icepop_low: float = 0.5              # icepop: tokens whose ratio is below this are masked
+    icepop_high: float = 2.0             # icepop: ... or above this
 
     def validate(self) -> None:
         super().validate()

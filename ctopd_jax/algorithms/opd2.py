@@ -39,12 +39,12 @@ from ctopd_jax.kernels import full_rows
 
 @dataclass(frozen=True)
 class Opd2Settings(SameTokenizerSettings):
-    opd2_topk: int = 1024
-    opd2_reward_scale: float = 0.1
-    opd2_temperature: float = 0.7
+    opd2_topk: int = 1024                # the student's top-k that centres the rewards
+    opd2_reward_scale: float = 0.1       # s: multiplies every reward
+    opd2_temperature: float = 0.7        # of the student, teacher and base softmaxes
     # where A^Δ and A^OPD disagree in sign: "drop" (the paper's gate: A = 0) or "opd" (ours: A =
     # A^OPD, so a token the student already samples more than the teacher is still pulled back;
-    # docs/objectives.md, benchmarks/RESULTS.md issue 23)
+    # docs/recipes.md, benchmarks/RESULTS.md issue 23)
     opd2_disagree: Literal["drop", "opd"] = "drop"
     gap_logprobs: Literal["rollout", "recomputed"] = "recomputed"   # OPD² reads π_θ itself
 

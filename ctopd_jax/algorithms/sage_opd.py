@@ -54,9 +54,9 @@ def parse_judgment(text: str) -> str:
 
 @dataclass(frozen=True)
 class SageSettings(SameTokenizerSettings):
-    sage_judge: Literal["teacher", "proxy"] = "teacher"
-    sage_alpha: float = 0.5
-    sage_judge_tokens: int = 8
+    sage_judge: Literal["teacher", "proxy"] = "teacher"  # who judges a turn Skip/Weak/Strong
+    sage_alpha: float = 0.5              # the weight of a Weak turn
+    sage_judge_tokens: int = 8           # the teacher judge writes at most this many tokens
     sage_proxy_skip_above: float = 0.8   # the proxy judge's Skip threshold on top-1 agreement
 
     def validate(self) -> None:

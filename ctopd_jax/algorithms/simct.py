@@ -52,8 +52,8 @@ NO_SPAN = -1e9  # the extra column of a 1:1 segment, on both sides
 
 @dataclass(frozen=True)
 class SimCTSettings(AlgorithmSection):
-    span_score_mode: Literal["raw_logit", "mean_logprob"] = "raw_logit"
-    simct_gh_mask: bool = False
+    span_score_mode: Literal["raw_logit", "mean_logprob"] = "raw_logit"  # the span column
+    simct_gh_mask: bool = False          # the paper's G(h) mask (off in the release)
 
 
 def host_segments(host):

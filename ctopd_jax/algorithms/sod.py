@@ -31,10 +31,10 @@ from ctopd_jax.config import require
 
 @dataclass(frozen=True)
 class SodSettings(OpdSettings):
-    sod_epsilon: float = 1e-6
-    sod_delta: float = 0.2
-    sod_coef: float = 1.0
-    sod_outcome: bool | None = None
+    sod_epsilon: float = 1e-6            # ε of the step weights
+    sod_delta: float = 0.2               # step weights are capped at 1 + δ
+    sod_coef: float = 1.0                # c: the weight of the distillation term
+    sod_outcome: bool | None = None      # add the outcome advantage; null = when n_samples > 1
 
     def validate(self) -> None:
         super().validate()

@@ -26,9 +26,9 @@ from ctopd_jax.config import require
 
 @dataclass(frozen=True)
 class TcodSettings(OpdSettings):
-    tcod_mode: Literal["f2b", "b2f"] = "f2b"
-    tcod_period: int = 5
-    tcod_turn_cap: int = 30
+    tcod_mode: Literal["f2b", "b2f"] = "f2b"  # front-to-back or back-to-front curriculum
+    tcod_period: int = 5                 # P: rollout batches per curriculum stage
+    tcod_turn_cap: int = 30              # the most turns f2b lets the student play
 
     def validate(self) -> None:
         super().validate()

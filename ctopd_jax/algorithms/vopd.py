@@ -26,8 +26,8 @@ from ctopd_jax.kernels import full_rows
 
 @dataclass(frozen=True)
 class VopdSettings(OpdSettings):
-    vopd_baseline: Literal["full", "topk"] = "full"
-    vopd_topk: int = 100
+    vopd_baseline: Literal["full", "topk"] = "full"  # KL_t exact, or on the student's top-k
+    vopd_topk: int = 100                 # k of the top-k baseline
 
     def validate(self) -> None:
         super().validate()

@@ -52,6 +52,7 @@ def test_the_paper_configs_still_read():
     ("ctopd_jax.inspect_pair", ["strict coverage", "--show"]),
     ("ctopd_jax.plot", ["metrics.jsonl", "RUN_DIR"]),
     ("ctopd_jax.evaluate", ["mean@K", "--grade-only"]),
+    ("ctopd_jax.config_doc", ["docs/config.md"]),
 ])
 def test_help_describes_the_command_under_its_program_name(module, words, capsys):
     import importlib
