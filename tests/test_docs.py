@@ -50,3 +50,12 @@ def test_no_file_cites_a_document_outside_the_repository():
     found = [str(path.relative_to(ROOT)) for path in _sources()
              if path.name != "test_docs.py" and outside.search(path.read_text(encoding="utf-8"))]
     assert not found, "cite docs/spec.md or docs/architecture.md instead: " + ", ".join(found)
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = [f"{page.relative_to(ROOT)}: {target}"
+              for page in pages
+              for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8"))
+              if "://" not in target and not (page.parent / target).exists()]
+    assert not broken, "links to nothing: " + ", ".join(broken)
