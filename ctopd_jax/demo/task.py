@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import re
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -48,8 +49,38 @@ HELD_OUT_SIZE = 200
 _ANSWER_RE = re.compile(r"The answer is\s*(-?\d+)")
 
 
+_OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+
+
+def apply(x: int, op: str, y: int) -> int:
+    """``x op y`` for the operators of both demo tasks (this one and tools_task.py); never eval."""
+    if op not in _OPERATIONS:
+        raise ValueError(f"unknown operator {op!r}; use one of {tuple(_OPERATIONS)}")
+    return _OPERATIONS[op](x, y)
+
+
+class Expression:
+    """What the problems of both demo tasks share: ``terms`` (``a op b [op c ...]``), read out as
+    the prompt "Compute a op b." and evaluated left to right as the answer."""
+
+    @property
+    def terms(self) -> tuple:
+        raise NotImplementedError
+
+    @property
+    def answer(self) -> int:
+        value = self.terms[0]
+        for op, y in zip(self.terms[1::2], self.terms[2::2]):
+            value = apply(value, op, y)
+        return value
+
+    @property
+    def prompt(self) -> str:
+        return f"Compute {' '.join(str(t) for t in self.terms)}."
+
+
 @dataclasses.dataclass(frozen=True, order=True)
-class Problem:
+class Problem(Expression):
     a: int
     op1: str
     b: int
@@ -57,17 +88,13 @@ class Problem:
     c: int
 
     @property
+    def terms(self) -> tuple:
+        return self.a, self.op1, self.b, self.op2, self.c
+
+    @property
     def first(self) -> int:
         """The result of the first step."""
-        return _apply(self.a, self.op1, self.b)
-
-    @property
-    def answer(self) -> int:
-        return _apply(self.first, self.op2, self.c)
-
-    @property
-    def prompt(self) -> str:
-        return f"Compute {self.a} {self.op1} {self.b} {self.op2} {self.c}."
+        return apply(self.a, self.op1, self.b)
 
     @property
     def solution(self) -> str:
@@ -77,14 +104,6 @@ class Problem:
 
     def to_row(self) -> dict:
         return {"prompt": self.prompt, "answer": str(self.answer), "response": self.solution}
-
-
-def _apply(x: int, op: str, y: int) -> int:
-    if op == "+":
-        return x + y
-    if op == "-":
-        return x - y
-    raise ValueError(f"unknown operator {op!r}; use one of {OPERATORS}")
 
 
 def all_problems() -> list[Problem]:

@@ -59,23 +59,19 @@ _EXPR_RE = re.compile(r"\s*(-?\d{1,%d})\s*([*+-])\s*(-?\d{1,%d})\s*" % (MAX_OPER
 
 
 @dataclasses.dataclass(frozen=True, order=True)
-class Problem:
+class Problem(task.Expression):   # the prompt and the answer come from `terms`
     a: int
     op: str
     b: int
 
     @property
+    def terms(self) -> tuple:
+        return self.a, self.op, self.b
+
+    @property
     def expression(self) -> str:
         """What the calc tag holds: "12*34"."""
         return f"{self.a}{self.op}{self.b}"
-
-    @property
-    def answer(self) -> int:
-        return apply(self.a, self.op, self.b)
-
-    @property
-    def prompt(self) -> str:
-        return f"Compute {self.a} {self.op} {self.b}."
 
     @property
     def expert_turns(self) -> list[str]:
@@ -97,16 +93,6 @@ class Problem:
                 "expert_turns": self.expert_turns, "response": self.transcript()}
 
 
-def apply(x: int, op: str, y: int) -> int:
-    if op == "*":
-        return x * y
-    if op == "+":
-        return x + y
-    if op == "-":
-        return x - y
-    raise ValueError(f"unknown operator {op!r}; use one of {OPERATORS}")
-
-
 def all_problems() -> list[Problem]:
     """Every problem (subtraction only with a >= b), in a fixed order: 20295 of them."""
     return [Problem(a, op, b) for a in OPERANDS for op in OPERATORS for b in OPERANDS
@@ -126,7 +112,7 @@ def calculate(expression: str) -> int | None:
     m = _EXPR_RE.fullmatch(expression)
     if m is None:
         return None
-    return apply(int(m.group(1)), m.group(2), int(m.group(3)))
+    return task.apply(int(m.group(1)), m.group(2), int(m.group(3)))
 
 
 def observation(value: int | None) -> str:
