@@ -50,10 +50,13 @@ _TRAILING_UNIT = re.compile(
 )
 _THOUSANDS = re.compile(r"(?<![\d.])(\d{1,3}(?:,\d{3})+)(?![\d,])")
 _ASSIGNMENT = re.compile(r"^\s*[a-zA-Z]\s*(?:=|\\in(?![a-zA-Z]))\s*(?P<rhs>[^=]+)$")
-_FRAC_SHORT = re.compile(r"\\frac\s*(\d)\s*(\d)")
-_FRAC_HALF_SHORT_NUM = re.compile(r"\\frac\s*(\d)\s*\{")
-_FRAC_HALF_SHORT_DEN = re.compile(r"\\frac\s*(\{[^{}]*\})\s*(\d)")
-_SQRT_SHORT = re.compile(r"\\sqrt\s*(\d|[a-zA-Z](?![a-zA-Z]))")
+# Short forms that gain their braces, in this order: \frac12, \frac1{2}, \frac{1}2, \sqrt2.
+_BRACED_SHORT_FORMS = (
+    (re.compile(r"\\frac\s*(\d)\s*(\d)"), r"\\frac{\1}{\2}"),
+    (re.compile(r"\\frac\s*(\d)\s*\{"), r"\\frac{\1}{"),
+    (re.compile(r"\\frac\s*(\{[^{}]*\})\s*(\d)"), r"\\frac\1{\2}"),
+    (re.compile(r"\\sqrt\s*(\d|[a-zA-Z](?![a-zA-Z]))"), r"\\sqrt{\1}"),
+)
 _BASE_SUBSCRIPT = re.compile(r"^([0-9A-Fa-f]+)_\{?\d+\}?$")
 _SINGLE_BRACED_EXPONENT = re.compile(r"\^\{(\w)\}")
 
@@ -134,10 +137,8 @@ def normalize_answer(answer: str | None) -> str | None:
         s = m.group("rhs")
     s = _strip_repeated_assignments(s)
     s = _THOUSANDS.sub(lambda g: g.group(1).replace(",", ""), s)
-    s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
-    s = _FRAC_HALF_SHORT_NUM.sub(r"\\frac{\1}{", s)
-    s = _FRAC_HALF_SHORT_DEN.sub(r"\\frac\1{\2}", s)
-    s = _SQRT_SHORT.sub(r"\\sqrt{\1}", s)
+    for short_form, braced in _BRACED_SHORT_FORMS:
+        s = short_form.sub(braced, s)
     s = _drop_spaces(s)
     s = _SINGLE_BRACED_EXPONENT.sub(r"^\1", s)
     s = s.rstrip(".")

@@ -25,17 +25,52 @@ TOLERANCE = 1e-6
 _TOLERANCE_EXACT = Fraction(1, 10**6)
 
 _DECIMAL = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)"
-_RE_DECIMAL = re.compile(rf"^{_DECIMAL}$")
-_RE_E_NOTATION = re.compile(rf"^({_DECIMAL})[eE]([+-]?\d+)$")
-_RE_TIMES_TEN = re.compile(rf"^(?:({_DECIMAL})(?:\\times|\\cdot|\*))?10\^(?:\{{([+-]?\d+)\}}|([+-]?\d))$")
-_RE_SLASH = re.compile(rf"^({_DECIMAL})/({_DECIMAL})$")
-_RE_FRAC = re.compile(rf"^([+-]?)\\frac\{{({_DECIMAL})\}}\{{({_DECIMAL})\}}$")
-# "2\frac{1}{2}" is the mixed number 5/2 (how MATH references write it), not 2 x 1/2.
-_RE_MIXED = re.compile(r"^([+-]?)(\d+)\\frac\{(\d+)\}\{(\d+)\}$")
 
 
 def _decimal(text: str) -> Fraction:
     return Fraction(text.replace("+", "") if text.startswith("+") else text)
+
+
+def _signed(sign: str, value: Fraction) -> Fraction:
+    return -value if sign == "-" else value
+
+
+def _power(m: re.Match) -> Fraction | None:
+    """mantissa (default 1) times 10 to the exponent; None past the exponent bound."""
+    e = int(next(g for g in m.groups()[1:] if g is not None))
+    if abs(e) > _MAX_EXPONENT:
+        return None
+    return (_decimal(m.group(1)) if m.group(1) else Fraction(1)) * Fraction(10) ** e
+
+
+def _ratio(m: re.Match) -> Fraction | None:
+    den = _decimal(m.group(2))
+    return None if den == 0 else _decimal(m.group(1)) / den
+
+
+def _mixed(m: re.Match) -> Fraction | None:
+    whole, num, den = int(m.group(2)), int(m.group(3)), int(m.group(4))
+    if den == 0 or num >= den:
+        return None  # "2\frac{3}{2}" is not a mixed number: leave it to sympy
+    return _signed(m.group(1), whole + Fraction(num, den))
+
+
+def _frac(m: re.Match) -> Fraction | None:
+    den = _decimal(m.group(3))
+    return None if den == 0 else _signed(m.group(1), _decimal(m.group(2)) / den)
+
+
+# The literal forms, tried in this order: (the whole literal, its value from the match; None
+# when the form matches but names no usable number).
+_FORMS = (
+    (re.compile(rf"^{_DECIMAL}$"), lambda m: _decimal(m.group(0))),
+    (re.compile(rf"^({_DECIMAL})[eE]([+-]?\d+)$"), _power),
+    (re.compile(rf"^(?:({_DECIMAL})(?:\\times|\\cdot|\*))?10\^(?:\{{([+-]?\d+)\}}|([+-]?\d))$"), _power),
+    (re.compile(rf"^({_DECIMAL})/({_DECIMAL})$"), _ratio),
+    # "2\frac{1}{2}" is the mixed number 5/2 (how MATH references write it), not 2 x 1/2.
+    (re.compile(r"^([+-]?)(\d+)\\frac\{(\d+)\}\{(\d+)\}$"), _mixed),
+    (re.compile(rf"^([+-]?)\\frac\{{({_DECIMAL})\}}\{{({_DECIMAL})\}}$"), _frac),
+)
 
 
 def parse_number(text: str | None) -> tuple[Fraction, bool] | None:
@@ -48,38 +83,14 @@ def parse_number(text: str | None) -> tuple[Fraction, bool] | None:
         s = s[:-1]
     if s.startswith("(") and s.endswith(")") and s.count("(") == 1:
         s = s[1:-1]  # "(-3)" reads as -3; a single pair only, tuples are handled elsewhere
-    try:
-        if _RE_DECIMAL.match(s):
-            return _decimal(s), percent
-        m = _RE_E_NOTATION.match(s) or _RE_TIMES_TEN.match(s)
+    for pattern, value_of in _FORMS:
+        m = pattern.match(s)
         if m:
-            mantissa = m.group(1)
-            exponent = next(g for g in m.groups()[1:] if g is not None)
-            e = int(exponent)
-            if abs(e) > _MAX_EXPONENT:
+            try:
+                value = value_of(m)
+            except (ValueError, ZeroDivisionError):
                 return None
-            base = _decimal(mantissa) if mantissa else Fraction(1)
-            return base * Fraction(10) ** e, percent
-        m = _RE_SLASH.match(s)
-        if m:
-            den = _decimal(m.group(2))
-            return (None if den == 0 else (_decimal(m.group(1)) / den, percent))
-        m = _RE_MIXED.match(s)
-        if m:
-            whole, num, den = int(m.group(2)), int(m.group(3)), int(m.group(4))
-            if den == 0 or num >= den:
-                return None  # "2\frac{3}{2}" is not a mixed number: leave it to sympy
-            value = whole + Fraction(num, den)
-            return (-value if m.group(1) == "-" else value), percent
-        m = _RE_FRAC.match(s)
-        if m:
-            den = _decimal(m.group(3))
-            if den == 0:
-                return None
-            value = _decimal(m.group(2)) / den
-            return (-value if m.group(1) == "-" else value), percent
-    except (ValueError, ZeroDivisionError):
-        return None
+            return None if value is None else (value, percent)
     return None
 
 
