@@ -34,6 +34,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # hf_random
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "rollout"))
 from _hf_tiny import build_hf  # noqa: E402  (tiny random HF model, no download)
 

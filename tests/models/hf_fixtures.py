@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, Qwen2Config
+
+from hf_random import random_hf_model
 
 from ctopd_jax.models.config import ModelConfig, tiny_llama, tiny_qwen2
 
@@ -23,20 +25,9 @@ VARIANTS = {
 
 
 def hf_model(cfg: ModelConfig, seed: int = 0):
-    """A random HF model for `cfg`, with weights large enough that logits are O(1) and with
-    non-trivial norm scales and biases (HF initialises those to 1 / 0)."""
-    torch.manual_seed(seed)
-    config_cls, model_cls = ((LlamaConfig, LlamaForCausalLM) if cfg.family == "llama"
-                             else (Qwen2Config, Qwen2ForCausalLM))
-    hf_cfg = config_cls(**{**cfg.to_hf_dict(), "initializer_range": 0.08})
-    model = model_cls(hf_cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn_like(p) * 0.1)
-            elif "norm" in name:
-                p.copy_(1.0 + torch.randn_like(p) * 0.1)
-    return model
+    """A random HF model for `cfg` (hf_random), with weights large enough that logits are O(1)."""
+    config_cls = LlamaConfig if cfg.family == "llama" else Qwen2Config
+    return random_hf_model(config_cls(**{**cfg.to_hf_dict(), "initializer_range": 0.08}), seed)
 
 
 def save_hf(cfg: ModelConfig, directory, seed: int = 0, **save_kwargs):

@@ -2,11 +2,11 @@
 with save_pretrained and loaded back through the project's weight loader. No download."""
 from __future__ import annotations
 
-import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, Qwen2Config
 
 from ctopd_jax.models.weights import load_hf_checkpoint
+from hf_random import random_hf_model
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -26,16 +26,8 @@ def hf_config(family: str, **overrides):
 
 
 def build_hf(family: str, directory, seed: int = 0, **overrides):
-    """Random HF model (non-trivial norms / biases), saved to `directory`; returns it."""
-    torch.manual_seed(seed)
-    cls = LlamaForCausalLM if family == "llama" else Qwen2ForCausalLM
-    model = cls(hf_config(family, **overrides)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn_like(p) * 0.2)
-            elif "norm" in name:
-                p.copy_(1.0 + torch.randn_like(p) * 0.1)
+    """Random HF model (hf_random: non-trivial norms / biases), saved to `directory`; returns it."""
+    model = random_hf_model(hf_config(family, **overrides), seed)
     model.save_pretrained(directory)
     return model
 
