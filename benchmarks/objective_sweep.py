@@ -14,7 +14,6 @@ summary is not re-run (delete it to redo); runs that did not finish are listed a
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import subprocess
@@ -22,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from demo_runs import ROOT, train_then_evaluate
 
 OBJECTIVES = {
     "strict": ["algorithm.name=strict"],
@@ -32,13 +31,6 @@ OBJECTIVES = {
        for m in ("atomic", "fixed1", "fixed2", "fixed3", "fixed4", "fixed5", "random1-2", "random2-5",
                  "grass_chunk", "align")},
 }
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def step_seconds(rows: list[dict]) -> float | None:
@@ -55,34 +47,19 @@ def step_seconds(rows: list[dict]) -> float | None:
 
 def run_one(name: str, steps: int, out: Path) -> dict:
     run_dir = out / name
-    eval_dir = run_dir / "eval_held_out"
-    rows = read_metrics(run_dir)
-    finished = bool(rows) and rows[-1].get("step") == steps and (run_dir / "hf_student").is_dir()
-    if not finished:
-        # tiny_cpu.yaml sets algorithm.ctkd_topk (a strict top-k field); the other objectives'
-        # config sections reject it, so each run gets a copy of the config without it
-        import yaml
-        tree = yaml.safe_load((ROOT / "configs" / "tiny_cpu.yaml").read_text())
-        tree["algorithm"].pop("ctkd_topk", None)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        config = run_dir.parent / f"{name}.yaml"
-        config.write_text(yaml.safe_dump(tree))
-        cmd = [sys.executable, "-m", "ctopd_jax.train", "--config", str(config),
-               "--set", f"output_dir={run_dir}", "--set", f"run_name=sweep_{name}", "--set", f"steps={steps}",
-               "--set", "evaluation.dataset=", "--set", "logging.progress=false"]
-        for s in OBJECTIVES[name]:
-            cmd += ["--set", s]
-        print("[objective_sweep]", " ".join(cmd), flush=True)
-        subprocess.run(cmd, cwd=ROOT, check=True)
-        rows = read_metrics(run_dir)
-    if not (eval_dir / "summary.json").is_file():
-        cmd = [sys.executable, "-m", "ctopd_jax.evaluate", "--config", "configs/tiny_cpu.yaml",
-               "--checkpoint", str(run_dir / "hf_student"), "--dataset", "demo", "--samples", "1",
-               "--greedy", "--out", str(eval_dir)]
-        print("[objective_sweep]", " ".join(cmd), flush=True)
-        subprocess.run(cmd, cwd=ROOT, check=True)
-    summary = json.loads((eval_dir / "summary.json").read_text())
-    return {"name": name, "rows": rows, "accuracy": summary["mean@1"], "step_s": step_seconds(rows)}
+    # tiny_cpu.yaml sets algorithm.ctkd_topk (a strict top-k field); the other objectives'
+    # config sections reject it, so each run gets a copy of the config without it
+    import yaml
+    tree = yaml.safe_load((ROOT / "configs" / "tiny_cpu.yaml").read_text())
+    tree["algorithm"].pop("ctkd_topk", None)
+    config = out / f"{name}.yaml"
+    out.mkdir(parents=True, exist_ok=True)
+    config.write_text(yaml.safe_dump(tree))
+    run = train_then_evaluate(run_dir, config, [f"run_name=sweep_{name}", "evaluation.dataset=",
+                                                "logging.progress=false", *OBJECTIVES[name]],
+                              steps, "objective_sweep")
+    return {"name": name, "rows": run["rows"], "accuracy": run["accuracy"],
+            "step_s": step_seconds(run["rows"])}
 
 
 def last(rows, key):

@@ -17,13 +17,11 @@ summary is not re-run (delete the directory to redo it).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from demo_runs import ROOT, train_then_evaluate
+
 DIAG = ("grad_cos_mismatch", "grad_norm_ratio", "grad_cos_control")
 
 
@@ -31,41 +29,13 @@ def tag(lam: float) -> str:
     return f"{lam:g}".replace(".", "p")
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def run_one(lam: float, steps: int, out: Path, extra: list[str]) -> dict:
     run_dir = out / f"lambda_{tag(lam)}"
-    eval_dir = run_dir / "eval_held_out"
-    rows = read_metrics(run_dir)
-    finished = rows and rows[-1].get("step") == steps and (run_dir / "hf_student").is_dir()
-    train_s = None
-    if not finished:
-        sets = [f"output_dir={run_dir}", f"run_name=span_lambda_{tag(lam)}", f"steps={steps}",
-                "algorithm.name=span", f"algorithm.span_lambda={lam}",
-                "algorithm.span_base=topk_strict", "algorithm.ctkd_topk=16",
-                "algorithm.diagnostics_every=20", *extra]
-        cmd = [sys.executable, "-m", "ctopd_jax.train", "--config", "configs/tiny_cpu.yaml"]
-        for s in sets:
-            cmd += ["--set", s]
-        print("[span_sweep]", " ".join(cmd), flush=True)
-        t0 = time.perf_counter()
-        subprocess.run(cmd, cwd=ROOT, check=True)
-        train_s = time.perf_counter() - t0
-        rows = read_metrics(run_dir)
-    if not (eval_dir / "summary.json").is_file():
-        cmd = [sys.executable, "-m", "ctopd_jax.evaluate", "--config", "configs/tiny_cpu.yaml",
-               "--checkpoint", str(run_dir / "hf_student"), "--dataset", "demo", "--samples", "1",
-               "--greedy", "--out", str(eval_dir)]
-        print("[span_sweep]", " ".join(cmd), flush=True)
-        subprocess.run(cmd, cwd=ROOT, check=True)
-    summary = json.loads((eval_dir / "summary.json").read_text())
-    return {"lambda": lam, "run_dir": run_dir, "rows": rows, "train_s": train_s,
-            "accuracy": summary["mean@1"]}
+    run = train_then_evaluate(run_dir, "configs/tiny_cpu.yaml", [
+        f"run_name=span_lambda_{tag(lam)}", "algorithm.name=span", f"algorithm.span_lambda={lam}",
+        "algorithm.span_base=topk_strict", "algorithm.ctkd_topk=16",
+        "algorithm.diagnostics_every=20", *extra], steps, "span_sweep")
+    return {"lambda": lam, "run_dir": run_dir, **run}
 
 
 def last_mean(rows: list[dict], key: str, n: int = 10):
