@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ctopd_jax import algorithms, config
+from ctopd_jax.cli import Parser, run
 
 PROG = "python -m ctopd_jax.config_doc"
 UNDOCUMENTED = "(undocumented)"
@@ -185,8 +186,6 @@ def _algorithm_sections() -> list[str]:
 
 
 def _main(argv: list[str]) -> int:
-    from ctopd_jax.cli import Parser
-
     parser = Parser(prog=PROG, description="Write the configuration reference (docs/config.md).")
     parser.add_argument("out", nargs="?", help="the file to write, e.g. docs/config.md "
                                                "(default: print the page)")
@@ -200,7 +199,6 @@ def _main(argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    from ctopd_jax.cli import run
     return run(_main, argv, PROG)
 
 
