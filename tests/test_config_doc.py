@@ -4,12 +4,10 @@ The expected key list here is read with `dataclasses.fields` on the config class
 objective registry, not through the generator's own table code."""
 import dataclasses
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 from ctopd_jax import algorithms, config
-from ctopd_jax.config_doc import UNDOCUMENTED, field_doc, render, yaml_text
+from ctopd_jax.config_doc import UNDOCUMENTED, field_doc, main, render, yaml_text
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "config.md"
@@ -66,13 +64,11 @@ def test_a_field_doc_is_its_line_comment_else_the_comment_block_above():
         ["null", "true", '""', "[0.9, 0.98]", "1e-06"]
 
 
-def test_the_command_writes_the_page_and_refuses_a_folder_it_cannot_write(tmp_path):
+def test_the_command_writes_the_page_and_refuses_a_folder_it_cannot_write(tmp_path, capsys):
     out = tmp_path / "config.md"
-    run = subprocess.run([sys.executable, "-m", "ctopd_jax.config_doc", str(out)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
+    assert main([str(out)]) == 0
     assert out.read_text(encoding="utf-8") == PAGE.read_text(encoding="utf-8")
-    bad = subprocess.run([sys.executable, "-m", "ctopd_jax.config_doc", str(tmp_path / "no" / "x.md")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
-    assert "python -m ctopd_jax.config_doc: error:" in bad.stderr and "x.md" in bad.stderr
+    assert main([str(tmp_path / "no" / "x.md")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m ctopd_jax.config_doc: error:") and err.count("\n") == 1, err
+    assert "x.md" in err
