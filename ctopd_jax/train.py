@@ -9,9 +9,9 @@ mesh against the devices, checkpoint headers, the checkpoint directory and --res
 then load the models and train. Outputs go to `output_dir`: metrics.jsonl, checkpoints/,
 hf_student/, plots/, config.json (and config_changes.jsonl when a resume changed the config).
 
-One run per output folder: the run holds `<output_dir>/.run.lock` (pid and host); a second
-run on the folder is refused in one line, a lock left by a killed run is taken over with a
-warning.
+One writer per output: the run holds `<output_dir>/.run.lock` and `<checkpoint.dir>/.run.lock`
+(pid and host); a second run on either folder is refused in one line, a lock left by a killed
+run is taken over with a warning.
 
 Exit status: 0 done; 2 bad input, or an output folder that refuses writes (no space, read-only:
 one line naming the field or file and the fix; --debug shows the traceback); 3 training diverged (the message names the step, the values and the last
@@ -68,9 +68,13 @@ def _main(argv: list[str]) -> int:
         writer = jax.process_index() == 0
         from ctopd_jax.run_dir import RunLock, write_error
 
-        # one run per output folder: the writing process holds <output_dir>/.run.lock throughout
+        # one writer per output: the writing process holds <output_dir>/.run.lock and
+        # <checkpoint.dir>/.run.lock throughout (another run may share either folder alone)
         try:
-            with RunLock(config.output_dir) if writer else contextlib.nullcontext():
+            with contextlib.ExitStack() as locks:
+                if writer:
+                    locks.enter_context(RunLock(config.output_dir))
+                    locks.enter_context(RunLock(pre.checkpoint_dir, "checkpoint.dir"))
                 return _train(config, pre, args, writer)
         except Exception as err:   # a refused write (no space, read-only, permission): one line
             from ctopd_jax.checkpoint import CheckpointWriteError
