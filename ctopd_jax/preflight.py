@@ -149,7 +149,7 @@ def check_objective(config: TrainConfig):
             "rollout.environment=''")
     if needs.teacher_base and not m.teacher_base:
         raise _fail(f"model.teacher_base: algorithm.name={name} needs the teacher's pre-tuning "
-                    "base model; set model.teacher_base (e.g. demo_char:teacher_base)")
+                    "base model; set model.teacher_base (e.g. demo:char_teacher_base)")
     if not needs.reuse_sampled_ids:
         return objective
     try:
