@@ -53,6 +53,7 @@ USER_ERRORS: tuple[tuple[str, str], ...] = (
     ("ctopd_jax.sources", "SourceError"),
     ("ctopd_jax.tokenization.chat", "ChatTemplateError"),
     ("ctopd_jax.tokenization.setup_assets", "AssetSetupError"),
+    ("ctopd_jax.cache", "CacheError"),
     ("ctopd_jax.rollout.base", "RolloutConfigError"),
     ("ctopd_jax.rollout.vllm_engine", "VllmNotInstalledError"),
     ("ctopd_jax.metrics", "MetricsError"),
