@@ -4,7 +4,8 @@ A command's inner `main(argv) -> int` raises; `run(inner, argv, prog)` turns a k
 (a bad config value, data row, tokenizer, mesh, checkpoint, missing file ...) into ONE line on
 stderr, `prog: error: <message>`, and exit status 2, with no traceback. `--debug` (or
 CTOPD_DEBUG=1) re-raises it so the traceback shows. Anything else is a bug and keeps its
-traceback. Exit statuses: 0 done, 2 bad input (or a write the file system refused: no space,
+traceback. A SIGTERM / SIGINT while the command runs is one line too (`run_guard`: the locks released,
+nothing half-written) and the exit status 128 + the signal. Exit statuses: 0 done, 2 bad input (or a write the file system refused: no space,
 read-only, permission), 3 training diverged, 130 / 143 stopped by SIGINT / SIGTERM (128 + the
 signal number, what shells report for a signal).
 
@@ -195,11 +196,19 @@ def fail(prog: str, message: str) -> int:
 
 def run(inner: Callable[[list[str]], int | None], argv: Sequence[str] | None, prog: str) -> int:
     """Call `inner(argv)` and map what it raises to an exit status (see the module doc)."""
+    from ctopd_jax.run_guard import Interrupted, Stopped, raising, received
+
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_requested(argv)
     try:
-        check_xla_flags()
-        code = inner(argv)
+        with raising():   # a signal raises Interrupted here: the `with` blocks release, one line
+            check_xla_flags()
+            code = inner(argv)
+        if received() is not None:    # an Interrupted that a library swallowed
+            raise Interrupted(received())
+    except (Interrupted, Stopped) as err:   # a signal, in the loop (Stopped) or outside it
+        print(f"{prog}: {one_line(err)}", file=sys.stderr, flush=True)
+        return err.exit_code
     except SystemExit as exc:  # argparse (--help, usage errors) or an explicit exit
         if isinstance(exc.code, str):
             if debug:

@@ -181,7 +181,10 @@ def run(argv=None) -> dict:
         teacher_acc = accuracy(teacher, teacher_parts.tokenizer, "teacher")
         before = accuracy(trainer.student, trainer.s_tok, "student_before", engine=trainer.engine)
         train_started = time.perf_counter()
-        result = trainer.train()
+        from ctopd_jax.run_guard import SignalGuard
+
+        with SignalGuard() as stop:   # a signal: the step finishes, is checkpointed, one line
+            result = trainer.train(stop=stop)
         train_s = time.perf_counter() - train_started
     student, _ = load_hf_checkpoint(result.hf_dir)   # what a user takes away, read back from disk
     after = accuracy(student, trainer.s_tok, "student_after")
