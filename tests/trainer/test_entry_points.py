@@ -80,3 +80,15 @@ def test_a_bad_argument_is_one_line_exit_2_and_writes_nothing(tmp_path, name, mo
     assert lines[0].startswith(f"python -m {module}: error:") and words in lines[0], lines[0]
     assert not proc.stdout.strip()
     assert not list(work.iterdir()) and not list(temp.iterdir())
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("tiny*.yaml")))
+def test_plan_resolves_the_demo_sources_of_every_shipped_tiny_config(config, capsys):
+    """`demo:` model sources, which train accepts, are read from their config.json by plan too."""
+    from ctopd_jax import cli, plan
+
+    code = cli.run(plan.main, ["--config", str(ROOT / "configs" / config), "--device", "h100",
+                               "--gpus", "1"], "python -m ctopd_jax.plan")
+    out, err = capsys.readouterr()
+    assert code == 0 and "FITS" in out and not err, err
+    assert "ctopd_jax/assets/demo" in out        # the committed checkpoint's config.json
