@@ -316,13 +316,12 @@ class Checkpointer:
             saved = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
         except Exception:   # unreadable metadata is damage: restore_latest's fallback reports it
             return
+        spell = lambda x: f"{np.dtype(x.dtype).name}{list(x.shape)}"   # dtype[shape]
         for i, (leaf, path) in enumerate(zip(leaves, paths)):
             got = saved.get(_leaf_key(i))
-            if got is None or (tuple(got.shape), np.dtype(got.dtype)) == (tuple(leaf.shape), np.dtype(leaf.dtype)):
-                continue
-            raise self._not_this_run(step, f"{path} is {np.dtype(got.dtype).name}"
-                                           f"{list(got.shape)} there, {np.dtype(leaf.dtype).name}"
-                                           f"{list(leaf.shape)} in this run")
+            if got is not None and spell(got) != spell(leaf):
+                raise self._not_this_run(step, f"{path} is {spell(got)} there, {spell(leaf)} in "
+                                               "this run")
 
     def _not_this_run(self, step: int, detail: str) -> CheckpointError:
         return CheckpointError(

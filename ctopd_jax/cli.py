@@ -4,10 +4,10 @@ A command's inner `main(argv) -> int` raises; `run(inner, argv, prog)` turns a k
 (a bad config value, data row, tokenizer, mesh, checkpoint, missing file ...) into ONE line on
 stderr, `prog: error: <message>`, and exit status 2, with no traceback. `--debug` (or
 CTOPD_DEBUG=1) re-raises it so the traceback shows. Anything else is a bug and keeps its
-traceback. A SIGTERM / SIGINT while the command runs is one line too (`run_guard`: the locks released,
-nothing half-written) and the exit status 128 + the signal. Exit statuses: 0 done, 2 bad input (or a write the file system refused: no space,
-read-only, permission), 3 training diverged, 130 / 143 stopped by SIGINT / SIGTERM (128 + the
-signal number, what shells report for a signal).
+traceback. A SIGTERM / SIGINT while the command runs is one line too (`run_guard`: the locks
+released, nothing half-written). Exit statuses: 0 done, 2 bad input (or a write the file system
+refused: no space, read-only, permission), 3 training diverged, 130 / 143 stopped by SIGINT /
+SIGTERM (128 + the signal number, what shells report for a signal).
 
 The environment is part of the input: a bad host device count in XLA_FLAGS is refused before
 JAX starts, and a backend that cannot start (JAX_PLATFORMS naming a platform the machine lacks)

@@ -301,8 +301,8 @@ def _input_folders(config: TrainConfig) -> dict[str, Path]:
     for name, view in teacher_views(config).items():
         for role in ("student", "teacher", "teacher_base", "student_tokenizer", "teacher_tokenizer"):
             spec = getattr(view.model, role)
-            field_name = f"teachers[{name}].{role}" if config.teachers and role in ("teacher", "teacher_tokenizer") \
-                else f"model.{role}"
+            own = config.teachers and role in ("teacher", "teacher_tokenizer")   # the entry's
+            field_name = f"teachers[{name}].{role}" if own else f"model.{role}"
             try:
                 directory = _model_dir(spec, field_name) if spec else None
             except PreflightError:

@@ -11,7 +11,7 @@ The training loop uses both at step boundaries:
             if stop.requested_everywhere():
                 save a checkpoint of `step` (unless just saved), close the logs
                 raise Stopped(stop.signum, step, checkpoint_dir)
-    # train.py prints Stopped's one line and exits with stop.exit_code (143 / 130)
+    # cli.run prints Stopped's one line and exits with its exit_code (143 / 130)
 
 A signal before or after the loop is answered too (`install_startup_handlers`, called by the
 package itself when it runs as a command, `python -m ctopd_jax.<command>`): while modules
@@ -105,7 +105,7 @@ class raising:
 
 class Stopped(Exception):
     """Raised by the loop after it checkpointed the step in flight because a signal asked it to
-    stop; train.py prints `str(err)` as one line and exits with `exit_code`."""
+    stop; cli.run prints `str(err)` as one line and exits with `exit_code`."""
 
     def __init__(self, signum: int, step: int, checkpoint_dir: str | Path | None = None):
         self.signum, self.step = int(signum), int(step)
