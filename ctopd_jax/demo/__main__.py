@@ -33,9 +33,15 @@ DEFAULT_CONFIG = Path(ctopd_jax.__file__).resolve().parent.parent / "configs" / 
 
 
 def fresh_output_dir(base: Path) -> Path:
-    """``base`` if it is absent or empty, else the first free ``base-2``, ``base-3``, ..."""
+    """``base`` if it is absent or an empty folder, else the first free ``base-2``, ``base-3``,
+    ... (a file or a dangling link in the way is never used)."""
+    def taken(path: Path) -> bool:
+        if path.is_symlink() and not path.exists():
+            return True
+        return path.exists() and (not path.is_dir() or any(path.iterdir()))
+
     candidate, n = base, 1
-    while candidate.exists() and any(candidate.iterdir()):
+    while taken(candidate):
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
     return candidate

@@ -83,3 +83,12 @@ def test_the_readme_table_names_every_file_written():
                  "tensorboard/", "eval/step_N/", "demo_summary.json", CACHE_VARIABLE,
                  "ctopd_vllm_", "vllm_server_"):
         assert name in table, name
+
+
+def test_demo_out_never_lands_on_a_file_or_a_dangling_link(tmp_path):
+    from ctopd_jax.demo.__main__ import fresh_output_dir
+    (tmp_path / "a_file").write_text("keep me")
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    assert fresh_output_dir(tmp_path / "a_file") == tmp_path / "a_file-2"
+    assert fresh_output_dir(tmp_path / "link") == tmp_path / "link-2"
+    assert (tmp_path / "a_file").read_text() == "keep me"
