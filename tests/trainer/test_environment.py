@@ -2,7 +2,6 @@
 suggested value then works; `demo --algorithm` leaves nothing in the temporary folder; the
 README's table names every file a run, an evaluation and the cache hold."""
 import re
-import subprocess
 from argparse import Namespace
 from pathlib import Path
 
@@ -26,15 +25,8 @@ def unwritable_cache(request, tmp_path):
     (root may write anywhere else; skipped where mounting is not allowed)."""
     if request.param == "under_a_file":
         (tmp_path / "a_file").write_text("")
-        yield tmp_path / "a_file" / "cache"
-        return
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+        return tmp_path / "a_file" / "cache"
+    return request.getfixturevalue("read_only_dir")   # conftest: skipped without mounting
 
 
 def test_an_unwritable_cache_is_one_line_with_a_way_out_that_works(tmp_path, monkeypatch,
