@@ -15,8 +15,10 @@ checksum in `meta` (its bits as unsigned words, summed plain and position-weight
 any changed word changes the plain sum; sharding cannot change the result, integer addition is
 exact), and `meta` carries a SHA-256 of its own other fields (data position, objective and guard
 state...). A step that is listed but cannot be read, or whose checksums disagree, is reported
-with a warning naming the step and the item, moved aside to `<step>.corrupt`, and the previous
-step is used.
+with a warning naming the step and the item, moved aside to `<step>.corrupt` (never over an
+earlier one), and the previous step is used. A step whose arrays have other shapes or dtypes
+than the run's (a checkpoint of another model pair or LoRA rank) is no damaged one: the restore
+is refused with one CheckpointError and every step is left as it was.
 
 Saving is asynchronous (Orbax writes in the background; the next save or `close()` waits).
 Orbax commits a step by renaming its temporary directory, so an interrupted write never shows
@@ -293,11 +295,10 @@ class Checkpointer:
         paths = tree_paths(template)
         if meta.get("leaf_paths") != paths:
             saved = meta.get("leaf_paths") or []
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} holds {len(saved)} arrays with different "
-                f"names than this run's {len(paths)} (another model or optimizer config?); "
-                "use a fresh output_dir or the config the checkpoint was written with")
+            raise self._not_this_run(step, f"it holds {len(saved)} arrays with other names than "
+                                           f"this run's {len(paths)}")
         leaves = jax.tree.leaves(template)
+        self._check_fits(step, leaves, paths)
         abstract = {_leaf_key(i): jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
                     for i, x in enumerate(leaves)}
         arrays = self._manager.restore(step, args=ocp.args.Composite(
@@ -306,6 +307,27 @@ class Checkpointer:
                                       [arrays[_leaf_key(i)] for i in range(len(leaves))])
         self._verify(step, restored, meta, params_key)
         return Restored(step=step, state=restored, meta=meta)
+
+    def _check_fits(self, step: int, leaves: list, paths: list[str]) -> None:
+        """CheckpointError when the arrays of `step` have other shapes or dtypes than this run's
+        (another model pair, another lora.rank): a checkpoint of another run is no damaged one,
+        and is left as it is. Orbax's own array metadata says it, without reading the arrays."""
+        try:
+            saved = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+        except Exception:   # unreadable metadata is damage: restore_latest's fallback reports it
+            return
+        spell = lambda x: f"{np.dtype(x.dtype).name}{list(x.shape)}"   # dtype[shape]
+        for i, (leaf, path) in enumerate(zip(leaves, paths)):
+            got = saved.get(_leaf_key(i))
+            if got is not None and spell(got) != spell(leaf):
+                raise self._not_this_run(step, f"{path} is {spell(got)} there, {spell(leaf)} in "
+                                               "this run")
+
+    def _not_this_run(self, step: int, detail: str) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint step {step} in {self.directory} was written for another model ({detail}: "
+            "another model pair, lora.rank, optimizer or dtype?); it is left as it is: resume "
+            "with the config it was written with, or train in another output_dir")
 
     @staticmethod
     def _verify(step: int, restored: dict[str, Any], meta: dict[str, Any], params_key: str) -> None:
@@ -352,9 +374,10 @@ class Checkpointer:
     def _set_aside(self, step: int) -> None:
         source = self.directory / str(step)
         if jax.process_index() == 0 and source.exists():
-            target = self.directory / f"{step}.corrupt"
-            if target.exists():
-                shutil.rmtree(target)
+            target, n = self.directory / f"{step}.corrupt", 1
+            while target.exists():   # an earlier one is kept: nothing set aside is deleted
+                n += 1
+                target = self.directory / f"{step}.corrupt-{n}"
             source.rename(target)
         self._manager.reload()
 

@@ -4,9 +4,14 @@ A command's inner `main(argv) -> int` raises; `run(inner, argv, prog)` turns a k
 (a bad config value, data row, tokenizer, mesh, checkpoint, missing file ...) into ONE line on
 stderr, `prog: error: <message>`, and exit status 2, with no traceback. `--debug` (or
 CTOPD_DEBUG=1) re-raises it so the traceback shows. Anything else is a bug and keeps its
-traceback. Exit statuses: 0 done, 2 bad input (or a write the file system refused: no space,
-read-only, permission), 3 training diverged, 130 / 143 stopped by SIGINT / SIGTERM (128 + the
-signal number, what shells report for a signal).
+traceback. A SIGTERM / SIGINT while the command runs is one line too (`run_guard`: the locks
+released, nothing half-written). Exit statuses: 0 done, 2 bad input (or a write the file system
+refused: no space, read-only, permission), 3 training diverged, 130 / 143 stopped by SIGINT /
+SIGTERM (128 + the signal number, what shells report for a signal).
+
+The environment is part of the input: a bad host device count in XLA_FLAGS is refused before
+JAX starts, and a backend that cannot start (JAX_PLATFORMS naming a platform the machine lacks)
+is one line naming JAX_PLATFORMS and the fix, wherever a command first touches JAX.
 
 Error classes are matched by (module, name) and only when their module is already imported, so
 this module imports nothing heavy and a command never loads jax just to report a typo.
@@ -49,6 +54,7 @@ USER_ERRORS: tuple[tuple[str, str], ...] = (
     ("ctopd_jax.sources", "SourceError"),
     ("ctopd_jax.tokenization.chat", "ChatTemplateError"),
     ("ctopd_jax.tokenization.setup_assets", "AssetSetupError"),
+    ("ctopd_jax.cache", "CacheError"),
     ("ctopd_jax.rollout.base", "RolloutConfigError"),
     ("ctopd_jax.rollout.vllm_engine", "VllmNotInstalledError"),
     ("ctopd_jax.metrics", "MetricsError"),
@@ -148,6 +154,41 @@ def fraction(text: str) -> float:
     return value
 
 
+# ----------------------------------------------------------------------------- the JAX platform
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def check_xla_flags(env: dict | None = None) -> None:
+    """UserError for a host device count in XLA_FLAGS that XLA would abort on (not a whole
+    number) or fail on (below 1); read from the environment only, before JAX starts."""
+    flags = (os.environ if env is None else env).get("XLA_FLAGS", "")
+    for flag in flags.split():
+        name, _, value = flag.partition("=")
+        if name == DEVICE_COUNT_FLAG and not (value.isdigit() and int(value) >= 1):
+            raise UserError(f"XLA_FLAGS: {flag} is not a whole number of devices >= 1; set "
+                            f"e.g. XLA_FLAGS={DEVICE_COUNT_FLAG}=8, or remove the flag")
+
+
+def backend_failure(err: BaseException) -> str | None:
+    """One line for a JAX backend that could not start (JAX_PLATFORMS naming a platform this
+    machine lacks, a broken plugin), else None. JAX says it as a RuntimeError, or as an
+    AssertionError inside xla_bridge when the named platform's plugin is not installed."""
+    if "jax" not in sys.modules:
+        return None
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_code.co_filename if tb is not None else ""
+    if not ((isinstance(err, RuntimeError) and "Unable to initialize backend" in str(err))
+            or (isinstance(err, AssertionError) and where.endswith("xla_bridge.py"))):
+        return None
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    reason = str(err).split(" (")[0] if isinstance(err, RuntimeError) else \
+        "its plugin is not installed, or it found no device"
+    return (f"JAX_PLATFORMS={platforms!r}: the JAX backend cannot start ({reason}); set "
+            "JAX_PLATFORMS to a platform this machine has, e.g. JAX_PLATFORMS=cpu, or unset it")
+
+
 def fail(prog: str, message: str) -> int:
     print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
     return EXIT_USAGE
@@ -155,10 +196,19 @@ def fail(prog: str, message: str) -> int:
 
 def run(inner: Callable[[list[str]], int | None], argv: Sequence[str] | None, prog: str) -> int:
     """Call `inner(argv)` and map what it raises to an exit status (see the module doc)."""
+    from ctopd_jax.run_guard import Interrupted, Stopped, raising, received
+
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_requested(argv)
     try:
-        code = inner(argv)
+        with raising():   # a signal raises Interrupted here: the `with` blocks release, one line
+            check_xla_flags()
+            code = inner(argv)
+        if received() is not None:    # an Interrupted that a library swallowed
+            raise Interrupted(received())
+    except (Interrupted, Stopped) as err:   # a signal, in the loop (Stopped) or outside it
+        print(f"{prog}: {one_line(err)}", file=sys.stderr, flush=True)
+        return err.exit_code
     except SystemExit as exc:  # argparse (--help, usage errors) or an explicit exit
         if isinstance(exc.code, str):
             if debug:
@@ -171,7 +221,8 @@ def run(inner: Callable[[list[str]], int | None], argv: Sequence[str] | None, pr
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_SIGINT
     except Exception as err:
-        if debug or not is_user_error(err):
+        backend = backend_failure(err)
+        if debug or not (backend or is_user_error(err)):
             raise
-        return fail(prog, one_line(err))
+        return fail(prog, backend or one_line(err))
     return EXIT_OK if code is None else int(code)

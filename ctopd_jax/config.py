@@ -563,6 +563,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
         if key.startswith("algorithm."):
             set_algorithm_keys.add(key.split(".", 2)[1])
     _drop_other_objectives_keys(tree, file_algorithm, set_algorithm_keys)
+    if "teachers" in tree and not tree["teachers"]:   # `teachers: []` would silently mean one
+        raise ConfigError("teachers: is empty; list at least one teacher (each with name and "
+                          "checkpoint), or remove the key to train with model.teacher")
     if mesh:
         from ctopd_jax.mesh import MeshError, parse_mesh
         try:

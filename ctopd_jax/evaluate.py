@@ -4,11 +4,15 @@
         [--config configs/X.yaml] [--greedy] [--out DIR] [--tokenizer NAME_OR_DIR]
     python -m ctopd_jax.evaluate --grade-only samples.jsonl [--answer-fallbacks] [--out DIR]
 
+`--out` is held by one evaluation at a time (`<out>/.run.lock`, as a run's output_dir): a
+second one into the same folder is refused in one line before any work.
+
 The definitions (mean@K, pass@K, prompts, engine, sampling) are ctopd_jax.evaluation's.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -78,9 +82,17 @@ def _print(report: EvalReport, out: str | None) -> None:
 def main(argv: Sequence[str] | None = None) -> EvalReport:
     """The command as a function: returns the report, raises on bad input (see `cli_main`)."""
     args = _parser().parse_args(argv)
-    if args.out:
-        args.out = str(Path(args.out).expanduser())
-        check_out(args.out)
+    with contextlib.ExitStack() as held:
+        if args.out:   # one writer per --out: a second evaluation into it is refused at once
+            from ctopd_jax.run_dir import RunLock
+
+            args.out = str(Path(args.out).expanduser())
+            check_out(args.out)
+            held.enter_context(RunLock(args.out, "--out"))
+        return _evaluate(args)
+
+
+def _evaluate(args) -> EvalReport:
     grader = MathGrader(timeout_s=args.timeout, workers=args.workers)
     try:
         if args.grade_only:

@@ -27,7 +27,13 @@ def read_responses(path: Path) -> list[str]:
     """Plain text (one response per line) or jsonl ({"response": ...} or {"text": ...})."""
     if not path.is_file():
         raise FileNotFoundError(f"--text: no such file {path}")
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"--text: {path} is not UTF-8 text (byte {err.start} is "
+                        f"{err.object[err.start]:#04x}); give responses as UTF-8 text lines or "
+                        "jsonl") from None
+    lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise UserError(f"--text: {path} has no non-empty line")
     if path.suffix == ".jsonl" or lines[0].lstrip().startswith("{"):

@@ -68,6 +68,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from ctopd_jax import sources
 from ctopd_jax.cli import Parser, UserError, at_least, fraction, run
 from ctopd_jax.config import default_teacher, teacher_views
 
@@ -129,6 +130,11 @@ def resolve_model(spec: str, preset: str | None, role: str, dtype: str, param_dt
                             f"{', '.join(sorted(PRESETS))}")
         return PRESETS[preset](dtype=dtype, param_dtype=param_dtype), f"preset {preset} (forced)"
     directory = Path(spec).expanduser()
+    if sources.is_named(spec) and not spec.startswith("preset:"):   # demo:student, as train
+        try:
+            directory = Path(sources.resolve("model", spec, f"model.{role}"))
+        except (ValueError, OSError) as err:
+            raise UserError(str(err)) from None
     config_json = directory / "config.json"
     if config_json.is_file():
         try:

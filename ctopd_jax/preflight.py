@@ -13,7 +13,8 @@ naming the field or file and the fix) for the first problem in this order:
    the output folders: `output_dir` and `checkpoint.dir` are folders (or can be created) on a
    writable file system, and no live run holds `output_dir` (`run_dir`);
 3. the checkpoint directory: checkpoints present without `--resume`; `--resume` with none, or
-   with none whose meta is readable; the saved config against the new one
+   with none whose meta is readable, or with `steps` below the newest step; the saved config
+   against the new one
    (`resume_config.check_resume_config`, `--allow-config-change`);
 4. the prompt file and every row of it (with `teachers:`, each row's teacher); the evaluation set when `evaluation.dataset` is set
    (its prompts must also fit the training engine and the student's positions, step 7);
@@ -148,7 +149,7 @@ def check_objective(config: TrainConfig):
             "rollout.environment=''")
     if needs.teacher_base and not m.teacher_base:
         raise _fail(f"model.teacher_base: algorithm.name={name} needs the teacher's pre-tuning "
-                    "base model; set model.teacher_base (e.g. demo_char:teacher_base)")
+                    "base model; set model.teacher_base (e.g. demo:char_teacher_base)")
     if not needs.reuse_sampled_ids:
         return objective
     try:
@@ -277,16 +278,44 @@ def checkpoint_dir_of(config: TrainConfig) -> Path:
 def _check_output_dirs(config: TrainConfig) -> None:
     import jax
 
-    from ctopd_jax.run_dir import RunDirError, check_not_in_use, check_writable
+    from ctopd_jax.run_dir import RunDirError, check_not_foreign, check_not_in_use, check_writable
 
+    inputs = _input_folders(config)
     try:
         check_writable(config.output_dir, "output_dir")
+        check_not_foreign(config.output_dir, "output_dir", inputs)
         if config.checkpoint.dir:
             check_writable(config.checkpoint.dir, "checkpoint.dir")
-        if jax.process_index() == 0:   # the lock's owner; the others would see process 0's lock
+            check_not_foreign(config.checkpoint.dir, "checkpoint.dir", inputs, checkpoint_folder=True)
+        if jax.process_index() == 0:   # the locks' owner; the others would see process 0's locks
             check_not_in_use(config.output_dir)
+            check_not_in_use(checkpoint_dir_of(config), "checkpoint.dir")
     except RunDirError as err:
         raise _fail(str(err)) from None
+
+
+def _input_folders(config: TrainConfig) -> dict[str, Path]:
+    """field -> the folder of every model, tokenizer, adapter and data file the run reads (a
+    named source resolved; one that does not resolve is reported by its own check later)."""
+    folders = {}
+    for name, view in teacher_views(config).items():
+        for role in ("student", "teacher", "teacher_base", "student_tokenizer", "teacher_tokenizer"):
+            spec = getattr(view.model, role)
+            own = config.teachers and role in ("teacher", "teacher_tokenizer")   # the entry's
+            field_name = f"teachers[{name}].{role}" if own else f"model.{role}"
+            try:
+                directory = _model_dir(spec, field_name) if spec else None
+            except PreflightError:
+                directory = None
+            if directory is not None:
+                folders[field_name] = directory
+    for field_name, spec in (("lora.init_adapter", config.lora.init_adapter),
+                             ("data.path", config.data.path),
+                             ("evaluation.dataset", config.evaluation.dataset)):
+        path = Path(spec).expanduser() if spec else None
+        if path is not None and path.exists():
+            folders[field_name] = path if path.is_dir() else path.parent
+    return folders
 
 
 def _check_checkpoint_state(config: TrainConfig, resume: bool, allow_change: bool):
@@ -309,6 +338,10 @@ def _check_checkpoint_state(config: TrainConfig, resume: bool, allow_change: boo
         raise _fail(f"--resume: none of the checkpoints in {directory} (steps {steps}) is "
                     "readable (their meta files are damaged or missing); start a fresh run "
                     "in another output_dir")
+    if max(readable) > config.steps:   # the run would log "resumed" and train nothing
+        raise _fail(f"steps: {config.steps}, but the checkpoint in {directory} is at step "
+                    f"{max(readable)} already; set steps to {max(readable)} or more to continue "
+                    "that run, or start a fresh run in another output_dir")
     try:
         saved, where = read_saved_config(config.output_dir, directory)
         changes = check_resume_config(saved, config.to_dict(), allow_change, where)

@@ -6,18 +6,21 @@ with the new config field by field and refuses (ConfigChangeError naming every c
 unless each change is harmless or `--allow-config-change` is given; the accepted changes are
 appended to `<output_dir>/config_changes.jsonl` by `record_config_changes`.
 
-Harmless (they change neither the data order, the models, the objective nor the optimizer
-trajectory): every `logging.*`, `evaluation.*` and `guard.*` field; `checkpoint.every / keep /
-async_save / export_hf`; `run_name`; `mesh.*` (the checkpoint is resharded on restore);
-`model.remat`, `algorithm.implementation`, `algorithm.chunked_loss_size` (same numbers up to
-float rounding); `rollout.vllm_gpu_memory_utilization`; how a served teacher is reached
-(`teacher.url`, `timeout_s`, `max_concurrency`, `retries`, `backoff_s`,
-`max_tokens_per_request`, `launch`, `launch_python`: a server restarted elsewhere scores the same ids alike; its engine,
-model and top_k still count). `steps` may grow when
-`optimizer.schedule` is `constant`; with a cosine schedule the lr curve is defined over the
-total number of steps, so a different `steps` bends the remaining schedule and needs
-`--allow-config-change`. A field that the saved config lacks (written by an older version) is
-harmless when the new value is that field's default.
+A run is the one whose checkpoints `output_dir` / `checkpoint.dir` lead to, not the spelling
+of those paths: `runs/x/`, `./runs/x`, the absolute path and a folder moved elsewhere are all
+the same run, so both fields are harmless. Harmless too (they change neither the data order,
+the models, the objective nor the optimizer trajectory): every `logging.*`, `evaluation.*` and
+`guard.*` field; `checkpoint.every / keep / async_save / export_hf`; `run_name`; `mesh.*` (the
+checkpoint is resharded on restore); `model.remat`, `algorithm.implementation`,
+`algorithm.chunked_loss_size` (same numbers up to float rounding);
+`rollout.vllm_gpu_memory_utilization`; how a served teacher is reached (`teacher.url`,
+`timeout_s`, `max_concurrency`, `retries`, `backoff_s`, `max_tokens_per_request`, `launch`,
+`launch_python`: a server restarted elsewhere scores the same ids alike; its engine, model and
+top_k still count). `steps` may grow when `optimizer.schedule` is `constant`; with a cosine
+schedule the lr curve is defined over the total number of steps, so a different `steps` bends
+the remaining schedule and needs `--allow-config-change`; `steps` below the checkpoint's step
+is refused by preflight whatever the flag. A field that the saved config lacks (written by an
+older version) is harmless when the new value is that field's default.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from typing import Any, Mapping
 
 HARMLESS_PREFIXES = ("logging.", "evaluation.", "guard.", "mesh.")
 HARMLESS_FIELDS = frozenset({
-    "run_name", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
+    "output_dir", "checkpoint.dir", "run_name", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
     "checkpoint.export_hf", "model.remat", "algorithm.implementation",
     "algorithm.chunked_loss_size", "rollout.vllm_gpu_memory_utilization",
     "teacher.url", "teacher.timeout_s", "teacher.max_concurrency", "teacher.retries",

@@ -7,12 +7,18 @@ write reported as one line.
         ... train ...
     except OSError as err: raise write_error(err, {"output_dir": out, ...})
 
+    check_not_foreign(output_dir, "output_dir", inputs)  # preflight: no model, data, others' steps
+
 Decisions:
+- Nothing of others is written over: `output_dir` may not be the folder of a model, tokenizer
+  or data file the run reads, nor hold model weights, a model's config.json, a tokenizer, data
+  files or checkpoint steps (a folder a run would overwrite, or another run's checkpoint.dir).
 - Writability is judged without writing (preflight writes nothing): the folder, or its nearest
   existing parent when it does not exist yet, must be a directory on a file system mounted
   read-write (`statvfs`; root passes `os.access` even there) that `os.access` lets us write.
-- The lock is `<output_dir>/.run.lock`, created with O_EXCL and holding the owner's pid, host
-  and start time. A lock whose pid is dead on this host, or now belongs to a process started
+- The lock is `<folder>/.run.lock` (output_dir, checkpoint.dir, evaluate's --out), holding
+  the owner's pid, host and start time, written whole and linked into place (atomic, refused
+  when it exists). A lock whose pid is dead on this host, or now belongs to a process started
   later (pid reuse), is stale (a killed run): it is taken over with a warning (renamed away
   first, so two runs cannot both take it). A lock from
   another host cannot be judged and refuses the run; the message names the file to remove.
@@ -69,6 +75,11 @@ def _nearest_existing(path: Path) -> Path:
 def check_writable(path: str | Path, field: str) -> None:
     """`path` is (or can be created as) a folder this process may write; RunDirError otherwise."""
     path = Path(path).absolute()
+    for link in (path, *path.parents):
+        if link.is_symlink() and not link.exists():
+            raise RunDirError(f"{field} {path}: {link} is a symbolic link to {os.readlink(link)}, "
+                              f"which does not exist; create that folder, or point {field} "
+                              "elsewhere")
     existing = _nearest_existing(path)
     if not existing.is_dir():
         raise RunDirError(f"{field} {path}: {existing} is a file, not a folder; choose another "
@@ -79,6 +90,65 @@ def check_writable(path: str | Path, field: str) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise RunDirError(f"{field} {path}: permission denied to write in {existing}; choose a "
                           f"{field} you may write, or fix its permissions")
+
+
+# ----------------------------------------------------------------------------- nothing of others
+
+# What a run (and `evaluate --out`) writes itself: found in a folder, they are a run's own.
+RUN_JSONL = frozenset({"metrics.jsonl", "samples.jsonl", "config_changes.jsonl", "per_problem.jsonl"})
+DATA_SUFFIXES = (".jsonl", ".parquet", ".arrow", ".csv", ".tsv")
+
+
+def _is_run_config(path: Path) -> bool:
+    """A run's config.json (what the trainer writes: output_dir and algorithm among its keys);
+    an unreadable one counts as a run's (resume_config reports it)."""
+    try:
+        tree = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return True
+    return isinstance(tree, dict) and "output_dir" in tree and "algorithm" in tree
+
+
+def foreign_contents(folder: Path, checkpoint_folder: bool = False) -> str | None:
+    """What in `folder` belongs to something other than a run, described for a message: a
+    model (weights, its config.json, a tokenizer), a dataset, or, unless `checkpoint_folder`,
+    checkpoint steps (another run's checkpoint.dir); None when nothing does."""
+    if not folder.is_dir():
+        return None
+    names = sorted(p.name for p in folder.iterdir())
+    weights = [n for n in names if n.endswith((".safetensors", ".bin", ".gguf"))]
+    if weights:
+        return f"a model's weights ({weights[0]})"
+    if "config.json" in names and not _is_run_config(folder / "config.json"):
+        return "a model's config.json"
+    if "tokenizer.json" in names:
+        return "a tokenizer (tokenizer.json)"
+    data = [n for n in names if n.endswith(DATA_SUFFIXES) and n not in RUN_JSONL
+            or n in ("dataset_info.json", "dataset_dict.json")]
+    if data:
+        return f"a dataset ({data[0]})"
+    steps = [n for n in names if n.isdigit() and (folder / n).is_dir()]
+    if steps and not checkpoint_folder:
+        return f"checkpoint steps ({', '.join(steps[:3])}: another run's checkpoint.dir)"
+    return None
+
+
+def check_not_foreign(folder: str | Path, field: str, inputs: dict[str, Path],
+                      checkpoint_folder: bool = False) -> None:
+    """RunDirError when a run would write into `folder` over what is not its own: the folder of
+    one of its `inputs` (field -> folder: models, tokenizers, data), or a folder holding a
+    model, a dataset or checkpoint steps (`foreign_contents`)."""
+    folder = Path(folder).absolute()
+    real = folder.resolve()
+    for name, path in inputs.items():
+        if Path(path).resolve() == real:
+            raise RunDirError(f"{field} {folder} is the folder of {name}; a run writes config.json, "
+                              f"metrics and checkpoints there, over its files: choose another {field}")
+    what = foreign_contents(folder, checkpoint_folder)
+    if what:
+        raise RunDirError(f"{field} {folder} holds {what}, not a run's files; a run writes "
+                          f"config.json, metrics and checkpoints there, over them: choose a new "
+                          f"or empty {field}")
 
 
 # ----------------------------------------------------------------------------- one run per folder
@@ -126,57 +196,63 @@ def _is_stale(owner: dict) -> bool:
     return ticks is not None and _start_ticks(pid) not in (None, ticks)
 
 
-def _in_use(output_dir: Path, owner: dict) -> RunDirError:
-    lock = output_dir / LOCK_NAME
+def _in_use(folder: Path, owner: dict, field: str) -> RunDirError:
+    lock = folder / LOCK_NAME
     who = (f"pid {owner.get('pid')} on host {owner.get('host')} since {owner.get('started')}"
            if owner else "an unknown process")
-    return RunDirError(f"output_dir {output_dir} is in use by another run ({who}); wait for it "
-                       f"to finish or choose another output_dir (if that run is gone, remove "
-                       f"{lock})")
+    return RunDirError(f"{field} {folder} is in use by another run ({who}); wait for it to "
+                       f"finish or choose another {field} (if that run is gone, remove {lock})")
 
 
-def check_not_in_use(output_dir: str | Path) -> None:
-    """RunDirError when a live run holds `output_dir` (a stale lock passes: RunLock takes it)."""
-    output_dir = Path(output_dir).absolute()
-    owner = _read_lock(output_dir / LOCK_NAME)
+def check_not_in_use(folder: str | Path, field: str = "output_dir") -> None:
+    """RunDirError when a live process holds `folder` (a stale lock passes: RunLock takes it)."""
+    folder = Path(folder).absolute()
+    owner = _read_lock(folder / LOCK_NAME)
     if owner is not None and not _is_stale(owner):
-        raise _in_use(output_dir, owner)
+        raise _in_use(folder, owner, field)
 
 
 class RunLock:
-    """`with RunLock(output_dir):` holds `<output_dir>/.run.lock` for the run (module doc)."""
+    """`with RunLock(folder, field):` holds `<folder>/.run.lock` for the run (module doc);
+    `field` names the folder in messages (output_dir, checkpoint.dir, --out)."""
 
-    def __init__(self, output_dir: str | Path):
-        self.output_dir = Path(output_dir).absolute()
-        self.path = self.output_dir / LOCK_NAME
+    def __init__(self, folder: str | Path, field: str = "output_dir"):
+        self.folder = Path(folder).absolute()
+        self.field = field
+        self.path = self.folder / LOCK_NAME
         self._created: list[Path] = []
 
     def acquire(self) -> "RunLock":
         missing = []
-        parent = self.output_dir
+        parent = self.folder
         while not parent.exists():
             missing.append(parent)
             parent = parent.parent
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(parents=True, exist_ok=True)
         self._created = missing   # deepest first: the order to remove them in
         owner = {"pid": os.getpid(), "host": socket.gethostname(),
                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                  "start_ticks": _start_ticks(os.getpid())}
-        for _ in range(2):        # a second try after taking over a stale lock
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                held = _read_lock(self.path) or {}
-                if not _is_stale(held):
-                    self._remove_created()
-                    raise _in_use(self.output_dir, held) from None
-                self._take_over(held)
-                continue
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(json.dumps(owner))
-            return self
+        # written whole beside the lock, then linked into place (atomic, and refused when the
+        # lock exists): a signal at any moment leaves no half-written lock
+        draft = self.path.with_name(f"{LOCK_NAME}.{os.getpid()}")
+        draft.write_text(json.dumps(owner), encoding="utf-8")
+        try:
+            for _ in range(2):        # a second try after taking over a stale lock
+                try:
+                    os.link(draft, self.path)
+                except FileExistsError:
+                    held = _read_lock(self.path)
+                    if held is not None and not _is_stale(held):
+                        break
+                    if held is not None:   # else it was released meanwhile: try again
+                        self._take_over(held)
+                    continue
+                return self
+        finally:
+            draft.unlink(missing_ok=True)
         self._remove_created()
-        raise _in_use(self.output_dir, _read_lock(self.path) or {})
+        raise _in_use(self.folder, _read_lock(self.path) or {}, self.field)
 
     def _take_over(self, held: dict) -> None:
         aside = self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}")
@@ -185,7 +261,7 @@ class RunLock:
         except FileNotFoundError:
             return
         aside.unlink(missing_ok=True)
-        warnings.warn(f"output_dir {self.output_dir}: taking over the lock of pid {held.get('pid')} "
+        warnings.warn(f"{self.field} {self.folder}: taking over the lock of pid {held.get('pid')} "
                       f"(started {held.get('started')}), which is no longer running",
                       RuntimeWarning, stacklevel=3)
 

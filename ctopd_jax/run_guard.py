@@ -1,4 +1,4 @@
-"""Guards of a long run: graceful stop on SIGTERM / SIGINT, and divergence detection.
+"""Guards of a long run: SIGTERM / SIGINT answered at any moment, and divergence detection.
 
 The training loop uses both at step boundaries:
 
@@ -11,13 +11,23 @@ The training loop uses both at step boundaries:
             if stop.requested_everywhere():
                 save a checkpoint of `step` (unless just saved), close the logs
                 raise Stopped(stop.signum, step, checkpoint_dir)
-    # train.py prints Stopped's one line and exits with stop.exit_code (143 / 130)
+    # cli.run prints Stopped's one line and exits with its exit_code (143 / 130)
+
+A signal before or after the loop is answered too (`install_startup_handlers`, called by the
+package itself when it runs as a command, `python -m ctopd_jax.<command>`): while modules
+load, the process exits at once with one line (nothing is written yet); once the command runs
+(`cli.run`, `raising()`), the signal raises `Interrupted` where the command is, so the `with`
+blocks release the locks and stop what was started, and `cli.run` prints one line. The
+training loop (and the export and plots after it) runs under `SignalGuard`.
 
 Decisions:
-- The first SIGTERM / SIGINT only sets a flag: the step in flight finishes, is checkpointed,
-  and the process exits with 128 + signal (143 for SIGTERM, 130 for SIGINT), as shells and
-  schedulers expect. A second signal exits at once (`os._exit`, same status, no checkpoint):
-  the way out of a step that hangs.
+- One signal, one line: the first SIGTERM / SIGINT in the loop only sets a flag (no line of its
+  own): the step in flight finishes, is checkpointed, and the process exits with 128 + signal
+  (143 for SIGTERM, 130 for SIGINT), as shells and schedulers expect, with the line of
+  `Stopped`. A second signal exits at once (`os._exit`, same status, no checkpoint): the way out
+  of a step that hangs.
+- A signal a library swallowed (an `Interrupted` caught by code that catches everything) is
+  still remembered: `SignalGuard` adopts it, so the loop stops at its first step boundary.
 - Handlers are only installed from the main thread (Python allows no other); elsewhere the
   guard is inert and `requested` stays False.
 - DivergenceGuard rules (config section `guard`): a non-finite loss or gradient norm, or an
@@ -40,6 +50,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 SIGNAL_NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
+_STARTUP: dict[str, Any] = {"signum": None, "raising": False, "prog": "ctopd_jax"}
 
 
 def exit_code_for(signum: int) -> int:
@@ -47,9 +58,54 @@ def exit_code_for(signum: int) -> int:
     return 128 + int(signum)
 
 
+class Interrupted(KeyboardInterrupt):
+    """A signal outside the training loop (start-up, evaluation, plotting): `cli.run` prints one
+    line and exits with `exit_code` once the `with` blocks have released what they held."""
+
+    def __init__(self, signum: int):
+        self.signum, self.exit_code = int(signum), exit_code_for(signum)
+        super().__init__(f"stopped by {SIGNAL_NAMES.get(signum, f'signal {signum}')}")
+
+
+def received() -> int | None:
+    """The signal received outside the loop (even one whose Interrupted was swallowed)."""
+    return _STARTUP["signum"]
+
+
+def _startup_handler(signum, frame) -> None:
+    name = SIGNAL_NAMES.get(signum, f"signal {signum}")
+    if _STARTUP["signum"] is not None or not _STARTUP["raising"]:
+        # a second signal, or one while the modules load (nothing written yet): out at once
+        print(f"{_STARTUP['prog']}: stopped by {name}" + (
+            "" if _STARTUP["signum"] is None else " (second signal: at once)"),
+              file=sys.stderr, flush=True)
+        os._exit(exit_code_for(signum))
+    _STARTUP["signum"] = signum
+    raise Interrupted(signum)
+
+
+def install_startup_handlers(prog: str) -> None:
+    """SIGTERM / SIGINT answered in one line from here on (module doc); main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        _STARTUP["prog"] = prog
+        for sig in SIGNAL_NAMES:
+            signal.signal(sig, _startup_handler)
+
+
+class raising:
+    """`with raising():` a signal raises Interrupted (the command runs: its `with` blocks
+    release what they hold) instead of exiting at once."""
+
+    def __enter__(self) -> None:
+        self._before, _STARTUP["raising"] = _STARTUP["raising"], True
+
+    def __exit__(self, *exc) -> None:
+        _STARTUP["raising"] = self._before
+
+
 class Stopped(Exception):
     """Raised by the loop after it checkpointed the step in flight because a signal asked it to
-    stop; train.py prints `str(err)` as one line and exits with `exit_code`."""
+    stop; cli.run prints `str(err)` as one line and exits with `exit_code`."""
 
     def __init__(self, signum: int, step: int, checkpoint_dir: str | Path | None = None):
         self.signum, self.step = int(signum), int(step)
@@ -100,16 +156,15 @@ class SignalGuard:
         print(message, file=stream, flush=True)
 
     def _handle(self, signum, frame) -> None:
-        name = SIGNAL_NAMES.get(signum, f"signal {signum}")
-        if self.signum is None:
+        if self.signum is None:   # no line of its own: Stopped's line says what happened
             self.signum = signum
-            self._say(f"{name} received: finishing the current step, then checkpoint and exit "
-                      f"(send it again to exit at once without a checkpoint)")
             return
-        self._say(f"second {name}: exiting now without a checkpoint")
+        self._say(f"second {SIGNAL_NAMES.get(signum, f'signal {signum}')}: exiting now "
+                  "without a checkpoint")
         self.hard_exit(exit_code_for(signum))
 
     def __enter__(self) -> "SignalGuard":
+        self.signum = self.signum or received()   # one a library swallowed before the loop
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)

@@ -9,14 +9,16 @@ mesh against the devices, checkpoint headers, the checkpoint directory and --res
 then load the models and train. Outputs go to `output_dir`: metrics.jsonl, checkpoints/,
 hf_student/, plots/, config.json (and config_changes.jsonl when a resume changed the config).
 
-One run per output folder: the run holds `<output_dir>/.run.lock` (pid and host); a second
-run on the folder is refused in one line, a lock left by a killed run is taken over with a
-warning.
+One writer per output: the run holds `<output_dir>/.run.lock` and `<checkpoint.dir>/.run.lock`
+(pid and host); a second run on either folder is refused in one line, a lock left by a killed
+run is taken over with a warning.
 
 Exit status: 0 done; 2 bad input, or an output folder that refuses writes (no space, read-only:
 one line naming the field or file and the fix; --debug shows the traceback); 3 training diverged (the message names the step, the values and the last
-good checkpoint); 143 / 130 stopped by SIGTERM / SIGINT after checkpointing the step in flight
-(continue with --resume; a second signal exits at once).
+good checkpoint); 143 / 130 stopped by SIGTERM / SIGINT, in one line at any moment: while
+starting (the locks released, nothing written that a fresh start would not redo), in the loop
+after checkpointing the step in flight (continue with --resume), after the loop once the
+export and plots are whole; a second signal exits at once.
 
 Multi-process (one process per host): set CTOPD_COORDINATOR=host:port, CTOPD_NUM_PROCESSES and
 CTOPD_PROCESS_ID (see launch/multi_host.sh); `jax.distributed.initialize` runs before anything
@@ -68,9 +70,13 @@ def _main(argv: list[str]) -> int:
         writer = jax.process_index() == 0
         from ctopd_jax.run_dir import RunLock, write_error
 
-        # one run per output folder: the writing process holds <output_dir>/.run.lock throughout
+        # one writer per output: the writing process holds <output_dir>/.run.lock and
+        # <checkpoint.dir>/.run.lock throughout (another run may share either folder alone)
         try:
-            with RunLock(config.output_dir) if writer else contextlib.nullcontext():
+            with contextlib.ExitStack() as locks:
+                if writer:
+                    locks.enter_context(RunLock(config.output_dir))
+                    locks.enter_context(RunLock(pre.checkpoint_dir, "checkpoint.dir"))
                 return _train(config, pre, args, writer)
         except Exception as err:   # a refused write (no space, read-only, permission): one line
             from ctopd_jax.checkpoint import CheckpointWriteError
@@ -91,23 +97,28 @@ def _train(config, pre, args, writer: bool) -> int:
         print(f"resume: config changed ({', '.join(c.field for c in pre.config_changes)}); "
               f"logged to {path}", file=sys.stderr, flush=True)
 
-    from ctopd_jax.run_guard import SignalGuard, Stopped
+    from ctopd_jax.run_guard import SIGNAL_NAMES, SignalGuard
     from ctopd_jax.trainer import Trainer, TrainingDiverged
 
     trainer = Trainer(config, preflight=pre)
     try:
-        with SignalGuard() as stop:   # a SIGTERM finishes the step, checkpoints it and stops
+        # a signal in the loop finishes the step, checkpoints it and stops (run_guard.Stopped:
+        # cli.run prints its line); one after it lets the export and the plots finish
+        # (nothing half-written), then the run exits
+        with SignalGuard() as stop:
             result = trainer.train(resume=args.resume, stop=stop)
+            if writer:
+                from ctopd_jax.plot import plot_after_training
+
+                plot_after_training(result.run_dir)   # <run_dir>/plots/*.png; warns, never fails
     except TrainingDiverged as err:
         print(f"{PROG}: training stopped: {one_line(err)}", file=sys.stderr)
         return EXIT_DIVERGED
-    except Stopped as err:
-        print(f"{PROG}: {one_line(err)}", file=sys.stderr)
-        return err.exit_code
+    if stop.requested:
+        print(f"{PROG}: {SIGNAL_NAMES[stop.signum]} received after the last step; the run is "
+              f"complete and saved in {result.run_dir}", file=sys.stderr)
+        return stop.exit_code
     if writer:
-        from ctopd_jax.plot import plot_after_training
-
-        plot_after_training(result.run_dir)   # <run_dir>/plots/*.png; warns, never fails
         print(json.dumps({"final_step": result.final_step, "run_dir": str(result.run_dir),
                           "checkpoints": str(result.checkpoint_dir),
                           "hf_student": str(result.hf_dir) if result.hf_dir else None,

@@ -33,9 +33,15 @@ DEFAULT_CONFIG = Path(ctopd_jax.__file__).resolve().parent.parent / "configs" / 
 
 
 def fresh_output_dir(base: Path) -> Path:
-    """``base`` if it is absent or empty, else the first free ``base-2``, ``base-3``, ..."""
+    """``base`` if it is absent or an empty folder, else the first free ``base-2``, ``base-3``,
+    ... (a file or a dangling link in the way is never used)."""
+    def taken(path: Path) -> bool:
+        if path.is_symlink() and not path.exists():
+            return True
+        return path.exists() and (not path.is_dir() or any(path.iterdir()))
+
     candidate, n = base, 1
-    while candidate.exists() and any(candidate.iterdir()):
+    while taken(candidate):
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
     return candidate
@@ -85,38 +91,63 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parse(argv) -> argparse.Namespace:
+    """The arguments, with --algorithm / --only names checked against the registered
+    objectives (a usage error, one line, before anything is written)."""
+    from ctopd_jax.algorithms import registry
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for flag, names in (("--algorithm", [args.algorithm] if args.algorithm else []),
+                        ("--only", args.only or [])):
+        unknown = [name for name in names if name not in registry()]
+        if unknown:
+            parser.error(f"argument {flag}: {unknown[0]!r} is not a registered objective; "
+                         f"choose from {', '.join(sorted(registry()))}")
+    return args
+
+
+def _config(args, out: Path):
+    """The run's config. With --algorithm, that objective's pair, config and demo recipe
+    (ctopd_jax/demo/compare.py), written to a temporary folder that is gone once it is read
+    (the run folder gets the trainer's config.json)."""
+    import tempfile
+
+    from ctopd_jax.config import load_config
+
+    overrides = [*args.overrides, *([f"steps={args.steps}"] if args.steps else []),
+                 f"output_dir={out}", "evaluation.dataset=''"]
+    if not args.algorithm:
+        return load_config(args.config, overrides)
+    from ctopd_jax.demo.compare import algorithm_config
+    with tempfile.TemporaryDirectory(prefix="ctopd_demo_") as folder:
+        path, recipe = algorithm_config(args.algorithm, Path(folder),
+                                        None if args.config == DEFAULT_CONFIG else args.config)
+        return load_config(path, [*recipe, *overrides])   # --set still wins over the recipe
+
+
 def run(argv=None) -> dict:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     started = time.perf_counter()
     if args.compare:   # every objective, one table (ctopd_jax/demo/compare.py)
         from ctopd_jax.demo.compare import compare
         out = fresh_output_dir(args.out if args.out != Path("runs/demo") else Path("runs/compare"))
         return {"rows": compare(out, args.steps or 20, names=args.only, problems=args.problems,
                                 overrides=tuple(args.overrides), seeds=tuple(range(args.seeds)))}
-    if args.algorithm:   # that objective's pair, config and demo recipe (ctopd_jax/demo/compare.py)
-        from ctopd_jax.demo.compare import algorithm_config
-        import tempfile
-        args.config, recipe = algorithm_config(args.algorithm, Path(tempfile.mkdtemp(prefix="ctopd_demo_")),
-                                               None if args.config == DEFAULT_CONFIG else args.config)
-        args.overrides[:0] = recipe   # --set still wins
-    if args.steps:
-        args.overrides.append(f"steps={args.steps}")
     if not args.config.is_file():
         raise FileNotFoundError(f"--config {args.config}: not found; run from the repository "
                                 "root or pass --config configs/tiny_cpu.yaml")
     out = fresh_output_dir(args.out)
+    config = _config(args, out)
 
     import jax
 
-    from ctopd_jax.config import load_config
     from ctopd_jax.datasets import load_dataset
     from ctopd_jax.evaluation import evaluate_model
     from ctopd_jax.models.weights import load_hf_checkpoint
     from ctopd_jax.plot import plot_run
     from ctopd_jax.preflight import preflight
 
-    config = load_config(args.config, [*args.overrides, f"output_dir={out}",
-                                       "evaluation.dataset=''"])
     max_new = config.rollout.generate_max_len
     dataset = load_dataset("demo")
 
@@ -156,7 +187,10 @@ def run(argv=None) -> dict:
         teacher_acc = accuracy(teacher, teacher_parts.tokenizer, "teacher")
         before = accuracy(trainer.student, trainer.s_tok, "student_before", engine=trainer.engine)
         train_started = time.perf_counter()
-        result = trainer.train()
+        from ctopd_jax.run_guard import SignalGuard
+
+        with SignalGuard() as stop:   # a signal: the step finishes, is checkpointed, one line
+            result = trainer.train(stop=stop)
         train_s = time.perf_counter() - train_started
     student, _ = load_hf_checkpoint(result.hf_dir)   # what a user takes away, read back from disk
     after = accuracy(student, trainer.s_tok, "student_after")

@@ -10,10 +10,12 @@ content would change.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 
+from ctopd_jax import cache as ctopd_cache
 from ctopd_jax.demo import task
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
@@ -22,8 +24,7 @@ SPLITS = ("train", "held_out")
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("CTOPD_JAX_CACHE") or Path.home() / ".cache" / "ctopd_jax"
-    return Path(root) / "demo"
+    return ctopd_cache.cache_dir("demo")
 
 
 def prompt_file(split: str) -> Path:
@@ -39,10 +40,15 @@ def cached_jsonl(name: str, problems) -> Path:
     text = "".join(json.dumps(p.to_row()) + "\n" for p in problems)
     path = cache_dir() / name
     if not path.is_file() or path.read_text() != text:
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(text)
-        tmp.replace(path)  # atomic: concurrent readers never see half a file
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(text)
+            tmp.replace(path)  # atomic: concurrent readers never see half a file
+        except OSError as err:   # a read-only home, a full disk: one line, with the way out
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise ctopd_cache.cache_write_error(path.parent, err) from None
     return path
 
 

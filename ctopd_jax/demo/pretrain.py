@@ -36,7 +36,6 @@ result of what the model wrote computed by ``tools_task.calculate``, greedy turn
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
@@ -409,8 +408,13 @@ def pretrain(role: str, out_root: Path, steps: int | None = None, eval_every: in
     return meta
 
 
+PROG = "python -m ctopd_jax.demo.pretrain"
+
+
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from ctopd_jax.cli import Parser, at_least
+
+    parser = Parser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--role", choices=sorted(SPECS), nargs="*", default=["teacher", "student"])
     parser.add_argument("--pair", choices=("cross", "char", "char_tools"), default="cross",
                         help="cross: the tiny_bpe/tiny_unigram pair (assets/demo); char: the "
@@ -420,8 +424,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--out", type=Path, default=None,
                         help="default: ctopd_jax/assets/demo (cross), assets/demo_char (char) or "
                              "assets/demo_char_tools (char_tools)")
-    parser.add_argument("--steps", type=int, default=None, help="override the recipe's steps")
-    parser.add_argument("--eval-every", type=int, default=0,
+    parser.add_argument("--steps", type=at_least(1), default=None, help="override the recipe's steps")
+    parser.add_argument("--eval-every", type=at_least(0), default=0,
                         help="also report held-out accuracy every N steps (for tuning)")
     args = parser.parse_args(argv)
     out = args.out or {"char": CHAR_ASSET_DIR, "char_tools": CHAR_TOOLS_ASSET_DIR}.get(
@@ -453,4 +457,6 @@ def record_teacher_entropy(out_root: Path, log=print) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    from ctopd_jax.cli import run
+
+    sys.exit(run(lambda argv: 0 if main(argv) else 1, None, PROG))

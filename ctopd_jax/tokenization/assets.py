@@ -11,9 +11,9 @@ CACHED_NAMES = ("qwen2.5", "llama3")
 
 def cache_root() -> Path:
     """``$CTOPD_JAX_CACHE/tokenizers`` or ``~/.cache/ctopd_jax/tokenizers``."""
-    base = os.environ.get("CTOPD_JAX_CACHE")
-    root = Path(base) if base else Path.home() / ".cache" / "ctopd_jax"
-    return root / "tokenizers"
+    from ctopd_jax.cache import cache_dir
+
+    return cache_dir("tokenizers")
 
 
 def resolve_tokenizer_dir(name_or_path: str | os.PathLike) -> Path:

@@ -77,5 +77,19 @@ def write(out_dir: Path | None = None) -> Path:
     return out_dir
 
 
+def main(argv: list[str]) -> int:
+    from ctopd_jax.cli import Parser
+
+    parser = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", nargs="?", type=Path, default=None,
+                        help="default: ctopd_jax/assets/tokenizers/char/")
+    print(write(parser.parse_args(argv).out_dir))
+    return 0
+
+
+PROG = "python -m ctopd_jax.tokenization.char_vocab"
+
 if __name__ == "__main__":
-    print(write(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
+    from ctopd_jax.cli import run
+
+    sys.exit(run(main, None, PROG))

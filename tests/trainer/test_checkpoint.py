@@ -86,7 +86,7 @@ def test_other_structure_is_a_clear_error(tmp_path):
     ck.wait()
     other = make_state(0)
     other["params"]["extra"] = jnp.zeros(2)
-    with pytest.raises(CheckpointError, match="different names"):
+    with pytest.raises(CheckpointError, match="other names"):
         ck.restore_latest(other)
     ck.close()
 

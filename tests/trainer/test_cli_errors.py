@@ -311,18 +311,6 @@ def test_train_refused_write_during_the_run_is_one_line(tmp_path, capsys, monkey
     assert f"error: {field}: {run / where}: {words}" in err
 
 
-@pytest.fixture
-def read_only_dir(tmp_path):
-    """A read-only tmpfs (root may write anywhere else); skipped where mounting is not allowed."""
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 @pytest.mark.parametrize("field", ["output_dir", "checkpoint.dir"])
 def test_train_read_only_output_folder(tmp_path, capsys, read_only_dir, field):
     argv = ["--config", TINY, "--set", f"output_dir={tmp_path / 'run'}",
