@@ -37,7 +37,6 @@ tokens likewise, slots to a power of two, the pool to its bucket; sampling knobs
 from __future__ import annotations
 
 import collections
-import functools
 import math
 from typing import Any, Sequence
 
@@ -46,11 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ctopd_jax.models.kv_cache import (PagedKVCache, init_page_pool, page_pool_token_bytes,
-                                       prefill_positions)
-from ctopd_jax.rollout import sampling
+from ctopd_jax.models.kv_cache import page_pool_token_bytes
 from ctopd_jax.rollout.base import (RolloutConfigError, RolloutResult, SamplingParams,
                                     check_prompts, finish_sample, normalize_eos_ids)
+from ctopd_jax.rollout.paged_decode import (admit_newcomers, decode_until_refill, decode_weights,
+                                            new_pool, prefill_pages, take_rows)
 from ctopd_jax.rollout.pages import PagePool, cdiv
 
 MIN_PROMPT_BUCKET = 16
@@ -85,98 +84,6 @@ def pool_pages(cfg, budget_gb: float, page_size: int, slots: int, max_new_bucket
     """Pages the budget holds after the slot buffers (0 if none)."""
     left = budget_gb * 1e9 - slot_buffer_bytes(cfg, slots, max_new_bucket, table_width)
     return max(0, int(left // (page_pool_token_bytes(cfg) * page_size)))
-
-
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def decode_weights(state, dtype):
-    """The state with every floating parameter wider than `dtype` cast to it (scalars such as
-    the LoRA scale stay, as the model multiplies by them in their own dtype)."""
-    def cast(x):
-        wide = (jnp.issubdtype(x.dtype, jnp.floating) and x.ndim > 0
-                and jnp.dtype(x.dtype).itemsize > jnp.dtype(dtype).itemsize)
-        return x.astype(dtype) if wide else x
-    return jax.tree.map(cast, state)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "pages", "page_size", "sharding"))
-def _new_pool(*, cfg, pages, page_size, sharding):
-    k, v = init_page_pool(cfg, pages, page_size)
-    if sharding is not None:
-        k, v = (jax.lax.with_sharding_constraint(a, sharding) for a in (k, v))
-    return k, v
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("k", "v"))
-def _prefill(state, k, v, table, input_ids, attention_mask, *, graphdef):
-    """Prefill prompts [R, P] (left padded) into their pages; the last position's logits."""
-    model = nnx.merge(graphdef, state)
-    cache = PagedKVCache(k, v, table, jnp.zeros(table.shape[0], jnp.int32))
-    hidden, cache = model.hidden_states(input_ids, prefill_positions(attention_mask),
-                                        attention_mask, cache)
-    return cache.k, cache.v, model.logits(hidden[:, -1:])[:, 0]
-
-
-@functools.partial(jax.jit, donate_argnames=("k", "v", "logits"))
-def _admit(k, v, logits, src, dst, rows, new_logits):
-    """Copy prompt tail pages src -> dst (out-of-range dst: dropped) and set newcomers' logits."""
-    k = k.at[:, :, dst].set(k[:, :, src], mode="drop")
-    v = v.at[:, :, dst].set(v[:, :, src], mode="drop")
-    return k, v, logits.at[rows].set(new_logits, mode="drop")
-
-
-@functools.partial(jax.jit, static_argnames=(
-    "graphdef", "greedy", "use_top_k", "use_top_p", "pad_id"),
-    donate_argnames=("k", "v", "logits", "tokens", "logprobs"))
-def _decode_until_refill(state, k, v, logits, tokens, logprobs, table, lengths, sample_ids,
-                         steps, done, free_stack, free_top, seed, temperature, top_k, top_p,
-                         max_new_tokens, eos, refill_min,
-                         *, graphdef, greedy, use_top_k, use_top_p, pad_id):
-    """Decode until `refill_min` occupied slots finished, all are done, or the pool may run
-    dry at the next step (a row at a page boundary needs a page)."""
-    model = nnx.merge(graphdef, state)
-    slots, max_new_bucket = tokens.shape
-    page, width = k.shape[3], table.shape[1]
-    rows = jnp.arange(slots)
-    occupied = sample_ids >= 0
-
-    def cond(carry):
-        lengths, done, free_top = carry[5], carry[7], carry[8]
-        may_need = jnp.sum(~done & (lengths % page == 0))
-        return (~jnp.all(done) & (jnp.sum(done & occupied) < refill_min)
-                & (may_need <= free_top))
-
-    def body(carry):
-        k, v, logits, tokens, logprobs, lengths, steps, done, free_top, table = carry
-        keys = None if greedy else sampling.sample_keys(seed, sample_ids, steps)
-        tok, lp = sampling.sample_tokens(keys, logits, temperature, top_k, top_p, greedy=greedy,
-                                         use_top_k=use_top_k, use_top_p=use_top_p)
-        active = ~done
-        tok = jnp.where(active, tok, pad_id)
-        at = jnp.where(active, steps, max_new_bucket)  # out of bounds: dropped
-        tokens = tokens.at[rows, at].set(tok, mode="drop")
-        logprobs = logprobs.at[rows, at].set(lp, mode="drop")
-        steps = steps + active
-        finished = active & (jnp.any(tok[:, None] == eos[None, :], axis=-1)  # eos is -1 padded
-                             | (steps >= max_new_tokens))
-        feed = active & ~finished  # only rows that go on need the new token's K/V
-        # Rows whose new token starts a page pop one from the top of the free stack.
-        need = feed & (lengths % page == 0)
-        rank = jnp.cumsum(need) - 1
-        popped = free_stack[jnp.clip(free_top - 1 - rank, 0, free_stack.shape[0] - 1)]
-        table = table.at[rows, jnp.where(need, lengths // page, width)].set(popped, mode="drop")
-        free_top = free_top - jnp.sum(need)
-        logits, cache = model(tok[:, None], lengths[:, None], feed[:, None],
-                              PagedKVCache(k, v, table, lengths))
-        return (cache.k, cache.v, logits[:, -1], tokens, logprobs, cache.lengths, steps,
-                done | finished, free_top, table)
-
-    carry = (k, v, logits, tokens, logprobs, lengths, steps, done, free_top, table)
-    return jax.lax.while_loop(cond, body, carry)
-
-
-@jax.jit
-def _take_rows(tokens, logprobs, rows):
-    return tokens[rows], logprobs[rows]
 
 
 class JaxSampler:
@@ -315,7 +222,7 @@ class JaxSampler:
 
             shape = (cfg.num_layers, cfg.num_kv_heads, plan["pages"], page, cfg.head_dim)
             sharding = logical_sharding(self.mesh, (None, "kv_heads", None, None, None), shape)
-        k, v = _new_pool(cfg=cfg, pages=plan["pages"], page_size=page, sharding=sharding)
+        k, v = new_pool(cfg=cfg, pages=plan["pages"], page_size=page, sharding=sharding)
         logits = self._put(jnp.zeros((slots, cfg.vocab_size), jnp.float32))
         tokens = self._put(jnp.full((slots, max_new_bucket), self.pad_id, jnp.int32))
         logprobs = self._put(jnp.zeros((slots, max_new_bucket), jnp.float32))
@@ -365,17 +272,18 @@ class JaxSampler:
                 k, v = self._prefill(graphdef, state, pool, prompts, new_prompts, prompt_len,
                                      k, v, stats)
             if admitted:
-                count = batch_bucket(max(len(copies), 1))
-                src, dst = np.zeros(count, np.int32), np.full(count, plan["pages"], np.int32)
-                if copies:
-                    src[:len(copies)], dst[:len(copies)] = zip(*copies)
+                # One program per power-of-two count of newcomers (copies <= newcomers).
                 rows = np.full(batch_bucket(len(admitted), self._batch_multiple()), slots,
                                np.int32)   # padding rows: dropped
                 rows[:len(admitted)] = admitted
+                src = np.zeros(len(rows), np.int32)
+                dst = np.full(len(rows), plan["pages"], np.int32)
+                if copies:
+                    src[:len(copies)], dst[:len(copies)] = zip(*copies)
                 new_logits = np.zeros((len(rows), cfg.vocab_size), np.float32)
                 new_logits[:len(admitted)] = [pool.resident[prompt_index[sample_ids[r]]].logits
                                               for r in admitted]
-                k, v, logits = _admit(k, v, logits, src, dst, self._put(rows),
+                k, v, logits = admit_newcomers(k, v, logits, src, dst, self._put(rows),
                                       self._put(new_logits))
                 stats["refills"] += 1
 
@@ -392,7 +300,7 @@ class JaxSampler:
             stack = np.zeros(plan["pages"], np.int32)
             stack[:len(pool.free)] = pool.free
             (k, v, logits, tokens, logprobs, lengths_d, steps_d, done_d, top_d,
-             table_d) = _decode_until_refill(
+             table_d) = decode_until_refill(
                 state, k, v, logits, tokens, logprobs, self._put(table), self._put(lengths),
                 self._put(np.where(sample_ids >= 0, sample_ids + params.first_sample_id,
                                    -1).astype(np.int32)),
@@ -404,7 +312,7 @@ class JaxSampler:
             stats["decode_steps"] += int((steps - before).max(initial=0))
             finished = np.nonzero(done & (sample_ids >= 0))[0]
             if len(finished):
-                got_t, got_lp = jax.device_get(_take_rows(tokens, logprobs,
+                got_t, got_lp = jax.device_get(take_rows(tokens, logprobs,
                                                           jnp.asarray(finished, jnp.int32)))
                 for r, t, lp in zip(finished, got_t, got_lp):
                     s, n = int(sample_ids[r]), int(steps[r])
@@ -439,7 +347,7 @@ class JaxSampler:
             pages = pool.resident[p].pages
             table[j, :len(pages)] = pages
             stats["prefill_tokens"] += len(prompt)
-        k, v, last = _prefill(state, k, v, self._put(table), self._put(ids), self._put(mask),
+        k, v, last = prefill_pages(state, k, v, self._put(table), self._put(ids), self._put(mask),
                               graphdef=graphdef)
         last = np.asarray(jax.device_get(last))
         for j, p in enumerate(new_prompts):
@@ -449,5 +357,5 @@ class JaxSampler:
 
 def compiled_variants() -> int:
     """How many programs the sampler has compiled in this process (tests check reuse)."""
-    return (_decode_until_refill._cache_size() + _prefill._cache_size()
-            + _admit._cache_size() + _new_pool._cache_size())
+    return (decode_until_refill._cache_size() + prefill_pages._cache_size()
+            + admit_newcomers._cache_size() + new_pool._cache_size())

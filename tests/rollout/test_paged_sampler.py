@@ -16,7 +16,8 @@ from ctopd_jax.models.decoder import Decoder
 from ctopd_jax.rollout import sampling
 from ctopd_jax.rollout.base import SamplingParams
 from ctopd_jax.models.kv_cache import page_pool_token_bytes
-from ctopd_jax.rollout.jax_sampler import JaxSampler, decode_weights, slot_buffer_bytes
+from ctopd_jax.rollout.jax_sampler import JaxSampler, slot_buffer_bytes
+from ctopd_jax.rollout.paged_decode import decode_weights
 
 NEW = 10
 
