@@ -313,6 +313,7 @@ class OptimizerSection:
     train_batch_size: int = 8            # responses per optimizer step
     micro_batch_size: int = 8            # responses per forward/backward
     mu_dtype: Literal["float32", "bfloat16"] = "float32"  # AdamW first moment (bf16 halves it)
+    offload_during_rollout: bool = False  # AdamW state in host memory while the rollout runs
 
 
 @dataclass(frozen=True)
