@@ -212,7 +212,8 @@ def main():
     torch.set_num_threads(os.cpu_count() or 1)
     workdir = tempfile.mkdtemp(prefix="rollout_bench_")
     hf = build_hf(args.family, workdir, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                  num_hidden_layers=args.layers)
+                  num_hidden_layers=args.layers,
+                  max_position_embeddings=max(512, args.max_prompt + args.max_new))
     model, cfg = load_hf_checkpoint(workdir)
     prompts = make_prompts(args.batch, args.min_prompt, args.max_prompt, cfg.vocab_size)
     tokens = args.batch * args.max_new

@@ -169,7 +169,7 @@ class JaxSampler:
                 f">= {need:.3g}, lower rollout.jax_decode_slots / rollout.generate_max_len, or "
                 f"use rollout.engine='vllm'")
         # No call uses more than every slot's full table plus its prompts' pages.
-        pages = min(budget, next_pow2(slots * width))
+        pages = min(budget, slots * width)
         return dict(slots=slots, prompt_len=prompt_len, max_new_bucket=max_new_bucket,
                     table_width=width, pages=pages, page_size=page,
                     bytes=pages * page * page_pool_token_bytes(cfg)
@@ -329,6 +329,8 @@ class JaxSampler:
                     stats["preemptions"] += 1
                 continue  # decode before admitting again, so the preempted cannot bounce
             admit()
+            if pending and not (sample_ids >= 0).any():   # plan() rules this out; never spin
+                raise RuntimeError(f"JaxSampler: {len(pool.free)} free pages admit no sample")
         stats.update(slots=slots, pages=plan["pages"], page_size=page,
                      peak_pages=pool.peak_used, kv_cache_gb=plan["bytes"] / 1e9)
         return out_tokens, out_lps, dict(stats)
