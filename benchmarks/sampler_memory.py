@@ -11,8 +11,9 @@ and the seconds of the optimizer-state offload against the pages it frees.
    says fits beside the trainer's state: 36,343 pages, 56 full-length samples), and prints
    XLA's memory analysis against the planner's rows: arguments (decode weights + pool + slot
    buffers), outputs aliased to donated inputs, and temporaries (the step's own working set;
-   a copy of the pool would show here). On CPU XLA computes bf16 in float32, so temporaries
-   are an upper bound of the GPU's.
+   a copy of the pool would show here). On CPU XLA computes bf16 in float32: with
+   `--dtype bfloat16` the temporaries include float32 upcasts of the weights and of the pool
+   that a GPU does not make; `--dtype float32` shows the program without them.
 2. Times host_offload.move of an AdamW-like float32 state of `--offload-gb` GB to pinned host
    memory and back, and converts the bytes into 16-token pages of the preset. On this CPU
    "pinned host" and "device" are both host RAM: the seconds are a memcpy's, not a PCIe
@@ -38,10 +39,11 @@ PAGE = 16
 
 
 def compile_decode(cfg, slots: int, pages: int, max_new: int, prompt: int):
+    dtype = cfg.compute_dtype
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
     S = jax.ShapeDtypeStruct
     width = -(-(prompt + max_new) // PAGE) + 1
-    pool = S((cfg.num_layers, cfg.num_kv_heads, pages, PAGE, cfg.head_dim), jnp.bfloat16)
+    pool = (S((cfg.num_kv_heads, pages, PAGE, cfg.head_dim), dtype),) * cfg.num_layers
     i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
     args = (state, pool, pool, S((slots, cfg.vocab_size), jnp.float32), i32(slots, max_new),
             S((slots, max_new), jnp.float32), i32(slots, width), i32(slots), i32(slots),
@@ -61,12 +63,14 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--max-new", type=int, default=8192)
     parser.add_argument("--offload-gb", type=float, default=1.0)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="weights and pool (float32: no bf16 -> f32 upcasts on CPU)")
     args = parser.parse_args()
-    cfg = PRESETS[args.preset](dtype="bfloat16", param_dtype="bfloat16")
-    print(f"jax {jax.__version__} on {jax.default_backend()}; {args.preset} bf16, "
+    cfg = PRESETS[args.preset](dtype=args.dtype, param_dtype=args.dtype)
+    print(f"jax {jax.__version__} on {jax.default_backend()}; {args.preset} {args.dtype}, "
           f"{args.slots} slots, {args.pages:,} pages of {PAGE} tokens")
     mem, seconds = compile_decode(cfg, args.slots, args.pages, args.max_new, args.prompt)
-    weights = param_count(cfg) * 2
+    weights = param_count(cfg) * jnp.dtype(args.dtype).itemsize
     pool = args.pages * PAGE * page_pool_token_bytes(cfg)   # K and V
     print(f"compiled in {seconds:.1f}s: arguments {mem.argument_size_in_bytes / 1e9:.2f} GB "
           f"(planner: decode weights {weights / 1e9:.2f} + pool {pool / 1e9:.2f} GB), outputs "

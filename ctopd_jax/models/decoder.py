@@ -178,19 +178,23 @@ class Attention(nnx.Module):
         """Write the new tokens into their pages (kv_cache.py, PagedKVCache), then attend: a
         prefill (T > 1) over its own tokens, a decode step over the row's valid pages."""
         b, t = q.shape[:2]
-        page, pages = cache.page_size, cache.k.shape[2]
+        page, pages = cache.page_size, cache.k[layer].shape[1]
         at = cache.write_at                                      # [B, T], -1 = not written
         col = jnp.clip(at // page, 0, cache.page_table.shape[1] - 1)
         dest = jnp.where(at >= 0, jnp.take_along_axis(cache.page_table, col, axis=1), pages)
-        # cache.k[layer, :, dest, offset] is [B, T, Hkv, D] (advanced indices first).
-        k_all = cache.k.at[layer, :, dest, at % page].set(k.astype(cache.k.dtype), mode="drop")
-        v_all = cache.v.at[layer, :, dest, at % page].set(v.astype(cache.v.dtype), mode="drop")
-        cache = cache._replace(k=k_all, v=v_all)
+        # pool[:, dest, offset] is [Hkv, B, T, D]
+        k_pool, v_pool = cache.k[layer], cache.v[layer]
+        k_pool = k_pool.at[:, dest, at % page].set(
+            jnp.moveaxis(k, 2, 0).astype(k_pool.dtype), mode="drop")
+        v_pool = v_pool.at[:, dest, at % page].set(
+            jnp.moveaxis(v, 2, 0).astype(v_pool.dtype), mode="drop")
+        swap = lambda pools, new: pools[:layer] + (new,) + pools[layer + 1:]  # noqa: E731
+        cache = cache._replace(k=swap(cache.k, k_pool), v=swap(cache.v, v_pool))
         if t > 1:
             implementation = resolve_implementation(self.implementation, self.dtype, False)
             return attend(q, k, v, mask, implementation, self.block, self.block), cache
-        out = paged_attention.decode_attention(q[:, 0], k_all[layer].astype(self.dtype),
-                                               v_all[layer].astype(self.dtype),
+        out = paged_attention.decode_attention(q[:, 0], k_pool.astype(self.dtype),
+                                               v_pool.astype(self.dtype),
                                                cache.page_table, cache.lengths)
         return out[:, None], cache
 

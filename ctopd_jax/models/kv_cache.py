@@ -1,6 +1,10 @@
 """Key/value cache for incremental decoding with the `Decoder`.
 
-Contract (the rollout sampler is built on it):
+Two caches. ``KVCache`` is dense (rows x maximum length; the models' cache tests and the GPU
+check's compile stage use it, and benchmarks/rollout_throughput.py's "dense" baseline, the
+sampler as of 19a9239); the sampler decodes over ``PagedKVCache`` (below).
+
+Contract of ``KVCache``:
 
 - ``KVCache`` is a pytree (NamedTuple of arrays) that goes in and out of ``jax.jit``:
     ``k``, ``v``   [L, B, S, Hkv, D]  keys (already RoPE-rotated) and values per layer;
@@ -25,7 +29,10 @@ Contract (the rollout sampler is built on it):
 ``PagedKVCache`` is the sampler's cache (rollout/jax_sampler.py): one pool of fixed-size pages
 shared by all rows, and a page table per row.
 
-- ``k``, ``v`` [L, Hkv, P, page, D]  the pool (kernels/paged_attention's layout per layer);
+- ``k``, ``v``  one [Hkv, P, page, D] array per layer (tuples; kernels/paged_attention's
+                                     layout, as vLLM keeps it): a layer's write and read touch
+                                     its own buffer only, updated in place (compile-only memory
+                                     in benchmarks/sampler_memory.py);
   ``page_table`` [B, maxp] int32    row b's token i lives in page ``page_table[b, i // page]``
                                      at offset ``i % page``; entries past the row's length
                                      only need to be in range;
@@ -64,25 +71,26 @@ class KVCache(NamedTuple):
 
 
 class PagedKVCache(NamedTuple):
-    k: jax.Array
-    v: jax.Array
+    k: tuple
+    v: tuple
     page_table: jax.Array
     lengths: jax.Array
     write_at: jax.Array | None = None   # [B, T] set by the Decoder during a call (-1: pad)
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
 
 def init_page_pool(cfg: ModelConfig, pages: int, page_size: int, dtype=None):
-    """Empty (zero) K and V pools [L, Hkv, pages, page_size, D] in the compute dtype."""
+    """Empty (zero) K and V pools, per layer [Hkv, pages, page_size, D], in the compute dtype."""
     if pages <= 0 or page_size <= 0:
         raise ValueError(f"init_page_pool needs pages > 0 and page_size > 0, got {pages}, "
                          f"{page_size}")
-    shape = (cfg.num_layers, cfg.num_kv_heads, pages, page_size, cfg.head_dim)
+    shape = (cfg.num_kv_heads, pages, page_size, cfg.head_dim)
     dtype = cfg.compute_dtype if dtype is None else dtype
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    return (tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+            tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
 
 def page_pool_token_bytes(cfg: ModelConfig, dtype=None) -> int:

@@ -220,8 +220,8 @@ class JaxSampler:
         if self.mesh is not None:
             from ctopd_jax.mesh import logical_sharding
 
-            shape = (cfg.num_layers, cfg.num_kv_heads, plan["pages"], page, cfg.head_dim)
-            sharding = logical_sharding(self.mesh, (None, "kv_heads", None, None, None), shape)
+            shape = (cfg.num_kv_heads, plan["pages"], page, cfg.head_dim)
+            sharding = logical_sharding(self.mesh, ("kv_heads", None, None, None), shape)
         k, v = new_pool(cfg=cfg, pages=plan["pages"], page_size=page, sharding=sharding)
         logits = self._put(jnp.zeros((slots, cfg.vocab_size), jnp.float32))
         tokens = self._put(jnp.full((slots, max_new_bucket), self.pad_id, jnp.int32))

@@ -29,7 +29,7 @@ def decode_weights(state, dtype):
 def new_pool(*, cfg, pages, page_size, sharding):
     k, v = init_page_pool(cfg, pages, page_size)
     if sharding is not None:
-        k, v = (jax.lax.with_sharding_constraint(a, sharding) for a in (k, v))
+        k, v = jax.lax.with_sharding_constraint((k, v), sharding)
     return k, v
 
 
@@ -46,8 +46,8 @@ def prefill_pages(state, k, v, table, input_ids, attention_mask, *, graphdef):
 @functools.partial(jax.jit, donate_argnames=("k", "v", "logits"))
 def admit_newcomers(k, v, logits, src, dst, rows, new_logits):
     """Copy prompt tail pages src -> dst (out-of-range dst: dropped) and set newcomers' logits."""
-    k = k.at[:, :, dst].set(k[:, :, src], mode="drop")
-    v = v.at[:, :, dst].set(v[:, :, src], mode="drop")
+    k = tuple(a.at[:, dst].set(a[:, src], mode="drop") for a in k)
+    v = tuple(a.at[:, dst].set(a[:, src], mode="drop") for a in v)
     return k, v, logits.at[rows].set(new_logits, mode="drop")
 
 
@@ -62,7 +62,7 @@ def decode_until_refill(state, k, v, logits, tokens, logprobs, table, lengths, s
     dry at the next step (a row at a page boundary needs a page)."""
     model = nnx.merge(graphdef, state)
     slots, max_new_bucket = tokens.shape
-    page, width = k.shape[3], table.shape[1]
+    page, width = k[0].shape[2], table.shape[1]
     rows = jnp.arange(slots)
     occupied = sample_ids >= 0
 
