@@ -74,7 +74,7 @@ from typing import Sequence
 from ctopd_jax.cli import Parser, UserError, at_least, fraction, run
 from ctopd_jax.config import default_teacher, teacher_views
 from ctopd_jax.plan_decode import (decode_floor, kv_bytes_per_token,  # noqa: F401 (re-exported)
-                                   sampler_concurrency)
+                                   rollout_floor)
 
 GB = 1e9
 HEADROOM = 0.05            # CUDA context, NCCL, cuDNN workspaces: outside both pools
@@ -506,37 +506,13 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
 
 
 def _rollout_floor(config, student, dev, gpus, mesh, pool, rows, notes, fill, vllm_seqs):
-    """The decode floor (plan_decode.py) per rollout engine, with its lines in `notes`."""
-    r, m = config.rollout, config.model
-    c, tensor = DTYPE_BYTES[m.dtype], mesh["tensor"]
-    samples = math.ceil(r.rollout_batch_size * r.n_samples_per_prompt * tensor / gpus)
-    new = fill * r.generate_max_len
-    params = param_count(student) / tensor
-    if vllm_seqs is not None:
-        floor = decode_floor(params, student, c, dev.name, vllm_seqs, samples,
-                             r.max_prompt_len, new)
-        notes.append(f"decode floor (vLLM share): {floor.describe(dev.name)}")
-        return floor
-    # During the rollout the persistent rows are live; gradients and activations are not.
-    live = live_during_rollout(rows) - r.jax_kv_cache_budget_gb * GB
+    """plan_decode.rollout_floor with this plan's numbers (its lines go to `notes`)."""
     optimizer = sum(row.bytes for row in rows if row.item.startswith("optimizer state"))
-    kv = kv_bytes_per_token(student, c) / tensor
-    slots = r.jax_decode_slots
-    shape = (student, c, r.jax_page_size, r.max_prompt_len, new, r.n_samples_per_prompt, slots)
-    room = pool - live
-    pages, conc = sampler_concurrency(min(room, r.jax_kv_cache_budget_gb * GB) * tensor, *shape)
-    room_pages, room_conc = sampler_concurrency(room * tensor, *shape)
-    off_pages, off_conc = sampler_concurrency((room + optimizer) * tensor, *shape)
-    floor = decode_floor(params, student, c, dev.name, conc, samples, r.max_prompt_len, new)
-    notes.append(f"JAX sampler: {kv / 1e3:.1f} kB per cached token; the budget "
-                 f"({r.jax_kv_cache_budget_gb:g} GB) holds {pages:,} pages of {r.jax_page_size} "
-                 f"tokens = {conc} concurrent samples (of {r.jax_decode_slots} slots)")
-    notes.append(f"room during the rollout beside the trainer's state ({live / GB:.1f} GB): "
-                 f"{max(room, 0) / GB:.1f} GB = {room_pages:,} pages = {room_conc} concurrent "
-                 f"samples; with optimizer.offload_during_rollout {(room + optimizer) / GB:.1f} "
-                 f"GB = {off_pages:,} pages = {off_conc} samples")
-    notes.append(f"decode floor (JAX sampler): {floor.describe(dev.name)}")
-    return floor
+    live = live_during_rollout(rows) - (0 if vllm_seqs is not None
+                                        else config.rollout.jax_kv_cache_budget_gb * GB)
+    return rollout_floor(config.rollout, student, DTYPE_BYTES[config.model.dtype], dev.name,
+                         param_count(student), gpus, mesh["tensor"], fill, notes,
+                         vllm_seqs=vllm_seqs, pool=pool, live=live, optimizer=optimizer)
 
 
 def _attention_flops(cfg, seq: int, attention: str) -> float:

@@ -66,3 +66,37 @@ def sampler_concurrency(room_bytes: float, cfg, c: int, page: int, prompt: int, 
     pages = max(0, int(room_bytes // (kv_bytes_per_token(cfg, c) * page)))
     per_sample = prompt // page / n + math.ceil((prompt % page + new) / page)
     return pages, min(slots, int(pages // per_sample))
+
+
+def rollout_floor(r, student, c: int, device: str, params: int, gpus: int, tensor: int,
+                  fill: float, notes: list, *, vllm_seqs=None, pool=0.0, live=0.0,
+                  optimizer=0.0) -> DecodeFloor:
+    """The decode floor of the rollout section `r` on one engine, with its lines in `notes`:
+    vLLM decodes `vllm_seqs` at a time; the JAX sampler what its budget holds, and the room
+    the XLA `pool` leaves beside the `live` trainer state (with and without the `optimizer`
+    state offloaded) is reported."""
+    samples = math.ceil(r.rollout_batch_size * r.n_samples_per_prompt * tensor / gpus)
+    new = fill * r.generate_max_len
+    if vllm_seqs is not None:
+        floor = decode_floor(params / tensor, student, c, device, vllm_seqs, samples,
+                             r.max_prompt_len, new)
+        notes.append(f"decode floor (vLLM share): {floor.describe(device)}")
+        return floor
+    kv = kv_bytes_per_token(student, c) / tensor
+    shape = (student, c, r.jax_page_size, r.max_prompt_len, new, r.n_samples_per_prompt,
+             r.jax_decode_slots)
+    room = pool - live
+    pages, conc = sampler_concurrency(min(room, r.jax_kv_cache_budget_gb * 1e9) * tensor, *shape)
+    room_pages, room_conc = sampler_concurrency(room * tensor, *shape)
+    off_pages, off_conc = sampler_concurrency((room + optimizer) * tensor, *shape)
+    floor = decode_floor(params / tensor, student, c, device, conc, samples, r.max_prompt_len,
+                         new)
+    notes.append(f"JAX sampler: {kv / 1e3:.1f} kB per cached token; the budget "
+                 f"({r.jax_kv_cache_budget_gb:g} GB) holds {pages:,} pages of {r.jax_page_size} "
+                 f"tokens = {conc} concurrent samples (of {r.jax_decode_slots} slots)")
+    notes.append(f"room during the rollout beside the trainer's state ({live / 1e9:.1f} GB): "
+                 f"{max(room, 0) / 1e9:.1f} GB = {room_pages:,} pages = {room_conc} concurrent "
+                 f"samples; with optimizer.offload_during_rollout {(room + optimizer) / 1e9:.1f} "
+                 f"GB = {off_pages:,} pages = {off_conc} samples")
+    notes.append(f"decode floor (JAX sampler): {floor.describe(device)}")
+    return floor
