@@ -32,7 +32,8 @@ reassociate. The schedule is a pure function of the prompts and settings: reruns
 bit-exact.
 
 Recompilation: prompt lengths bucketed (powers of two up to 128, then multiples of 128), new
-tokens likewise, slots to a power of two, the pool to its bucket; sampling knobs are traced.
+tokens likewise, slots to a power of two; the pool is slots x table width pages (or what the
+budget holds); sampling knobs are traced.
 """
 from __future__ import annotations
 

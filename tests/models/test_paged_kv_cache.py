@@ -34,9 +34,16 @@ def test_prefill_then_decode_equals_the_full_forward():
         logits, cache = call(model, tok, cache.lengths[:, None], jnp.ones((3, 1), bool), cache)
         got.append(logits[:, -1])
     assert np.asarray(cache.lengths).tolist() == [n + new - 1 for n in lengths]
+    # The oracle: one no-cache forward over the whole sequences, left padded.
+    total = width + new - 1
+    full_ids = np.zeros((3, total), np.int32)
+    full_mask = np.zeros((3, total), bool)
     for r, n in enumerate(lengths):
-        full = call(model, jnp.asarray([seqs[r][:n + new - 1]], jnp.int32),
-                    jnp.arange(n + new - 1)[None])
-        want = np.asarray(full[0, n - 1:])
+        full_ids[r, total - n - new + 1:] = seqs[r][:n + new - 1]
+        full_mask[r, total - n - new + 1:] = True
+    full = call(model, jnp.asarray(full_ids), prefill_positions(jnp.asarray(full_mask)),
+                jnp.asarray(full_mask))
+    for r, n in enumerate(lengths):
+        want = np.asarray(full[r, total - new:])
         np.testing.assert_allclose(np.stack([np.asarray(g[r]) for g in got]), want,
                                    atol=2e-5, rtol=1e-5)

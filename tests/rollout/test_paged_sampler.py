@@ -69,13 +69,14 @@ PARAMS = {"greedy": SamplingParams(temperature=0.0, max_new_tokens=NEW),
 
 
 def _slow_but(*quick):
-    """The parameter grid, every combination but `quick` marked slow (~10 s each)."""
-    grid = [(n, mode, eos) for n in (1, 4) for mode in ("greedy", "seeded") for eos in (0, 1)]
+    """(n, mode, EOS, slots), every combination but `quick` marked slow (~10 s each)."""
+    grid = [(n, mode, eos, slots) for n in (1, 4) for mode in ("greedy", "seeded")
+            for eos in (0, 1) for slots in (4, 64)]
     return [pytest.param(*g, marks=() if g == quick else pytest.mark.slow) for g in grid]
 
 
-@pytest.mark.parametrize("n,mode,with_eos", _slow_but(4, "seeded", 1))
-def test_tokens_and_logprobs_equal_the_no_cache_oracle(model, n, mode, with_eos):
+@pytest.mark.parametrize("n,mode,with_eos,slots", _slow_but(4, "seeded", 1, 4))
+def test_tokens_and_logprobs_equal_the_no_cache_oracle(model, n, mode, with_eos, slots):
     prompts = _prompts(16 // n, seed=n)
     params = PARAMS[mode].replace(n=n)
     want = oracle(model, prompts, params, [])
@@ -84,14 +85,13 @@ def test_tokens_and_logprobs_equal_the_no_cache_oracle(model, n, mode, with_eos)
     want = oracle(model, prompts, params, eos) if with_eos else want
     lengths = {len(t) for t, _ in want}
     assert not with_eos or len(lengths) > 1            # rows really stop at different steps
-    for slots in (4, 64):
-        got = JaxSampler(model, eos_ids=eos or None, pad_id=0, max_batch_size=slots,
-                         page_size=4).generate(prompts, params)
-        assert got.token_ids == [t for t, _ in want]
-        np.testing.assert_allclose(np.concatenate(got.logprobs),
-                                   np.concatenate([lp for _, lp in want]), atol=1e-5, rtol=0)
-        # One prefill per prompt, not per sample.
-        assert got.stats["prefill_tokens"] == sum(map(len, prompts))
+    got = JaxSampler(model, eos_ids=eos or None, pad_id=0, max_batch_size=slots,
+                     page_size=4).generate(prompts, params)
+    assert got.token_ids == [t for t, _ in want]
+    np.testing.assert_allclose(np.concatenate(got.logprobs),
+                               np.concatenate([lp for _, lp in want]), atol=1e-5, rtol=0)
+    # One prefill per prompt, not per sample.
+    assert got.stats["prefill_tokens"] == sum(map(len, prompts))
 
 
 def test_a_dry_pool_preempts_recomputes_and_reruns_bit_exact(model):
