@@ -1,5 +1,4 @@
 """The Decoder over a PagedKVCache: prefill + decode steps equal the no-cache forward."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
