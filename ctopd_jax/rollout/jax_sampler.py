@@ -285,7 +285,7 @@ class JaxSampler:
                 new_logits[:len(admitted)] = [pool.resident[prompt_index[sample_ids[r]]].logits
                                               for r in admitted]
                 k, v, logits = admit_newcomers(k, v, logits, src, dst, self._put(rows),
-                                      self._put(new_logits))
+                                               self._put(new_logits))
                 stats["refills"] += 1
 
         def release(r, finished):
