@@ -5,7 +5,9 @@ paged_attention): one program per (kv head, block of 16 query heads of its group
 the page table); each program loops over its pages only up to the row's length, so a decode
 step reads each row's valid pages and nothing else. This module adapts the project's layout
 to it (page table padded to a multiple of the split count) and fixes its tiling: a compute
-block of `pages_per_block` pages must hold >= 16 tokens (Triton's smallest dot). The op
+block of `pages_per_block` pages holds >= BLOCK_TOKENS tokens (Triton's smallest dot is 16;
+64 is a guess between fewer loop steps and fewer tokens read past a row's end, not tuned on a
+GPU). The op
 does not scale the scores, so q is multiplied by 1/sqrt(head_dim) first (in float32, then
 back to q's dtype: in bf16 that rounding differs from xla.py's scaling of the scores).
 Interpret mode runs the same kernel on CPU (tests compare it with reference.py); it lowers to
@@ -19,13 +21,14 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import paged_attention as _jax_paged
 
 K_SPLITS = 4   # table partitions per row, reduced afterwards (more programs for short batches)
+BLOCK_TOKENS = 64
 
 
 def decode_attention(q, k_pages, v_pages, page_table, lengths, *, interpret: bool = False):
     """Same contract as xla.decode_attention (zeros, up to eps, for a row of length 0)."""
     page, head_dim = k_pages.shape[2], k_pages.shape[3]
     q = (q.astype(jnp.float32) / math.sqrt(head_dim)).astype(q.dtype)
-    pages_per_block = max(1, -(-16 // page))
+    pages_per_block = max(1, -(-BLOCK_TOKENS // page))
     multiple = K_SPLITS * pages_per_block
     width = -(-page_table.shape[1] // multiple) * multiple
     table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))
