@@ -27,31 +27,19 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from ctopd_jax import host_offload
-from ctopd_jax.models import PRESETS, Decoder
+from ctopd_jax.models import PRESETS
 from ctopd_jax.models.kv_cache import page_pool_token_bytes
 from ctopd_jax.plan import param_count
-from ctopd_jax.rollout.paged_decode import decode_until_refill
+from ctopd_jax.rollout.paged_decode import lower_decode
 
 PAGE = 16
 
 
 def compile_decode(cfg, slots: int, pages: int, max_new: int, prompt: int):
-    dtype = cfg.compute_dtype
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
-    S = jax.ShapeDtypeStruct
-    width = -(-(prompt + max_new) // PAGE) + 1
-    pool = (S((cfg.num_kv_heads, pages, PAGE, cfg.head_dim), dtype),) * cfg.num_layers
-    i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
-    args = (state, pool, pool, S((slots, cfg.vocab_size), jnp.float32), i32(slots, max_new),
-            S((slots, max_new), jnp.float32), i32(slots, width), i32(slots), i32(slots),
-            i32(slots), S((slots,), jnp.bool_), i32(pages), i32(), S((), jnp.uint32),
-            S((), jnp.float32), i32(), S((), jnp.float32), i32(), i32(1), i32())
     start = time.perf_counter()
-    compiled = decode_until_refill.lower(*args, graphdef=graphdef, greedy=False,
-                                         use_top_k=False, use_top_p=True, pad_id=0).compile()
+    compiled = lower_decode(cfg, slots, pages, PAGE, prompt, max_new).compile()
     return compiled.memory_analysis(), time.perf_counter() - start
 
 

@@ -56,7 +56,7 @@ Stages (results keys):
                   2,048 + 2,048 tokens: tokens/s, the floor's bytes per step (weights + valid
                   KV) over the measured step time, and its fraction of copy_gbps
   compile_memory  compile-only (no allocation) temp/argument/output bytes of teacher scoring,
-                  the student step and a sampler prefill + decode step at the reference shapes,
+                  the student step and the paged sampler's decode loop at the reference shapes,
                   against bytes_limit, with the planner's estimate beside the student step
   pallas_tests    the Pallas kernel tests compiled for the GPU (PALLAS_GPU_TESTS, CTOPD_PALLAS_INTERPRET=0)
 """
@@ -496,22 +496,15 @@ def stage_compile_memory(report: Report) -> None:
         return res
 
     def sampler():
-        from ctopd_jax.models.kv_cache import init_cache
+        # the paged sampler's decode loop (bf16 decode weights) with a pool that holds every
+        # slot at full length: 16-token pages of prompt + new tokens, + 1 tail page each
+        from ctopd_jax.rollout.paged_decode import lower_decode
+        new = 64 if report.dry else 8192
+        pages = slots * (-(-(prompt + new) // 16) + 1)
         s_bf16 = s_cfg.replace(param_dtype="bfloat16")
-        graphdef, state = _abstract_model(s_bf16)
-        cache_len = prompt + (64 if report.dry else 8192)
-
-        def prefill_and_step(state, ids, mask):
-            model = nnx.merge(graphdef, state)
-            cache = init_cache(s_bf16, slots, cache_len)
-            pos = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), ids.shape)
-            hidden, cache = model.hidden_states(ids, pos, mask, cache)   # as the sampler's prefill
-            nxt = jnp.argmax(model.logits(hidden[:, -1:])[:, 0], axis=-1)[:, None].astype(jnp.int32)
-            logits, cache = model(nxt, pos[:, -1:] + 1, jnp.ones_like(nxt, bool), cache)
-            return logits
-        p_ids = jax.ShapeDtypeStruct((slots, prompt), jnp.int32)
-        p_mask = jax.ShapeDtypeStruct((slots, prompt), jnp.bool_)
-        return _compile_only(jax.jit(prefill_and_step).lower(state, p_ids, p_mask), limit)
+        res = _compile_only(lower_decode(s_bf16, slots, pages, 16, prompt, new), limit)
+        res["pool_pages"] = pages
+        return res
 
     for name, fn in (("student_step", student), ("teacher_scoring", teacher), ("sampler", sampler)):
         report.part(name, fn)

@@ -101,6 +101,25 @@ def decode_until_refill(state, k, v, logits, tokens, logprobs, table, lengths, s
     return jax.lax.while_loop(cond, body, carry)
 
 
+def lower_decode(cfg, slots: int, pages: int, page_size: int, prompt_len: int, max_new: int):
+    """`decode_until_refill` lowered for abstract inputs of these sizes (nothing allocated),
+    for compile-only memory (benchmarks/sampler_memory.py, scripts/gpu_check.py)."""
+    from ctopd_jax.models.decoder import Decoder
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+    S = jax.ShapeDtypeStruct
+    width = -(-(prompt_len + max_new) // page_size) + 1
+    pool = (S((cfg.num_kv_heads, pages, page_size, cfg.head_dim), cfg.compute_dtype),) \
+        * cfg.num_layers
+    i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
+    args = (state, pool, pool, S((slots, cfg.vocab_size), jnp.float32), i32(slots, max_new),
+            S((slots, max_new), jnp.float32), i32(slots, width), i32(slots), i32(slots),
+            i32(slots), S((slots,), jnp.bool_), i32(pages), i32(), S((), jnp.uint32),
+            S((), jnp.float32), i32(), S((), jnp.float32), i32(), i32(1), i32())
+    return decode_until_refill.lower(*args, graphdef=graphdef, greedy=False, use_top_k=False,
+                                     use_top_p=True, pad_id=0)
+
+
 @jax.jit
 def take_rows(tokens, logprobs, rows):
     return tokens[rows], logprobs[rows]
