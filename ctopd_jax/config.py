@@ -203,7 +203,8 @@ class RolloutSection:
     vllm_gpu_memory_utilization: float = 0.5  # pair with XLA_PYTHON_CLIENT_MEM_FRACTION <= 0.95 - it
     vllm_sleep_between_rollouts: bool = False  # GPU: free vLLM memory while the student trains
     jax_decode_slots: int = 256          # JaxSampler: samples decoded together (refilled)
-    jax_kv_cache_budget_gb: float = 8.0  # JaxSampler: KV cache limit; over it = one-line error
+    jax_kv_cache_budget_gb: float = 8.0  # JaxSampler: page pool + slot buffers (GB); sizes the pool
+    jax_page_size: int = 16              # JaxSampler: tokens per KV cache page
     # turn-structured objectives (tcod, sod, sage_opd): "" = single-turn responses split into
     # paragraph turns; "calculator" / "text_world" = multi-turn episodes with that environment
     environment: str = ""
@@ -314,6 +315,7 @@ class OptimizerSection:
     train_batch_size: int = 8            # responses per optimizer step
     micro_batch_size: int = 8            # responses per forward/backward
     mu_dtype: Literal["float32", "bfloat16"] = "float32"  # AdamW first moment (bf16 halves it)
+    offload_during_rollout: bool = False  # AdamW state in host memory while the rollout runs
 
 
 @dataclass(frozen=True)
@@ -632,6 +634,7 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     require(r.max_prompt_len >= 1, "rollout.max_prompt_len", "must be >= 1")
     require(r.jax_decode_slots >= 1, "rollout.jax_decode_slots", "must be >= 1")
     require(r.jax_kv_cache_budget_gb > 0, "rollout.jax_kv_cache_budget_gb", "must be > 0 (GB)")
+    require(r.jax_page_size >= 1, "rollout.jax_page_size", "must be >= 1 token")
     from ctopd_jax.envs import ENVIRONMENTS
     require(r.environment in ("",) + ENVIRONMENTS, "rollout.environment",
              f"{r.environment!r} is unknown; use one of {ENVIRONMENTS} or '' (single-turn)")

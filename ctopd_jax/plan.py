@@ -54,8 +54,11 @@ then hold the whole micro-batch).
 
 Time (rough): FLOPs at an assumed model-FLOPs utilisation, printed with the estimate:
 training 6 x params x tokens (8 x with remat: the forward runs twice) plus attention, teacher
-prefill 2 x params x tokens plus attention, rollout 2 x params x generated tokens at a lower
-assumed utilisation (decoding is memory-bound). Every response is taken at its full length
+prefill 2 x params x tokens plus attention. The rollout is memory-bound, so its time is the
+decode floor of plan_decode.py (bytes per step / HBM bandwidth, with the samples the cache
+holds decoded together); the notes give the pages, the concurrent samples and the tok/s floor,
+and for the JAX sampler the samples that fit beside the trainer's state during the rollout,
+with and without the optimizer state offloaded. Every response is taken at its full length
 (`--fill` scales the sequence length: 0.5 = responses average half of generate_max_len).
 """
 from __future__ import annotations
@@ -71,6 +74,8 @@ from typing import Sequence
 from ctopd_jax import sources
 from ctopd_jax.cli import Parser, UserError, at_least, fraction, run
 from ctopd_jax.config import default_teacher, teacher_views
+from ctopd_jax.plan_decode import (decode_floor, kv_bytes_per_token,  # noqa: F401 (re-exported)
+                                   rollout_floor)
 
 GB = 1e9
 HEADROOM = 0.05            # CUDA context, NCCL, cuDNN workspaces: outside both pools
@@ -254,10 +259,6 @@ def loss_chunk_bytes(rows: int, vocab_s: int, vocab_t: int, vocab_shared: int) -
     return rows * 4 * (3 * vocab_s + 2 * vocab_t + 2 * vocab_shared)
 
 
-def kv_bytes_per_token(cfg, c: int = 2) -> int:
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * c
-
-
 # ----------------------------------------------------------------------------- the plan
 @dataclasses.dataclass
 class Row:
@@ -266,6 +267,16 @@ class Row:
     note: str
     setting: str
     in_pool: bool = True   # inside the XLA pool (False: the rollout engine's own share)
+    rollout_only: bool = False   # live during the rollout only (the sampler's pool and copy)
+
+
+PERSISTENT = ("student parameters", "optimizer state", "teacher weights", "LoRA adapters")
+
+
+def live_during_rollout(rows) -> float:
+    """Bytes live while the JAX sampler runs: the persistent state and the rollout's rows
+    (gradients and activations are not live then)."""
+    return sum(row.bytes for row in rows if row.rollout_only or row.item.startswith(PERSISTENT))
 
 
 @dataclasses.dataclass
@@ -302,7 +313,7 @@ def _mesh_for(config, gpus: int) -> dict:
 def make_plan(config, device: str, gpus: int | None = None, *, student_preset=None,
               teacher_preset=None, attention=None, mu_dtype=None, xla_mem_fraction=None,
               vocab_shared: int | None = None, mfu: float = 0.35, prefill_mfu: float = 0.45,
-              rollout_mfu: float = 0.10, fill: float = 1.0) -> Plan:
+              fill: float = 1.0) -> Plan:
     if device not in DEVICES:
         raise UserError(f"--device {device!r}: use one of {', '.join(DEVICES)}")
     dev = DEVICES[device]
@@ -366,12 +377,15 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
                      f"at once of {per_engine:g} per engine")
         vllm_short = seqs < 1
     else:
-        seqs_dev = math.ceil(r.rollout_batch_size * r.n_samples_per_prompt / batch_shards)
-        c = DTYPE_BYTES[m.dtype]
-        kv = seqs_dev * seq * kv_bytes_per_token(student, c) / mesh["tensor"]
-        rows.append(Row("rollout engine (JAX sampler KV cache)", kv,
-                        f"{seqs_dev} sequences x {seq} tokens per device",
-                        "rollout.rollout_batch_size"))
+        rows.append(Row("rollout engine (JAX sampler page pool)", r.jax_kv_cache_budget_gb * GB,
+                        f"at most rollout.jax_kv_cache_budget_gb, in pages of "
+                        f"{r.jax_page_size} tokens", "rollout.jax_kv_cache_budget_gb",
+                        rollout_only=True))
+        if DTYPE_BYTES[m.param_dtype] > DTYPE_BYTES[m.dtype]:
+            rows.append(Row("decode weights (compute-dtype copy)",
+                            param_count(student) * DTYPE_BYTES[m.dtype] / mesh["tensor"],
+                            f"{m.dtype} copy of the student for the sampler, during the rollout",
+                            "model.param_dtype", rollout_only=True))
         pool_fraction = xla_mem_fraction or SAMPLER_POOL
         vllm_short = False
     if not 0 < pool_fraction <= 1:
@@ -464,26 +478,47 @@ def make_plan(config, device: str, gpus: int | None = None, *, student_preset=No
     budget = dev.memory_gb * GB
     pool = pool_fraction * budget
     total, pool_used, first = 0.0, 0.0, None
-    for row in rows:
+    for row in rows:   # the training step's peak: the rollout's own rows are gone by then
+        if row.rollout_only:
+            continue
         total += row.bytes
         if row.in_pool:
             pool_used += row.bytes
         if first is None and (total > budget or pool_used > pool):
             first = row
+    rollout_used = live_during_rollout(rows)
     if first is None and vllm_short:
         first = rows[0]
         verdict = ("DOES NOT FIT: the vLLM share does not hold one full-length sequence's KV "
                    "cache; raise rollout.vllm_gpu_memory_utilization")
+    elif first is None and rollout_used > pool:
+        first = rows[0]
+        verdict = (f"DOES NOT FIT: during the rollout {rollout_used / GB:.1f} GB (page pool, "
+                   f"decode copy, persistent state) pass the {pool / GB:.1f} GB XLA pool; lower "
+                   f"rollout.jax_kv_cache_budget_gb")
     elif first is None:
         verdict = (f"FITS: {pool_used / GB:.1f} GB of the {pool / GB:.1f} GB XLA pool "
-                   f"({pool_fraction:g} x {dev.memory_gb:g} GB)")
+                   f"({pool_fraction:g} x {dev.memory_gb:g} GB)"
+                   + (f"; {rollout_used / GB:.1f} GB during the rollout" if rollout_used > pool_used else ""))
     else:
         where = "the XLA pool" if pool_used > pool else "device memory"
         verdict = (f"DOES NOT FIT: '{first.item}' passes {where}; change {first.setting}")
+    floor = _rollout_floor(config, student, dev, gpus, mesh, pool, rows, notes, fill,
+                           seqs if r.engine == "vllm" else None)
     time = estimate_time(student, teacher, config, dev, gpus, seq, attn, t_attn,
-                         mfu=mfu, prefill_mfu=prefill_mfu, rollout_mfu=rollout_mfu, fill=fill)
+                         mfu=mfu, prefill_mfu=prefill_mfu, rollout_s=floor.seconds, fill=fill)
     return Plan(dev, gpus, mesh, pool_fraction, rows, transient, verdict,
                 first is None and not vllm_short, notes, time, saved)
+
+
+def _rollout_floor(config, student, dev, gpus, mesh, pool, rows, notes, fill, vllm_seqs):
+    """plan_decode.rollout_floor with this plan's numbers (its lines go to `notes`)."""
+    optimizer = sum(row.bytes for row in rows if row.item.startswith("optimizer state"))
+    live = live_during_rollout(rows) - (0 if vllm_seqs is not None
+                                        else config.rollout.jax_kv_cache_budget_gb * GB)
+    return rollout_floor(config.rollout, student, DTYPE_BYTES[config.model.dtype], dev.name,
+                         param_count(student), gpus, mesh["tensor"], fill, notes,
+                         vllm_seqs=vllm_seqs, pool=pool, live=live, optimizer=optimizer)
 
 
 def _attention_flops(cfg, seq: int, attention: str) -> float:
@@ -494,7 +529,7 @@ def _attention_flops(cfg, seq: int, attention: str) -> float:
 
 
 def estimate_time(student, teacher, config, dev: Device, gpus: int, seq: int, attn: str,
-                  t_attn: str, *, mfu: float, prefill_mfu: float, rollout_mfu: float,
+                  t_attn: str, *, mfu: float, prefill_mfu: float, rollout_s: float,
                   fill: float) -> dict:
     r = config.rollout
     n = r.rollout_batch_size * r.n_samples_per_prompt
@@ -510,12 +545,13 @@ def estimate_time(student, teacher, config, dev: Device, gpus: int, seq: int, at
     prefill = 2.0 * pt_body * tokens + n * _attention_flops(teacher, seq, t_attn)
     rollout = 2.0 * param_count(student) * gen + n * _attention_flops(student, seq, "causal")
     peak = dev.bf16_tflops * 1e12 * gpus
-    parts = {"rollout": rollout / (peak * rollout_mfu), "teacher prefill": prefill / (peak * prefill_mfu),
+    parts = {"rollout": rollout_s, "teacher prefill": prefill / (peak * prefill_mfu),
              "student step": train / (peak * mfu)}
     return {"flops": {"rollout": rollout, "teacher prefill": prefill, "student step": train},
             "seconds": parts, "total_s": sum(parts.values()),
-            "assumed": f"MFU {mfu:g} train, {prefill_mfu:g} prefill, {rollout_mfu:g} rollout "
-                       f"of {dev.bf16_tflops:g} TFLOP/s dense bf16 x {gpus} GPU(s); "
+            "assumed": f"MFU {mfu:g} train, {prefill_mfu:g} prefill "
+                       f"of {dev.bf16_tflops:g} TFLOP/s dense bf16 x {gpus} GPU(s), rollout at "
+                       f"its decode floor; "
                        f"responses at {fill:g} x generate_max_len"}
 
 
@@ -572,7 +608,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="|V∩| (default: Qwen2.5 x Llama-3, SPEC §10)")
     parser.add_argument("--mfu", type=fraction, default=0.35)
     parser.add_argument("--prefill-mfu", type=fraction, default=0.45)
-    parser.add_argument("--rollout-mfu", type=fraction, default=0.10)
     parser.add_argument("--fill", type=fraction, default=1.0,
                         help="mean response length as a fraction of generate_max_len")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -584,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      teacher_preset=args.teacher_preset, attention=args.attention,
                      mu_dtype=args.mu_dtype, xla_mem_fraction=args.xla_mem_fraction,
                      vocab_shared=args.vocab_shared, mfu=args.mfu,
-                     prefill_mfu=args.prefill_mfu, rollout_mfu=args.rollout_mfu, fill=args.fill)
+                     prefill_mfu=args.prefill_mfu, fill=args.fill)
     if args.json:
         print(json.dumps({"fits": plan.fits, "verdict": plan.verdict, "mesh": plan.mesh,
                           "pool_fraction": plan.pool_fraction,

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ctopd_jax import build, teacher_batches
+from ctopd_jax import build, host_offload, teacher_batches
 from ctopd_jax.build import TrainerSetupError  # noqa: F401  (re-exported for callers)
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig, default_teacher
@@ -156,8 +156,14 @@ class Trainer:
         self.rng, sub = jax.random.split(self.rng)
         seed = int(jax.random.randint(sub, (), 0, 2 ** 31 - 1))
         dropout_key = jax.random.fold_in(sub, 1)  # LoRA dropout masks of this iteration's micro-batches
+        if o.offload_during_rollout:   # room for the sampler's pages (host_offload.py)
+            with timer("offload"):
+                self.opt_state = host_offload.move(self.opt_state, host_offload.HOST)
         collected = teacher_batches.collect(self.teachers, self.config, self.objective, self.stream.next_batch(),
                                             seed, timer, rollout_index)
+        if o.offload_during_rollout:
+            with timer("offload"):
+                self.opt_state = host_offload.move(self.opt_state, host_offload.DEVICE)
         coverage = {name: self.coverage[name].update(host.alignment) for name, host in collected.items()}
         accumulation = o.train_batch_size // o.micro_batch_size
         sums = teacher_batches.IterationSums(collected)

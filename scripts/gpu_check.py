@@ -52,9 +52,11 @@ Stages (results keys):
                   output and gradient error against the einsum in float32, forward + backward
   train_step      one Llama-3.2-3B student optimizer step (random weights, the paper configs'
                   scan + full remat + mlp_chunk): tokens/s and MFU against the measured matmul rate
-  sampler         JaxSampler tokens/s (random 3B weights, random prompts)
+  sampler         JaxSampler (paged KV, bf16, random 3B weights) with 64 and 128 samples of
+                  2,048 + 2,048 tokens: tokens/s, the floor's bytes per step (weights + valid
+                  KV) over the measured step time, and its fraction of copy_gbps
   compile_memory  compile-only (no allocation) temp/argument/output bytes of teacher scoring,
-                  the student step and a sampler prefill + decode step at the reference shapes,
+                  the student step and the paged sampler's decode loop at the reference shapes,
                   against bytes_limit, with the planner's estimate beside the student step
   pallas_tests    the Pallas kernel tests compiled for the GPU (PALLAS_GPU_TESTS, CTOPD_PALLAS_INTERPRET=0)
 """
@@ -494,22 +496,15 @@ def stage_compile_memory(report: Report) -> None:
         return res
 
     def sampler():
-        from ctopd_jax.models.kv_cache import init_cache
+        # the paged sampler's decode loop (bf16 decode weights) with a pool that holds every
+        # slot at full length: 16-token pages of prompt + new tokens, + 1 tail page each
+        from ctopd_jax.rollout.paged_decode import lower_decode
+        new = 64 if report.dry else 8192
+        pages = slots * (-(-(prompt + new) // 16) + 1)
         s_bf16 = s_cfg.replace(param_dtype="bfloat16")
-        graphdef, state = _abstract_model(s_bf16)
-        cache_len = prompt + (64 if report.dry else 8192)
-
-        def prefill_and_step(state, ids, mask):
-            model = nnx.merge(graphdef, state)
-            cache = init_cache(s_bf16, slots, cache_len)
-            pos = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), ids.shape)
-            hidden, cache = model.hidden_states(ids, pos, mask, cache)   # as the sampler's prefill
-            nxt = jnp.argmax(model.logits(hidden[:, -1:])[:, 0], axis=-1)[:, None].astype(jnp.int32)
-            logits, cache = model(nxt, pos[:, -1:] + 1, jnp.ones_like(nxt, bool), cache)
-            return logits
-        p_ids = jax.ShapeDtypeStruct((slots, prompt), jnp.int32)
-        p_mask = jax.ShapeDtypeStruct((slots, prompt), jnp.bool_)
-        return _compile_only(jax.jit(prefill_and_step).lower(state, p_ids, p_mask), limit)
+        res = _compile_only(lower_decode(s_bf16, slots, pages, 16, prompt, new), limit)
+        res["pool_pages"] = pages
+        return res
 
     for name, fn in (("student_step", student), ("teacher_scoring", teacher), ("sampler", sampler)):
         report.part(name, fn)
@@ -590,32 +585,45 @@ def stage_sampler(report: Report) -> None:
     from ctopd_jax.metrics import compile_seconds
     from ctopd_jax.models import PRESETS
     from ctopd_jax.models.init import init_decoder
+    from ctopd_jax.models.kv_cache import page_pool_token_bytes
+    from ctopd_jax.plan import param_count
     from ctopd_jax.rollout.base import SamplingParams
     from ctopd_jax.rollout.jax_sampler import JaxSampler
-    name, prompts, prompt_len, new = (("tiny_llama", 4, 16, 16) if report.dry
-                                      else ("llama3_2_3b", 32, 256, 128))
+    # the issue-31 shape: 64 and 128 concurrent samples of 2,048-token prompts + 2,048 new
+    name, prompt_len, new, counts = (("tiny_llama", 16, 16, (4, 8)) if report.dry
+                                     else ("llama3_2_3b", 2048, 2048, (64, 128)))
     cfg = PRESETS[name](dtype="bfloat16", param_dtype="bfloat16")
     model = init_decoder(cfg, 0)
     rng = np.random.default_rng(0)
-    batch = [list(map(int, rng.integers(1, cfg.vocab_size, prompt_len))) for _ in range(prompts)]
-    sampler = JaxSampler(model, eos_ids=[0], pad_id=0)
-    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=new, seed=0)
+    copy_gbps = _env_rate(report.out, "copy", "gbps")
+    weights, kv = param_count(cfg) * 2, page_pool_token_bytes(cfg)
 
-    def generate():
+    def generate(count):
+        batch = [list(map(int, rng.integers(1, cfg.vocab_size, prompt_len))) for _ in range(count)]
+        sampler = JaxSampler(model, eos_ids=None, pad_id=0, max_batch_size=count,
+                             kv_cache_budget_gb=60.0)   # no EOS: every sample runs to `new`
+        params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=new, seed=0)
         before = compile_seconds()
         t0 = time.perf_counter()
-        sampler.generate(batch, params)
-        first, compile_s = time.perf_counter() - t0, compile_seconds() - before
-        t0 = time.perf_counter()
         result = sampler.generate(batch, params)
-        seconds = time.perf_counter() - t0
+        seconds, compile_s = time.perf_counter() - t0, compile_seconds() - before
         generated = sum(len(t) for t in result.token_ids)
-        return {"model": name, "prompts": prompts, "prompt_len": prompt_len,
-                "max_new_tokens": new, "compile_s": compile_s, "first_call_s": first,
-                "run_s": seconds, "generated_tokens": generated,
-                "tokens_per_s": generated / seconds, "backend": jax.default_backend()}
+        steps = result.stats["decode_steps"]
+        # bytes a step moves at the floor: weights + each row's valid KV (mean over the steps)
+        step_bytes = weights + count * (prompt_len + new / 2) * kv
+        step_s = (seconds - compile_s) / max(steps, 1)   # prefill included: an upper bound
+        res = {"model": name, "samples": count, "prompt_len": prompt_len, "max_new_tokens": new,
+               "compile_s": compile_s, "run_s": seconds, "generated_tokens": generated,
+               "tokens_per_s": generated / max(seconds - compile_s, 1e-9),
+               "decode_steps": steps, "floor_step_bytes": step_bytes,
+               "step_gbps": step_bytes / step_s / 1e9, "stats": result.stats,
+               "backend": jax.default_backend()}
+        if copy_gbps:
+            res["fraction_of_copy_rate"] = res["step_gbps"] / copy_gbps
+        return res
 
-    report.part("generate", generate)
+    for count in counts:
+        report.part(f"generate_{count}", lambda c=count: generate(c))
     if _failed(*report.results.values()):
         raise RuntimeError("the sampler failed (see results)")
 

@@ -76,7 +76,9 @@ def test_dry_run_writes_one_valid_result_per_stage(tmp_path):
     for part in ("teacher_scoring", "student_step", "sampler"):
         assert memory[part]["temp"] > 0, part
     assert records["train_step"]["results"]["step"]["tokens_per_s"] > 0
-    assert records["sampler"]["results"]["generate"]["generated_tokens"] > 0
+    for count in (4, 8):
+        sampled = records["sampler"]["results"][f"generate_{count}"]
+        assert sampled["generated_tokens"] == count * 16 and sampled["step_gbps"] > 0
     assert records["pallas_tests"]["results"]["pytest"]["returncode"] == 0
 
 

@@ -290,3 +290,51 @@ def test_several_teachers_plan_each_local_teachers_weights(tmp_path, capsys):
     one = json.loads(capsys.readouterr().out)
     total = lambda p: sum(r["bytes"] for r in p["rows"])
     assert total(several) - total(one) == pytest.approx(3_212_749_824 * 2 / 8, rel=1e-12)
+
+
+def test_the_rollout_time_is_the_decode_floor_of_the_vllm_share(capsys):
+    # The seed's single-GPU config (vLLM, 0.20 of an H200): the share holds 16 full-length
+    # sequences; a step reads the bf16 weights and their KV at the mean length 2,048 + 4,096.
+    assert _cli(["--config", "configs/single_gpu_full_workload.yaml", "--device", "h200",
+                 "--attention", "blockwise", "--xla-mem-fraction", "0.75", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    weights = 3_212_749_824 * 2
+    kv_token = 28 * 2 * 8 * 128 * 2                     # layers x (K, V) x kv heads x dim x bf16
+    step = weights + 16 * (2048 + 4096) * kv_token
+    tok_s = 16 * 4.8e12 / step
+    assert out["time"]["seconds"]["rollout"] == pytest.approx(512 * 8192 / tok_s)
+    assert 900 < out["time"]["seconds"]["rollout"] < 1100   # not the 366 s of an MFU guess
+    assert any("decode floor (vLLM share): 16 samples" in n for n in out["notes"])
+
+
+def test_the_jax_sampler_plan_counts_pages_beside_the_trainers_state(capsys):
+    # The same config with the JAX sampler: during the rollout the H200's 0.9 pool holds the
+    # float32 student (12.85 GB), AdamW m and v (25.70), the bf16 teacher (15.23) and the bf16
+    # decode copy (6.43); the rest is pages. A full-length sample takes 128 prompt + 512 new
+    # pages of 16 tokens.
+    argv = ["--config", "configs/single_gpu_full_workload.yaml", "--device", "h200",
+            "--attention", "blockwise", "--set", "rollout.engine=jax"]
+    assert _cli(argv + ["--set", "rollout.jax_kv_cache_budget_gb=60", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    live = (3_212_749_824 * (4 + 8 + 2) + 7_615_616_512 * 2) / 1e9
+    room = 0.9 * 141 - live
+    page = 16 * 28 * 2 * 8 * 128 * 2 / 1e9
+    fit, fit_offloaded = int(room / page // 640), int((room + 25.70) / page // 640)
+    assert (fit, fit_offloaded) == (56, 78)
+    note = next(n for n in out["notes"] if n.startswith("room during the rollout"))
+    assert f"= {fit} concurrent samples" in note and f"= {fit_offloaded} samples" in note
+    rows = {r["item"]: r for r in out["rows"]}
+    assert rows["decode weights (compute-dtype copy)"]["bytes"] == 3_212_749_824 * 2
+    # A budget past the room fails in the rollout phase, naming the setting.
+    assert _cli(argv + ["--set", "rollout.jax_kv_cache_budget_gb=70"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("DOES NOT FIT: during the rollout") and "jax_kv_cache_budget_gb" in last
+
+
+@pytest.mark.parametrize("device,tb_s", [("h100", 3.35), ("h200", 4.8), ("b200", 8.0)])
+def test_the_decode_floor_scales_with_hbm_bandwidth(device, tb_s):
+    cfg = PRESETS["llama3_2_3b"]()
+    floor = plan.decode_floor(1e9, cfg, 2, device, 64, 512, 1024, 512)
+    step = 2e9 + 64 * (1024 + 256) * plan.kv_bytes_per_token(cfg, 2)
+    assert floor.bytes_per_step == step and floor.concurrent == 64
+    assert floor.tok_s == pytest.approx(64 * tb_s * 1e12 / step)

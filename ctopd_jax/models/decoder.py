@@ -44,7 +44,8 @@ from flax import nnx
 from ctopd_jax.mesh import LOGICAL_RULES, logical_spec
 from ctopd_jax.models.attention import AttentionMask, attend, resolve_implementation
 from ctopd_jax.models.config import ModelConfig
-from ctopd_jax.models.kv_cache import KVCache, init_cache  # noqa: F401  (re-exported)
+from ctopd_jax.kernels.paged_attention import api as paged_attention
+from ctopd_jax.models.kv_cache import KVCache, PagedKVCache, init_cache  # noqa: F401
 from ctopd_jax.models.lora import TARGETS, add_lora_path, lora_weight
 
 INIT_STD = 0.02
@@ -155,6 +156,10 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, cos, sin), ("batch", None, "q_heads", None))
         k = constrain(apply_rope(k, cos, sin), ("batch", None, "kv_heads", None))
         v = constrain(v, ("batch", None, "kv_heads", None))
+        if isinstance(cache, PagedKVCache):
+            out, cache = self._paged(q, k, v, mask, cache, layer)
+            o = jnp.einsum("btnd,ndh->bth", out, lora_weight(self, "o_proj", dt, dr))
+            return add_lora_path(self, "o_proj", out, o, dr), cache
         if cache is not None:
             start = (layer, 0, cache.index, 0, 0)
             k_all = jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start)
@@ -167,6 +172,31 @@ class Attention(nnx.Module):
         out = attend(q, k, v, mask, implementation, self.block, self.block)
         o = jnp.einsum("btnd,ndh->bth", out, lora_weight(self, "o_proj", dt, dr))
         return add_lora_path(self, "o_proj", out, o, dr), cache
+
+
+    def _paged(self, q, k, v, mask: AttentionMask, cache: PagedKVCache, layer: int):
+        """Write the new tokens into their pages (kv_cache.py, PagedKVCache), then attend: a
+        prefill (T > 1) over its own tokens, a decode step over the row's valid pages."""
+        b, t = q.shape[:2]
+        page, pages = cache.page_size, cache.k[layer].shape[1]
+        at = cache.write_at                                      # [B, T], -1 = not written
+        col = jnp.clip(at // page, 0, cache.page_table.shape[1] - 1)
+        dest = jnp.where(at >= 0, jnp.take_along_axis(cache.page_table, col, axis=1), pages)
+        # pool[:, dest, offset] is [Hkv, B, T, D]
+        k_pool, v_pool = cache.k[layer], cache.v[layer]
+        k_pool = k_pool.at[:, dest, at % page].set(
+            jnp.moveaxis(k, 2, 0).astype(k_pool.dtype), mode="drop")
+        v_pool = v_pool.at[:, dest, at % page].set(
+            jnp.moveaxis(v, 2, 0).astype(v_pool.dtype), mode="drop")
+        swap = lambda pools, new: pools[:layer] + (new,) + pools[layer + 1:]  # noqa: E731
+        cache = cache._replace(k=swap(cache.k, k_pool), v=swap(cache.v, v_pool))
+        if t > 1:
+            implementation = resolve_implementation(self.implementation, self.dtype, False)
+            return attend(q, k, v, mask, implementation, self.block, self.block), cache
+        out = paged_attention.decode_attention(q[:, 0], k_pool.astype(self.dtype),
+                                               v_pool.astype(self.dtype),
+                                               cache.page_table, cache.lengths)
+        return out[:, None], cache
 
 
 class MLP(nnx.Module):
@@ -309,6 +339,15 @@ class Decoder(nnx.Module):
                     x = step(layer, x, cos, sin, mask,
                              None if lora_dropout is None else lora_dropout.fold(i))
             return self.final_norm(x)
+
+        if isinstance(cache, PagedKVCache):
+            written = attention_mask.sum(axis=1, dtype=jnp.int32)
+            cache = cache._replace(lengths=cache.lengths + written,
+                                   write_at=jnp.where(attention_mask, positions, -1))
+            mask = AttentionMask(jnp.arange(t, dtype=jnp.int32), attention_mask)
+            for i, layer in enumerate(self.layers):
+                x, cache = layer(x, cos, sin, mask, cache, i)
+            return self.final_norm(x), cache._replace(write_at=None)
 
         slots = cache.index + jnp.arange(t, dtype=jnp.int32)  # [T] slot of each new token
         valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask, (0, cache.index))

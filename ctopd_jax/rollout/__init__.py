@@ -9,7 +9,7 @@ def make_rollout_engine(name: str, model, eos_ids, pad_id=None, mesh=None, **kwa
     """Build a rollout engine for the student `model` by name.
 
     "jax": the native sampler (kwargs: max_batch_size (decode slots), max_prompt_len,
-    kv_cache_budget_gb); "vllm": an in-process
+    kv_cache_budget_gb, page_size); "vllm": an in-process
     vLLM engine (kwargs: max_model_len, dtype, seed, llm_kwargs); vLLM ignores `mesh`.
     """
     if name == "jax":
@@ -41,7 +41,8 @@ def engine_from_config(rollout, model, eos_ids, pad_id=None, mesh=None):
     return make_rollout_engine(rollout.engine, model, eos_ids, pad_id, mesh=mesh,
                                max_prompt_len=rollout.max_prompt_len,
                                max_batch_size=rollout.jax_decode_slots,
-                               kv_cache_budget_gb=rollout.jax_kv_cache_budget_gb)
+                               kv_cache_budget_gb=rollout.jax_kv_cache_budget_gb,
+                               page_size=rollout.jax_page_size)
 
 
 __all__ = ["engine_from_config", "sampling_params_from_config", "ENGINES", "FINISH_LENGTH", "FINISH_STOP", "RolloutConfigError", "RolloutEngine",

@@ -1,55 +1,43 @@
-"""Native JAX rollout engine: continuous batching over a fixed number of decode slots.
+"""Native JAX rollout engine: continuous batching over decode slots, a paged KV cache.
 
-What it is for: the CPU / small-model engine (tests, the tiny demo, debugging, a small student
-on one accelerator). It is plain XLA: no paged attention, no CUDA graphs, every decode step
-attends over the whole per-slot cache. For the reference workload (a 3B student, 256 rows of
-up to 10,240 tokens) use rollout.engine='vllm' on GPU: a dense cache for that is, at
-Llama-3.2-3B, 256 x 10,240 x 28 layers x 8 KV heads x 128 x 2 (K and V) x 2 bytes ~ 300 GB
-(a paged cache holds only the tokens that exist). This
-engine sizes its cache to its slots and refuses, with one line naming the setting, a request
-whose cache does not fit `kv_cache_budget_gb` (see `kv_cache_bytes`).
+What it is for: the engine that runs with nothing else installed (CPU tests, the tiny demo, a
+student on one accelerator beside the trainer). A decode step is memory-bound; its floor is
+(decode weights + the KV of the tokens that exist) / HBM bandwidth, and this engine is built
+to read only that (ctopd_jax/plan.py predicts it):
 
-How it decodes: `max_batch_size` slots (rounded to a power of two, never more than the samples
-of the call) each hold one sample. All slots are prefilled at the start; then a jitted
-`while_loop` decodes one token per active slot per step, each slot at its own step and RoPE
-position. A slot whose sample stops (EOS or `max_new_tokens`) sits idle until at least
-`ceil(refill_fraction * slots)` slots are idle (or no prompt is pending); the loop then returns
-to the host, which collects the finished samples and prefills the next pending prompts into the
-freed slots (one batched prefill, written into those slots' rows of the cache), and decoding
-resumes. The cache holds slots x (prompt bucket + new-token bucket) positions, not
-samples x ...: the memory is set by the slots, whatever the number of samples.
+- Decode weights in the compute dtype: each call casts the live student's wider floating
+  parameters to `cfg.dtype` once, on the device (no host round trip), and decodes from that
+  copy. The model casts every weight to `cfg.dtype` where it uses it anyway, so the tokens
+  and log-probs are those of decoding from the master weights; a LoRA student keeps its
+  adapters unmerged, applied as in training (`lora_weight`).
+- A paged KV cache (models/kv_cache.py, PagedKVCache): one pool of `page_size`-token pages
+  sized from `kv_cache_budget_gb` (in tokens, not slots x maximum length), a page table per
+  slot, pages taken as rows grow; admission, waiting and preemption are in rollout/pages.py.
+- Ragged decode attention (kernels/paged_attention): each step reads the valid pages only
+  (the Pallas GPU kernel per row; the XLA CPU path up to the longest row).
+- Shared prompt pages: the n samples of a prompt reference its prompt's pages; one prefill.
 
-Cache layout per slot row (models/kv_cache.py contract, unchanged): positions [0, P) hold the
-left-padded prompt (pads invalid), [P, P + max_new) the generated tokens fed back, and the last
-position is a scratch slot: each decode step writes all rows' new K/V there through the
-Decoder's shared `index`, then the step moves each row's entry to that row's own position
-(a [layers, slots, kv_heads, head_dim] scatter) and marks it valid. So rows advance
-independently without changing the Decoder's call signature.
+How it decodes: `max_batch_size` slots (a power of two, never more than the samples of the
+call). Samples are admitted into free slots (pages.py's rule); new prompts are prefilled in
+one batched call; a jitted `while_loop` then decodes one token per active slot per step,
+each slot at its own step and position, until ceil(refill_fraction * slots) slots have
+finished, all are done, or the next step may need more pages than are free. The host then
+collects finished samples, frees their pages, preempts if the pool ran dry, and admits more.
 
-Determinism: the randomness of sample i at its step t is `fold_in(fold_in(key(seed), i), t)`,
-with i the sample's index in the call (prompt-major). It depends on neither the slot nor the
-step at which the sample entered, so the sampled tokens are the same as the static-batch
-sampler's (the previous version of this file: checked equal on greedy and seeded sampling, with
-and without EOS, 4 and 32 slots) and the same for any `max_batch_size`. Log-probs may move in
-the last float32 bits (<= 1.5e-6 seen) when the slot count or cache length changes, as batched
-matmuls reassociate; a token could flip only on such an exact tie. The slot schedule is a pure
-function of the prompts and settings, so a rerun (a resumed run) is bit-exact.
+Determinism: the randomness of sample i at its step t is `fold_in(fold_in(key(seed), i), t)`
+(i = the sample's index in the call, prompt-major), independent of slot, schedule and
+preemption, so the tokens do not depend on `max_batch_size` or the budget. Log-probs may move
+in the last float32 bits (<= 1.5e-6 seen) when batch shapes change, as batched matmuls
+reassociate. The schedule is a pure function of the prompts and settings: reruns are
+bit-exact.
 
-Recompilation: prompt and new-token lengths are bucketed (powers of two up to 128, then
-multiples of 128), slots to a power of two; temperature, top-k, top-p, the seed and the actual
-`max_new_tokens` are traced. One decode program serves every call in the same buckets, plus
-one prefill program per power-of-two count of newcomers.
-
-Weights: `generate` splits the live student module each call (no copy), so an optimizer step
-that updates the module in place is seen by the next rollout; `update_weights(model)` only
-swaps the module reference.
-
-Not done: the `n` samples of a prompt each prefill the prompt (no shared prefix cache).
+Recompilation: prompt lengths bucketed (powers of two up to 128, then multiples of 128), new
+tokens likewise, slots to a power of two; the pool is slots x table width pages (or what the
+budget holds); sampling knobs are traced.
 """
 from __future__ import annotations
 
 import collections
-import functools
 import math
 from typing import Any, Sequence
 
@@ -58,13 +46,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ctopd_jax.models.kv_cache import init_cache, prefill_positions
-from ctopd_jax.rollout import sampling
+from ctopd_jax.models.kv_cache import page_pool_token_bytes
 from ctopd_jax.rollout.base import (RolloutConfigError, RolloutResult, SamplingParams,
                                     check_prompts, finish_sample, normalize_eos_ids)
+from ctopd_jax.rollout.paged_decode import (admit_newcomers, decode_until_refill, decode_weights,
+                                            new_pool, prefill_pages, take_rows)
+from ctopd_jax.rollout.pages import PagePool, cdiv
 
 MIN_PROMPT_BUCKET = 16
 DEFAULT_KV_CACHE_BUDGET_GB = 8.0
+DEFAULT_PAGE_SIZE = 16
 
 
 def next_pow2(n: int) -> int:
@@ -83,129 +74,40 @@ def length_bucket(n: int, minimum: int = 1) -> int:
     return next_pow2(n) if n <= 128 else -(-n // 128) * 128
 
 
-def kv_cache_bytes(cfg, slots: int, cache_len: int) -> int:
-    """Device bytes the sampler holds per call: K and V for every slot and position, the
-    per-slot last logits (float32) and the per-slot token / log-prob buffers."""
-    itemsize = jnp.dtype(cfg.compute_dtype).itemsize
-    kv = 2 * cfg.num_layers * slots * cache_len * cfg.num_kv_heads * cfg.head_dim * itemsize
-    return kv + slots * cache_len + slots * cfg.vocab_size * 4 + slots * cache_len * 8
+def slot_buffer_bytes(cfg, slots: int, max_new_bucket: int, table_width: int) -> int:
+    """Per-call device bytes besides the pool: last logits (float32), token / log-prob
+    buffers and the page table, per slot."""
+    return slots * (cfg.vocab_size * 4 + max_new_bucket * 8 + table_width * 4)
 
 
-def check_kv_cache_fits(cfg, slots: int, cache_len: int, budget_gb: float) -> None:
-    """One-line RolloutConfigError when `slots` x `cache_len` does not fit the budget."""
-    need = kv_cache_bytes(cfg, slots, cache_len)
-    budget = budget_gb * 1e9
-    if need <= budget:
-        return
-    per_slot = kv_cache_bytes(cfg, 1, cache_len)
-    fit = int(budget // per_slot)
-    hint = (f"lower rollout.jax_decode_slots to <= {fit}" if fit >= 1 else
-            "lower rollout.generate_max_len / rollout.max_prompt_len (not even one slot fits)")
-    raise RolloutConfigError(
-        f"JaxSampler: {slots} slots x {cache_len} cache positions need "
-        f"{need / 1e9:.2f} GB of KV cache, over rollout.jax_kv_cache_budget_gb={budget_gb:g}; "
-        f"{hint}, raise rollout.jax_kv_cache_budget_gb, or use rollout.engine='vllm'")
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "slots", "cache_len", "cache_sharding"))
-def _new_slots(*, cfg, slots, cache_len, cache_sharding):
-    cache = init_cache(cfg, slots, cache_len)
-    if cache_sharding is not None:
-        cache = cache._replace(k=jax.lax.with_sharding_constraint(cache.k, cache_sharding),
-                               v=jax.lax.with_sharding_constraint(cache.v, cache_sharding))
-    return cache
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "logits"))
-def _prefill_slots(state, cache, logits, rows, input_ids, attention_mask, *, graphdef):
-    """Prefill newcomers [R, P] (left padded) and write them into slot rows `rows` [R] of the
-    cache (rows >= slots are padding newcomers and are dropped)."""
-    model = nnx.merge(graphdef, state)
-    r, p = input_ids.shape
-    small = init_cache(model.cfg, r, p, dtype=cache.k.dtype)
-    hidden, small = model.hidden_states(input_ids, prefill_positions(attention_mask),
-                                        attention_mask, small)
-    last_logits = model.logits(hidden[:, -1:])[:, 0]   # only the next token's row is sampled
-    k = cache.k.at[:, rows, :p].set(small.k, mode="drop")
-    v = cache.v.at[:, rows, :p].set(small.v, mode="drop")
-    valid_rows = jnp.zeros((r, cache.max_len), bool).at[:, :p].set(attention_mask)
-    valid = cache.valid.at[rows].set(valid_rows, mode="drop")
-    logits = logits.at[rows].set(last_logits, mode="drop")
-    return cache._replace(k=k, v=v, valid=valid), logits
-
-
-@functools.partial(jax.jit, static_argnames=(
-    "graphdef", "prompt_len", "greedy", "use_top_k", "use_top_p", "pad_id"),
-    donate_argnames=("cache", "logits", "tokens", "logprobs"))
-def _decode_until_refill(state, cache, logits, tokens, logprobs, sample_ids, steps, positions,
-                         done, seed, temperature, top_k, top_p, max_new_tokens, eos, refill_min,
-                         *, graphdef, prompt_len, greedy, use_top_k, use_top_p, pad_id):
-    """Decode until `refill_min` occupied slots have finished (or every slot is done)."""
-    model = nnx.merge(graphdef, state)
-    slots, max_new_bucket = tokens.shape
-    scratch = cache.max_len - 1
-    rows = jnp.arange(slots)
-    occupied = sample_ids >= 0
-
-    def cond(carry):
-        done = carry[-1]
-        return ~jnp.all(done) & (jnp.sum(done & occupied) < refill_min)
-
-    def body(carry):
-        cache, logits, tokens, logprobs, steps, positions, done = carry
-        keys = None if greedy else sampling.sample_keys(seed, sample_ids, steps)
-        tok, lp = sampling.sample_tokens(keys, logits, temperature, top_k, top_p, greedy=greedy,
-                                         use_top_k=use_top_k, use_top_p=use_top_p)
-        active = ~done
-        tok = jnp.where(active, tok, pad_id)
-        at = jnp.where(active, steps, max_new_bucket)  # out of bounds: dropped
-        tokens = tokens.at[rows, at].set(tok, mode="drop")
-        logprobs = logprobs.at[rows, at].set(lp, mode="drop")
-        steps = steps + active
-        finished = active & (jnp.any(tok[:, None] == eos[None, :], axis=-1)  # eos is -1 padded
-                             | (steps >= max_new_tokens))
-        feed = active & ~finished  # only rows that go on need the new token's K/V
-        logits, new = model(tok[:, None], positions[:, None], feed[:, None],
-                            cache._replace(index=jnp.asarray(scratch, jnp.int32)))
-        # Move each row's new K/V from the scratch slot to the row's own next position.
-        dest = jnp.where(feed, prompt_len + steps - 1, cache.max_len)  # out of bounds: dropped
-        k = new.k.at[:, rows, dest].set(new.k[:, :, scratch], mode="drop")
-        v = new.v.at[:, rows, dest].set(new.v[:, :, scratch], mode="drop")
-        valid = new.valid.at[rows, dest].set(True, mode="drop").at[:, scratch].set(False)
-        cache = cache._replace(k=k, v=v, valid=valid)
-        return (cache, logits[:, -1], tokens, logprobs, steps, positions + feed,
-                done | finished)
-
-    carry = (cache, logits, tokens, logprobs, steps, positions, done)
-    return jax.lax.while_loop(cond, body, carry)
-
-
-@functools.partial(jax.jit, donate_argnames=())
-def _take_rows(tokens, logprobs, rows):
-    return tokens[rows], logprobs[rows]
+def pool_pages(cfg, budget_gb: float, page_size: int, slots: int, max_new_bucket: int,
+               table_width: int) -> int:
+    """Pages the budget holds after the slot buffers (0 if none)."""
+    left = budget_gb * 1e9 - slot_buffer_bytes(cfg, slots, max_new_bucket, table_width)
+    return max(0, int(left // (page_pool_token_bytes(cfg) * page_size)))
 
 
 class JaxSampler:
-    """The embedded default rollout engine; CPU / small-model only (see module docstring).
+    """The embedded default rollout engine (see module docstring).
 
     Args:
       model: the student `Decoder` (read live at every call).
       eos_ids: token id(s) that end a sample (the student's EOS; several allowed).
       pad_id: id used for padding (any in-vocabulary id; padded positions are masked out).
-      mesh: the student's mesh; slots are sharded over ("data", "fsdp").
-      max_batch_size: decode slots (samples decoded together); more samples than slots are
-        served by refilling slots as samples finish.
+      mesh: the student's mesh; slots are sharded over ("data", "fsdp"), the pool's kv heads
+        over "tensor".
+      max_batch_size: decode slots (the most samples decoded together).
       max_prompt_len: prompts longer than this are rejected with a clear error.
-      kv_cache_budget_gb: the most device memory (GB, 1e9 bytes) the sampler's cache may take
-        (`kv_cache_bytes`); a call whose slots x lengths exceed it fails before any device work.
-      refill_fraction: return to the host to refill once this fraction of the slots is idle
-        (smaller: fewer idle slots, more host round trips and prefill calls).
+      kv_cache_budget_gb: device memory (GB, 1e9 bytes) for the page pool and the slot
+        buffers; a call whose longest sample cannot fit in it fails before any device work.
+      page_size: tokens per page.
+      refill_fraction: return to the host to refill once this fraction of the slots is idle.
     """
 
     def __init__(self, model, eos_ids, pad_id: int | None = None, mesh=None,
                  max_batch_size: int = 256, max_prompt_len: int | None = None,
                  kv_cache_budget_gb: float = DEFAULT_KV_CACHE_BUDGET_GB,
-                 refill_fraction: float = 0.25):
+                 page_size: int = DEFAULT_PAGE_SIZE, refill_fraction: float = 0.25):
         self._model = model
         self.eos_ids = normalize_eos_ids(eos_ids)
         self.pad_id = int(pad_id if pad_id is not None else (self.eos_ids or (0,))[0])
@@ -219,6 +121,8 @@ class JaxSampler:
         if not kv_cache_budget_gb > 0:
             raise RolloutConfigError(
                 f"rollout.jax_kv_cache_budget_gb={kv_cache_budget_gb} must be > 0 (GB)")
+        if page_size < 1:
+            raise RolloutConfigError(f"rollout.jax_page_size={page_size} must be >= 1 token")
         if not 0 < refill_fraction <= 1:
             raise RolloutConfigError(
                 f"JaxSampler refill_fraction={refill_fraction} must be in (0, 1]")
@@ -226,6 +130,7 @@ class JaxSampler:
         self.max_batch_size = max_batch_size
         self.max_prompt_len = max_prompt_len
         self.kv_cache_budget_gb = float(kv_cache_budget_gb)
+        self.page_size = int(page_size)
         self.refill_fraction = float(refill_fraction)
 
     @classmethod
@@ -234,7 +139,8 @@ class JaxSampler:
         return cls(model, eos_ids=tokenizer.eos_id, pad_id=tokenizer.pad_id, mesh=mesh,
                    max_batch_size=rollout.jax_decode_slots,
                    max_prompt_len=rollout.max_prompt_len,
-                   kv_cache_budget_gb=rollout.jax_kv_cache_budget_gb)
+                   kv_cache_budget_gb=rollout.jax_kv_cache_budget_gb,
+                   page_size=rollout.jax_page_size)
 
     # -- protocol ---------------------------------------------------------------------------
     def update_weights(self, model: Any) -> None:
@@ -245,14 +151,30 @@ class JaxSampler:
         return self._model
 
     def plan(self, num_samples: int, longest_prompt: int, max_new_tokens: int) -> dict:
-        """Slots and cache length a call would use, and its cache bytes (no device work)."""
+        """Slots, pool pages and bytes a call would use (no device work); raises
+        RolloutConfigError when the budget cannot hold one sample of the longest length."""
+        cfg, page = self._model.cfg, self.page_size
         slots = batch_bucket(min(num_samples, self.max_batch_size), self._batch_multiple())
         prompt_len = length_bucket(longest_prompt, MIN_PROMPT_BUCKET)
         max_new_bucket = length_bucket(max_new_tokens)
-        cache_len = prompt_len + max_new_bucket  # the last position is the scratch slot
+        width = cdiv(prompt_len + max_new_bucket, page) + 1
+        one_sample = cdiv(longest_prompt, page) + 1 + cdiv(max_new_tokens, page)
+        budget = pool_pages(cfg, self.kv_cache_budget_gb, page, slots, max_new_bucket, width)
+        if budget < one_sample:
+            need = (one_sample * page * page_pool_token_bytes(cfg)
+                    + slot_buffer_bytes(cfg, slots, max_new_bucket, width)) / 1e9
+            raise RolloutConfigError(
+                f"JaxSampler: rollout.jax_kv_cache_budget_gb={self.kv_cache_budget_gb:g} holds "
+                f"{budget} pages of {page} tokens, fewer than one sample of "
+                f"{longest_prompt} + {max_new_tokens} tokens needs ({one_sample}); raise it to "
+                f">= {need:.3g}, lower rollout.jax_decode_slots / rollout.generate_max_len, or "
+                f"use rollout.engine='vllm'")
+        # No call uses more than every slot's full table plus its prompts' pages.
+        pages = min(budget, slots * width)
         return dict(slots=slots, prompt_len=prompt_len, max_new_bucket=max_new_bucket,
-                    cache_len=cache_len,
-                    bytes=kv_cache_bytes(self._model.cfg, slots, cache_len))
+                    table_width=width, pages=pages, page_size=page,
+                    bytes=pages * page * page_pool_token_bytes(cfg)
+                    + slot_buffer_bytes(cfg, slots, max_new_bucket, width))
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutResult:
         if not isinstance(params, SamplingParams):
@@ -262,13 +184,11 @@ class JaxSampler:
                                 max_new_tokens=params.max_new_tokens,
                                 positions=(cfg.max_position_embeddings,
                                            "the model's max_position_embeddings"))
-        expanded = [p for p in prompts for _ in range(params.n)]
         prompt_index = [i for i in range(len(prompts)) for _ in range(params.n)]
-        longest = max(len(p) for p in prompts)
-        plan = self.plan(len(expanded), longest, params.max_new_tokens)
-        check_kv_cache_fits(cfg, plan["slots"], plan["cache_len"], self.kv_cache_budget_gb)
+        plan = self.plan(len(prompt_index), max(len(p) for p in prompts), params.max_new_tokens)
         graphdef, state = nnx.split(self._model)
-        tokens, logprobs, stats = self._run(graphdef, state, expanded, params, plan)
+        state = decode_weights(state, jnp.dtype(cfg.compute_dtype))
+        tokens, logprobs, stats = self._run(graphdef, state, prompts, prompt_index, params, plan)
         out_tokens, out_lps, reasons = [], [], []
         for row_tokens, row_lps in zip(tokens, logprobs):
             t, lp, reason = finish_sample(row_tokens, row_lps, self.eos_ids,
@@ -276,8 +196,9 @@ class JaxSampler:
             out_tokens.append(t)
             out_lps.append(lp)
             reasons.append(reason)
-        return RolloutResult(prompt_ids=expanded, token_ids=out_tokens, logprobs=out_lps,
-                             finish_reasons=reasons, prompt_index=prompt_index, stats=stats)
+        return RolloutResult(prompt_ids=[prompts[i] for i in prompt_index], token_ids=out_tokens,
+                             logprobs=out_lps, finish_reasons=reasons,
+                             prompt_index=prompt_index, stats=stats)
 
     # -- internals --------------------------------------------------------------------------
     def _batch_multiple(self) -> int:
@@ -292,26 +213,27 @@ class JaxSampler:
 
         return jax.device_put(array, batch_sharding(self.mesh, array.ndim))
 
-    def _run(self, graphdef, state, samples, params: SamplingParams, plan):
+    def _run(self, graphdef, state, prompts, prompt_index, params: SamplingParams, plan):
         cfg = self._model.cfg
-        slots, prompt_len, cache_len = plan["slots"], plan["prompt_len"], plan["cache_len"]
-        max_new_bucket = plan["max_new_bucket"]
-        cache_sharding = None
+        slots, prompt_len, page = plan["slots"], plan["prompt_len"], plan["page_size"]
+        max_new_bucket, width = plan["max_new_bucket"], plan["table_width"]
+        sharding = None
         if self.mesh is not None:
             from ctopd_jax.mesh import logical_sharding
 
-            cache_sharding = logical_sharding(
-                self.mesh, (None, "batch", None, "kv_heads", None),
-                (cfg.num_layers, slots, cache_len, cfg.num_kv_heads, cfg.head_dim))
-        cache = _new_slots(cfg=cfg, slots=slots, cache_len=cache_len,
-                           cache_sharding=cache_sharding)
+            shape = (cfg.num_kv_heads, plan["pages"], page, cfg.head_dim)
+            sharding = logical_sharding(self.mesh, ("kv_heads", None, None, None), shape)
+        k, v = new_pool(cfg=cfg, pages=plan["pages"], page_size=page, sharding=sharding)
         logits = self._put(jnp.zeros((slots, cfg.vocab_size), jnp.float32))
         tokens = self._put(jnp.full((slots, max_new_bucket), self.pad_id, jnp.int32))
         logprobs = self._put(jnp.zeros((slots, max_new_bucket), jnp.float32))
+        pool = PagePool(plan["pages"], page, [len(p) for p in prompts],
+                        [prompt_index.count(i) for i in range(len(prompts))])
         sample_ids = np.full(slots, -1, np.int32)
         steps = np.zeros(slots, np.int32)
-        positions = np.zeros(slots, np.int32)
+        lengths = np.zeros(slots, np.int32)
         done = np.ones(slots, bool)
+        table = np.zeros((slots, width), np.int32)
 
         top_k = int(params.top_k) if params.top_k > 0 else 0
         eos_ids = self.eos_ids if params.stop_on_eos else ()
@@ -319,73 +241,124 @@ class JaxSampler:
         eos[:len(eos_ids)] = eos_ids
         knobs = (np.uint32(params.seed % (1 << 32)), np.float32(params.temperature or 1.0),
                  np.int32(top_k), np.float32(params.top_p), np.int32(params.max_new_tokens), eos)
-        static = dict(graphdef=graphdef, prompt_len=prompt_len, greedy=params.greedy,
-                      use_top_k=top_k > 0, use_top_p=params.top_p < 1.0, pad_id=self.pad_id)
+        static = dict(graphdef=graphdef, greedy=params.greedy, use_top_k=top_k > 0,
+                      use_top_p=params.top_p < 1.0, pad_id=self.pad_id)
 
-        pending = collections.deque(range(len(samples)))
-        out_tokens: list = [None] * len(samples)
-        out_lps: list = [None] * len(samples)
+        pending = collections.deque(range(len(prompt_index)))
+        out_tokens: list = [None] * len(prompt_index)
+        out_lps: list = [None] * len(prompt_index)
         refill_step = max(1, math.ceil(self.refill_fraction * slots))
+        stats = collections.Counter()
 
-        def fill(rows, first):
-            """Prefill the next pending samples into `rows` (every slot on the first call:
-            slots without a sample get a one-token dummy prompt so attention is defined)."""
-            nonlocal cache, logits
-            chosen = [(r, pending.popleft()) for r in rows if pending]
-            if not chosen and not first:
-                return
-            fill_rows = list(rows) if first else [r for r, _ in chosen]
-            count = batch_bucket(len(fill_rows), self._batch_multiple())
-            ids = np.full((count, prompt_len), self.pad_id, np.int32)
-            mask = np.zeros((count, prompt_len), bool)
-            ids[:, -1], mask[:, -1] = self.pad_id, True  # dummy rows
-            row_index = np.full(count, slots, np.int32)  # padding newcomers: dropped
-            row_index[:len(fill_rows)] = fill_rows
-            for j, (r, s) in enumerate(chosen):
-                if first:
-                    j = fill_rows.index(r)
-                prompt = samples[s]
-                ids[j, :] = self.pad_id
-                mask[j, :] = False
-                ids[j, prompt_len - len(prompt):] = prompt  # left padding
-                mask[j, prompt_len - len(prompt):] = True
-                sample_ids[r], steps[r], positions[r], done[r] = s, 0, len(prompt), False
-            cache, logits = _prefill_slots(state, cache, logits, self._put(row_index),
-                                           self._put(ids), self._put(mask), graphdef=graphdef)
+        def admit():
+            """Admit pending samples into free slots while pages allow (pages.py)."""
+            nonlocal k, v, logits
+            free = [int(r) for r in np.nonzero(sample_ids < 0)[0]]
+            occupied = slots - len(free)
+            admitted, copies, new_prompts = [], [], []
+            for r in free:
+                if not pending or not pool.can_admit(prompt_index[pending[0]], occupied + 1):
+                    break
+                s = pending.popleft()
+                row, copy, new = pool.admit(prompt_index[s])
+                new_prompts += [prompt_index[s]] if new else []
+                copies += [copy] if copy else []
+                table[r] = 0
+                table[r, :len(row)] = row
+                sample_ids[r], steps[r], done[r] = s, 0, False
+                lengths[r] = len(prompts[prompt_index[s]])
+                admitted.append(r)
+                occupied += 1
+            if new_prompts:
+                k, v = self._prefill(graphdef, state, pool, prompts, new_prompts, prompt_len,
+                                     k, v, stats)
+            if admitted:
+                # One program per power-of-two count of newcomers (copies <= newcomers).
+                rows = np.full(batch_bucket(len(admitted), self._batch_multiple()), slots,
+                               np.int32)   # padding rows: dropped
+                rows[:len(admitted)] = admitted
+                src = np.zeros(len(rows), np.int32)
+                dst = np.full(len(rows), plan["pages"], np.int32)
+                if copies:
+                    src[:len(copies)], dst[:len(copies)] = zip(*copies)
+                new_logits = np.zeros((len(rows), cfg.vocab_size), np.float32)
+                new_logits[:len(admitted)] = [pool.resident[prompt_index[sample_ids[r]]].logits
+                                              for r in admitted]
+                k, v, logits = admit_newcomers(k, v, logits, src, dst, self._put(rows),
+                                               self._put(new_logits))
+                stats["refills"] += 1
 
-        fill(range(slots), first=True)
-        decode_steps = refills = 0
+        def release(r, finished):
+            s = int(sample_ids[r])
+            pool.release(prompt_index[s], table[r], int(lengths[r]), finished)
+            sample_ids[r], done[r] = -1, True
+
+        admit()
+        stats["refills"] = 0
         while True:
             refill_min = min(refill_step, len(pending)) if pending else slots + 1
             before = steps.copy()
-            cache, logits, tokens, logprobs, steps_d, positions_d, done_d = _decode_until_refill(
-                state, cache, logits, tokens, logprobs,
-                self._put(np.where(sample_ids >= 0, sample_ids + params.first_sample_id, -1).astype(np.int32)),
-                self._put(steps), self._put(positions), self._put(done), *knobs,
+            stack = np.zeros(plan["pages"], np.int32)
+            stack[:len(pool.free)] = pool.free
+            (k, v, logits, tokens, logprobs, lengths_d, steps_d, done_d, top_d,
+             table_d) = decode_until_refill(
+                state, k, v, logits, tokens, logprobs, self._put(table), self._put(lengths),
+                self._put(np.where(sample_ids >= 0, sample_ids + params.first_sample_id,
+                                   -1).astype(np.int32)),
+                self._put(steps), self._put(done), stack, np.int32(len(pool.free)), *knobs,
                 np.int32(refill_min), **static)
-            steps, positions, done = (np.array(a) for a in
-                                      jax.device_get((steps_d, positions_d, done_d)))
-            decode_steps += int((steps - before).max(initial=0))
+            lengths, steps, done, table = (np.array(a) for a in jax.device_get(
+                (lengths_d, steps_d, done_d, table_d)))
+            pool.popped_to(int(top_d))
+            stats["decode_steps"] += int((steps - before).max(initial=0))
             finished = np.nonzero(done & (sample_ids >= 0))[0]
             if len(finished):
-                got_t, got_lp = jax.device_get(_take_rows(tokens, logprobs,
+                got_t, got_lp = jax.device_get(take_rows(tokens, logprobs,
                                                           jnp.asarray(finished, jnp.int32)))
                 for r, t, lp in zip(finished, got_t, got_lp):
                     s, n = int(sample_ids[r]), int(steps[r])
                     out_tokens[s], out_lps[s] = t[:n], lp[:n]
-                    sample_ids[r] = -1
+                    release(r, finished=True)
             if not pending and not (sample_ids >= 0).any():
                 break
-            free = [int(r) for r in np.nonzero(sample_ids < 0)[0]]
-            if pending and free:
-                refills += 1
-                fill(free, first=False)
-        return out_tokens, out_lps, {"decode_steps": decode_steps, "refills": refills,
-                                     "slots": slots, "cache_len": cache_len,
-                                     "kv_cache_gb": plan["bytes"] / 1e9}
+            if np.sum(~done & (lengths % page == 0)) > len(pool.free):
+                # The pool ran dry: preempt the highest samples until the next step fits.
+                while np.sum(~done & (lengths % page == 0)) > len(pool.free):
+                    r = int(np.argmax(np.where(done, -1, sample_ids)))
+                    pending.appendleft(int(sample_ids[r]))
+                    release(r, finished=False)
+                    stats["preemptions"] += 1
+                continue  # decode before admitting again, so the preempted cannot bounce
+            admit()
+            if pending and not (sample_ids >= 0).any():   # plan() rules this out; never spin
+                raise RuntimeError(f"JaxSampler: {len(pool.free)} free pages admit no sample")
+        stats.update(slots=slots, pages=plan["pages"], page_size=page,
+                     peak_pages=pool.peak_used, kv_cache_gb=plan["bytes"] / 1e9)
+        return out_tokens, out_lps, dict(stats)
+
+    def _prefill(self, graphdef, state, pool, prompts, new_prompts, prompt_len, k, v, stats):
+        """One batched prefill of the prompts `new_prompts` into their pages (returns the
+        pools); keeps each prompt's last logits on the host (pool.resident[...].logits)."""
+        count = batch_bucket(len(new_prompts), self._batch_multiple())
+        ids = np.full((count, prompt_len), self.pad_id, np.int32)
+        mask = np.zeros((count, prompt_len), bool)
+        table = np.zeros((count, cdiv(prompt_len, self.page_size)), np.int32)
+        for j, p in enumerate(new_prompts):
+            prompt = prompts[p]
+            ids[j, prompt_len - len(prompt):] = prompt  # left padding
+            mask[j, prompt_len - len(prompt):] = True
+            pages = pool.resident[p].pages
+            table[j, :len(pages)] = pages
+            stats["prefill_tokens"] += len(prompt)
+        k, v, last = prefill_pages(state, k, v, self._put(table), self._put(ids), self._put(mask),
+                              graphdef=graphdef)
+        last = np.asarray(jax.device_get(last))
+        for j, p in enumerate(new_prompts):
+            pool.resident[p].logits = last[j]
+        return k, v
 
 
 def compiled_variants() -> int:
     """How many programs the sampler has compiled in this process (tests check reuse)."""
-    return (_decode_until_refill._cache_size() + _prefill_slots._cache_size()
-            + _new_slots._cache_size())
+    return (decode_until_refill._cache_size() + prefill_pages._cache_size()
+            + admit_newcomers._cache_size() + new_pool._cache_size())

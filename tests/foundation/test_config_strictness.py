@@ -163,7 +163,7 @@ def run_cli(capsys, main, argv, prog):
 
 @pytest.mark.parametrize("flag,value,expect", [
     ("--mfu", "0", "(0, 1]"), ("--mfu", "-0.3", "(0, 1]"), ("--prefill-mfu", "1.5", "(0, 1]"),
-    ("--rollout-mfu", "nan", "finite"), ("--fill", "0", "(0, 1]"), ("--gpus", "0", ">= 1"),
+    ("--prefill-mfu", "nan", "finite"), ("--fill", "0", "(0, 1]"), ("--gpus", "0", ">= 1"),
     ("--xla-mem-fraction", "2", "(0, 1]"), ("--vocab-shared", "-5", ">= 1"),
 ])
 def test_plan_flags_are_range_checked(capsys, flag, value, expect):

@@ -118,8 +118,9 @@ def test_no_recompile_within_buckets(llama):
     # Same buckets (batch 4, prompt 16, new tokens 8), other values of the traced knobs.
     sampler.generate(random_prompts(rng, 4, max_len=15),
                      SamplingParams(temperature=1.2, top_k=50, top_p=0.5, max_new_tokens=7, seed=2))
-    sampler.generate(random_prompts(rng, 2, min_len=10, max_len=12),
-                     SamplingParams(temperature=0.3, top_k=2, top_p=0.99, max_new_tokens=8, seed=3, n=2))
+    # (prefill runs once per prompt: 2 prompts x n=2 would be a 2-row prefill, a new program)
+    sampler.generate(random_prompts(rng, 4, min_len=10, max_len=12),
+                     SamplingParams(temperature=0.3, top_k=2, top_p=0.99, max_new_tokens=8, seed=3))
     assert compiled_variants() == before
 
 
@@ -208,32 +209,32 @@ def test_refilled_slots_equal_hf_and_one_batch(llama):
                                np.concatenate(one_batch.logprobs), atol=1e-5)  # float32 reassociation
 
 
-def test_kv_cache_budget_sizes_to_slots_and_fails_in_one_line(llama):
-    from ctopd_jax.models.config import llama3_2_3b
-    from ctopd_jax.rollout.jax_sampler import check_kv_cache_fits, kv_cache_bytes
+def test_kv_cache_budget_sizes_the_page_pool_and_fails_in_one_line(llama):
+    from ctopd_jax.models.kv_cache import page_pool_token_bytes
 
     family, hf, model = llama
-    sampler = JaxSampler(model, eos_ids=None, pad_id=0, max_batch_size=4)
+    sampler = JaxSampler(model, eos_ids=None, pad_id=0, max_batch_size=4, page_size=16,
+                         kv_cache_budget_gb=0.01)
     plan = sampler.plan(num_samples=100, longest_prompt=20, max_new_tokens=100)
-    # 4 slots of (prompt bucket 32 + new bucket 128), not 100 samples' worth.
-    assert (plan["slots"], plan["cache_len"]) == (4, 32 + 128)
+    # 4 slots; a table row spans (prompt bucket 32 + new bucket 128) / 16 + 1 pages; the pool
+    # is capped at what 4 full rows could use, far below the budget.
+    assert (plan["slots"], plan["table_width"], plan["pages"]) == (4, 11, 44)
     cfg = model.cfg
-    kv = 2 * cfg.num_layers * 4 * 160 * cfg.num_kv_heads * cfg.head_dim * 4
-    assert kv < plan["bytes"] < kv * 1.5
-    tight = JaxSampler(model, eos_ids=None, pad_id=0, max_batch_size=4,
-                       kv_cache_budget_gb=plan["bytes"] / 1e9 * 0.6)
+    token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    assert page_pool_token_bytes(cfg) == token
+    assert 44 * 16 * token < plan["bytes"] < 44 * 16 * token + 4 * (cfg.vocab_size * 4 + 2048)
+    # A budget below one sample's pages (2 prompt + 1 tail + 7 new) is refused in one line.
+    tight = JaxSampler(model, eos_ids=None, pad_id=0, max_batch_size=4, page_size=16,
+                       kv_cache_budget_gb=(9 * 16 * token + 4 * (cfg.vocab_size * 4 + 1100)) / 1e9)
     with pytest.raises(RolloutConfigError) as err:
-        tight.generate([[1, 2]] * 4, SamplingParams(max_new_tokens=100))
+        tight.generate([[1] * 20] * 4, SamplingParams(max_new_tokens=100))
     message = str(err.value)
     assert "\n" not in message and "rollout.jax_kv_cache_budget_gb" in message
-    assert "rollout.jax_decode_slots to <= 2" in message
-    # The reference workload (3B, 256 rows x 10,240 positions, bf16) is ~300 GB: refused.
-    big = llama3_2_3b()
-    assert 250e9 < kv_cache_bytes(big, 256, 10_240) < 350e9
-    with pytest.raises(RolloutConfigError, match="jax_kv_cache_budget_gb=80"):
-        check_kv_cache_fits(big, 256, 10_240, 80.0)
+    assert "fewer than one sample" in message
     with pytest.raises(RolloutConfigError, match="kv_cache_budget_gb"):
         JaxSampler(model, eos_ids=None, kv_cache_budget_gb=0)
+    with pytest.raises(RolloutConfigError, match="rollout.jax_page_size"):
+        JaxSampler(model, eos_ids=None, page_size=0)
 
 
 def test_the_prompt_check_is_one_function_for_every_engine():

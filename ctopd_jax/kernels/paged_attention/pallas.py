@@ -1,0 +1,37 @@
+"""Ragged paged decode attention as a Pallas GPU (Triton) kernel.
+
+This is jax's own Pallas GPU paged-attention op (jax.experimental.pallas.ops.gpu.
+paged_attention): one program per (kv head, block of 16 query heads of its group, split of
+the page table); each program loops over its pages only up to the row's length, so a decode
+step reads each row's valid pages and nothing else. This module adapts the project's layout
+to it (page table padded to a multiple of the split count) and fixes its tiling: a compute
+block of `pages_per_block` pages holds >= BLOCK_TOKENS tokens (Triton's smallest dot is 16;
+64 is a guess between fewer loop steps and fewer tokens read past a row's end, not tuned on a
+GPU). The op
+does not scale the scores, so q is multiplied by 1/sqrt(head_dim) first (in float32, then
+back to q's dtype: in bf16 that rounding differs from xla.py's scaling of the scores).
+Interpret mode runs the same kernel on CPU (tests compare it with reference.py); it lowers to
+a Triton custom call for CUDA (tests export it with `jax.export`). Not run on a GPU yet.
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import paged_attention as _jax_paged
+
+K_SPLITS = 4   # table partitions per row, reduced afterwards (more programs for short batches)
+BLOCK_TOKENS = 64
+
+
+def decode_attention(q, k_pages, v_pages, page_table, lengths, *, interpret: bool = False):
+    """Same contract as xla.decode_attention (zeros, up to eps, for a row of length 0)."""
+    page, head_dim = k_pages.shape[2], k_pages.shape[3]
+    q = (q.astype(jnp.float32) / math.sqrt(head_dim)).astype(q.dtype)
+    pages_per_block = max(1, -(-BLOCK_TOKENS // page))
+    multiple = K_SPLITS * pages_per_block
+    width = -(-page_table.shape[1] // multiple) * multiple
+    table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))
+    return _jax_paged.paged_attention(
+        q, k_pages, v_pages, table, lengths.astype(jnp.int32),
+        pages_per_compute_block=pages_per_block, k_splits=K_SPLITS, interpret=interpret)
