@@ -515,11 +515,30 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = tree
     for key in keys[:-1]:
+        if "[" in key:  # teachers[math].url: the list entry with that name
+            node = _named_entry(node, key, dotted)
+            continue
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
             raise ConfigError(f"--set {dotted}: {key!r} is a value, not a section")
         node = child
     node[keys[-1]] = value
+
+
+def _named_entry(node: dict, key: str, dotted: str) -> dict:
+    """`teachers[math]` in a --set key: the entry of the `teachers` list whose name is math."""
+    section, _, rest = key.partition("[")
+    name = rest[:-1] if rest.endswith("]") else ""
+    entries = node.get(section)
+    if not name or not isinstance(entries, list):
+        raise ConfigError(f"--set {dotted}: {key!r} names no list entry; write "
+                          f"{section}[NAME].field=value for an entry of the file's {section}:")
+    for entry in entries:
+        if isinstance(entry, dict) and str(entry.get("name")) == name:
+            return entry
+    names = ", ".join(str(e.get("name")) for e in entries if isinstance(e, dict))
+    raise ConfigError(f"--set {dotted}: no {section}: entry is named {name!r}; the file's "
+                      f"entries are {names or 'none'}")
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -244,8 +244,9 @@ def _start_served_teacher(config: TrainConfig, folder, teacher_cfg, owned: conte
     url = None
     try:
         if config.teacher.launch:
-            url = owned.enter_context(launched_teacher(config.teacher, folder, teacher_cfg,
-                                                       config.model.dtype)).url
+            url = owned.enter_context(launched_teacher(
+                config.teacher, folder, teacher_cfg, config.model.dtype,
+                keep_log_as=Path(config.output_dir) / "teacher_server.log")).url
         served = start_served_teacher(config, teacher_cfg.vocab_size, url=url)
     except LocalServerError as err:
         raise _fail(f"teacher.launch: {err}; fix what its log says, or start a server yourself "

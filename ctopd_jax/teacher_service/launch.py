@@ -14,8 +14,9 @@ signal).
 Decisions: the server's context is the teacher's `max_position_embeddings` (the longest input
 the local teacher could score), `--max-logprobs` is `teacher.top_k` (what the start-up check
 asks for), `--dtype` is `model.dtype`, its served name `teacher.model` (else "teacher"); its log
-goes to a temporary file named on stderr, not to output_dir (a run that fails to start writes
-nothing there). The flags are the CPU ones of local_server (eager, 1 GiB of KV cache): a GPU
+goes to a temporary file named on stderr while it runs, not to output_dir (a run that fails to
+start writes nothing there); when the server stops the log moves to
+`<output_dir>/teacher_server.log` if the run made that folder, else it is removed. The flags are the CPU ones of local_server (eager, 1 GiB of KV cache): a GPU
 teacher is better served by a server started with its own flags and `teacher.url`.
 """
 from __future__ import annotations
@@ -62,15 +63,18 @@ def check_launch_python(settings) -> None:
 
 
 @contextlib.contextmanager
-def launched_teacher(settings, folder, teacher_cfg, dtype: str):
-    """A vLLM server of the teacher's HF `folder`, up; yields local_server.LocalServer."""
+def launched_teacher(settings, folder, teacher_cfg, dtype: str, keep_log_as=None):
+    """A vLLM server of the teacher's HF `folder`, up; yields local_server.LocalServer. Its log
+    is moved to `keep_log_as` when the server stops if that folder exists (the run's
+    output_dir), else removed."""
     python = launch_python(settings)
     print(f"teacher.launch: starting vLLM ({python}) for {folder}", file=sys.stderr, flush=True)
     started, server = time.perf_counter(), None
     try:
         with local_vllm_server(folder, served_name=settings.model or "teacher",
                                max_model_len=teacher_cfg.max_position_embeddings,
-                               max_logprobs=settings.top_k, dtype=dtype, python=python) as server:
+                               max_logprobs=settings.top_k, dtype=dtype, python=python,
+                               keep_log_as=keep_log_as) as server:
             print(f"teacher.launch: serving at {server.url} (pid {server.pid}, up in "
                   f"{time.perf_counter() - started:.0f} s, log {server.log_path})",
                   file=sys.stderr, flush=True)

@@ -32,6 +32,7 @@ from ctopd_jax.teacher_service.scores import (ProtocolError, ScoredSequence, Ser
 from ctopd_jax.teacher_service.transport import ServerError
 
 SCORE_PATH = "/generate"
+HEALTH_PATH = "/health"  # 200 while the server (and its engine) lives
 INFO_PATH = "/get_model_info"
 START_COMMAND = "python -m sglang.launch_server --model-path <teacher> --port <port>"
 TOP_K_FIX = "lower {prefix}.top_k"

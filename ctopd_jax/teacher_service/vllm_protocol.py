@@ -24,6 +24,7 @@ from ctopd_jax.teacher_service.scores import (ProtocolError, ScoredSequence, Ser
                                               logprob_value, top_k_rows)
 
 SCORE_PATH = "/v1/completions"
+HEALTH_PATH = "/health"  # 200 while the server (and its engine) lives
 INFO_PATH = "/v1/models"
 START_COMMAND = "python -m vllm.entrypoints.openai.api_server --model <teacher> --port <port>"
 TOP_K_FIX = "restart the server with --max-logprobs {k} or lower {prefix}.top_k"
