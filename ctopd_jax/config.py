@@ -191,7 +191,7 @@ class MeshSection:
 
 @dataclass(frozen=True)
 class RolloutSection:
-    engine: Literal["jax", "vllm"] = "jax"
+    engine: Literal["jax", "vllm", "vllm_server", "sglang_server"] = "jax"
     rollout_batch_size: int = 8          # prompts per iteration
     n_samples_per_prompt: int = 1
     temperature: float = 1.0
@@ -201,6 +201,17 @@ class RolloutSection:
     max_prompt_len: int = 256
     vllm_gpu_memory_utilization: float = 0.5  # pair with XLA_PYTHON_CLIENT_MEM_FRACTION <= 0.95 - it
     vllm_sleep_between_rollouts: bool = False  # GPU: free vLLM memory while the student trains
+    # the student on a server of its own (engine: vllm_server | sglang_server; rollout/served.py)
+    url: str | tuple[str, ...] = ""      # http://host:port, or a list of servers sharing the prompts
+    launch: bool = False                 # the run starts (and stops) its own vLLM server
+    launch_python: str = ""              # the Python with vLLM that runs it; "" = the trainer's
+    timeout_s: float = 600.0             # one request (a prompt's n samples, or a weight push)
+    max_concurrency: int = 8             # requests in flight per server
+    retries: int = 3                     # extra tries after a time-out, a dropped connection, 5xx
+    backoff_s: float = 0.5               # first retry waits this long, then 2x, 4x, ...
+    weight_sync: str = "auto"            # auto | disk (full weights) | adapter (LoRA students)
+    sync_dir: str = ""                   # folder the servers read pushed weights from ("" = temp)
+    logprob_check_rows: int = 4          # rows the server re-scores after each push
     jax_decode_slots: int = 256          # JaxSampler: samples decoded together (refilled)
     jax_kv_cache_budget_gb: float = 8.0  # JaxSampler: KV cache limit; over it = one-line error
     # turn-structured objectives (tcod, sod, sage_opd): "" = single-turn responses split into
@@ -654,6 +665,7 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     require(0 < r.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization",
              f"{r.vllm_gpu_memory_utilization} must be in (0, 1] (a fraction of the GPU's memory)")
     config.model.validate()
+    _check_rollout_server(r)
     config.teacher.validate()
     _check_teachers(config)
     require(config.model.attention != "cudnn" or r.engine != "jax", "model.attention",
@@ -710,6 +722,14 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
             resolve_mesh_shape(dataclasses.asdict(config.mesh), device_count)
         except MeshError as err:
             raise ConfigError(f"{err}{device_count_hint(device_count)}") from None
+
+
+def _check_rollout_server(rollout: RolloutSection) -> None:
+    from ctopd_jax.rollout.served import check_settings
+    try:
+        check_settings(rollout)
+    except ValueError as err:   # TeacherSettingError: one ConfigError line like the rest
+        raise ConfigError(str(err)) from None
 
 
 def _check_teachers(config: TrainConfig) -> None:

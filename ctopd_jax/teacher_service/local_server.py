@@ -61,7 +61,7 @@ def free_port() -> int:
 def local_vllm_server(model_dir, *, served_name: str = "teacher", max_model_len: int = 256,
                       max_logprobs: int = 64, dtype: str = "float32", python: str | None = None,
                       port: int | None = None, start_timeout_s: float = 600.0,
-                      log_path=None, keep_log_as=None, extra_args=()):
+                      log_path=None, keep_log_as=None, extra_args=(), extra_env=None):
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     command = [python or sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()),
@@ -72,6 +72,7 @@ def local_vllm_server(model_dir, *, served_name: str = "teacher", max_model_len:
                *extra_args]
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.update(extra_env or {})
     env.pop("XLA_FLAGS", None)  # the trainer's fake-device flags mean nothing to the server
     owned_log = not log_path
     log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm_server_",
