@@ -45,6 +45,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import shutil
 import tempfile
@@ -80,6 +81,15 @@ def check_settings(rollout) -> None:
     """One TeacherSettingError line for the first bad rollout-server field (config.validate)."""
     served = rollout.engine in PROTOCOLS
     fields = ("url", "launch", "launch_python")
+    # numbers in range whatever the engine: a wrong value is wrong before it is used
+    dataclasses.replace(settings_for(rollout, ""), engine="local", launch=False,
+                        launch_python="").validate("rollout")
+    if not 1 <= rollout.logprob_check_rows <= 64:
+        raise TeacherSettingError(f"rollout.logprob_check_rows: {rollout.logprob_check_rows} is "
+                                  "outside [1, 64]; set a value in that range")
+    if rollout.weight_sync not in ("auto", "disk", "adapter"):
+        raise TeacherSettingError(f"rollout.weight_sync: {rollout.weight_sync!r} is not one of "
+                                  "auto, disk, adapter")
     if not served:
         for name in fields:
             if getattr(rollout, name):
@@ -95,12 +105,6 @@ def check_settings(rollout) -> None:
         raise TeacherSettingError("rollout.url: is an empty list; give one server or several")
     for url in urls:
         settings_for(rollout, url).validate("rollout")
-    if not 1 <= rollout.logprob_check_rows <= 64:
-        raise TeacherSettingError(f"rollout.logprob_check_rows: {rollout.logprob_check_rows} is "
-                                  "outside [1, 64]; set a value in that range")
-    if rollout.weight_sync not in ("auto", "disk", "adapter"):
-        raise TeacherSettingError(f"rollout.weight_sync: {rollout.weight_sync!r} is not one of "
-                                  "auto, disk, adapter")
 
 
 def settings_for(rollout, url: str) -> TeacherServiceSettings:
@@ -138,16 +142,19 @@ class ServedRolloutEngine:
         self._served_name, self._folder = "", None
         self._check_rows: tuple[list[list[int]], list[list[int]]] | None = None
         self.push_metrics: dict[str, float] = {}
-        base = self._export_full(lora.base_model(model) if self.adapter_sync else model)
-        urls = server_urls(rollout)
-        if rollout.launch:
-            urls = (self._launch(base),)
-        self.urls = urls
-        self._transports = [Transport(url.rstrip("/"), rollout.timeout_s, rollout.retries,
-                                      rollout.backoff_s, sleep=sleep,
-                                      health_path=self.protocol.HEALTH_PATH) for url in urls]
+        try:  # a failed start stops what it started and leaves no weight folder behind
+            base = self._export_full(lora.base_model(model) if self.adapter_sync else model)
+            urls = (self._launch(base),) if rollout.launch else server_urls(rollout)
+            self.urls = urls
+            self._transports = [Transport(url.rstrip("/"), rollout.timeout_s, rollout.retries,
+                                          rollout.backoff_s, sleep=sleep,
+                                          health_path=self.protocol.HEALTH_PATH)
+                                for url in urls]
+            self.update_weights(model, folder=None if self.adapter_sync else base)
+        except BaseException:
+            self.close()
+            raise
         atexit.register(self.close)
-        self.update_weights(model, folder=None if self.adapter_sync else base)
 
     # -- weights ------------------------------------------------------------------------------
     def update_weights(self, model: Any, folder: Path | None = None) -> None:
