@@ -44,9 +44,8 @@ def student():
 
 def nudge(model, step: int):
     """New weights for every push (what an update does): the adapters, else the lm_head."""
-    sites = list(lora._sites(model))
-    targets = [getattr(m, n + s) for _, m, n, _ in sites for s in ("_lora_a", "_lora_b")] \
-        if sites else [model.lm_head]
+    targets = [getattr(m, n + s) for _, m, n, _ in lora._sites(model)
+               for s in ("_lora_a", "_lora_b")] if lora.has_adapters(model) else [model.lm_head]
     for k, var in enumerate(targets):
         key = jax.random.fold_in(jax.random.key(step), k)
         var[...] = var[...] + 1e-3 * jax.random.normal(key, var[...].shape, var[...].dtype)

@@ -166,9 +166,9 @@ class ServedRolloutEngine:
             folder = folder or self._export_full(model)
             size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
             path, payload = self.protocol.reload_request(str(folder.resolve()))
-            self._each("weight push", path, payload)
+            self._each("weight push", path, payload, False)   # vLLM: an empty 200
             if self.protocol.RESET_CACHE_PATH:
-                self._each("weight push", self.protocol.RESET_CACHE_PATH, {})
+                self._each("weight push", self.protocol.RESET_CACHE_PATH, {}, False)
             self._replace_folder(folder)
         pushed = time.perf_counter() - started
         gap = self._check_logprobs(model)
@@ -198,10 +198,11 @@ class ServedRolloutEngine:
         name = f"student-{next(self._pushes)}"
         folder = lora.save_adapter(model, self.sync_dir / "adapters" / name)
         self._each("adapter push", self.protocol.LOAD_ADAPTER_PATH,
-                   self.protocol.adapter_request(name, str(Path(folder).resolve())))
+                   self.protocol.adapter_request(name, str(Path(folder).resolve())), False)
         previous, self._served_name = self._served_name, name
         if previous:
-            self._each("adapter push", self.protocol.UNLOAD_ADAPTER_PATH, {"lora_name": previous})
+            self._each("adapter push", self.protocol.UNLOAD_ADAPTER_PATH, {"lora_name": previous},
+                       False)
             shutil.rmtree(self.sync_dir / "adapters" / previous, ignore_errors=True)
         return (Path(folder) / lora.ADAPTER_WEIGHTS).stat().st_size
 
@@ -238,16 +239,16 @@ class ServedRolloutEngine:
         return [ids[: PROBE_LEN // 2]], [ids[PROBE_LEN // 2:]]
 
     # -- requests -----------------------------------------------------------------------------
-    def _post(self, index: int, what: str, path: str, payload: dict):
+    def _post(self, index: int, what: str, path: str, payload: dict, answer_is_json=True):
         url = self.urls[index]
         try:
-            return self._transports[index].post(path, payload)
+            return self._transports[index].post(path, payload, answer_is_json)
         except ServerError as err:
             raise ServedRolloutError(failure_line(f"rollout.url {url}", "rollout",
                                                   self.rollout.retries, err, what)) from None
 
-    def _each(self, what: str, path: str, payload: dict) -> list:
-        return [self._post(i, what, path, payload) for i in range(len(self.urls))]
+    def _each(self, what: str, path: str, payload: dict, answer_is_json=True) -> list:
+        return [self._post(i, what, path, payload, answer_is_json) for i in range(len(self.urls))]
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutResult:
         if not isinstance(params, SamplingParams):

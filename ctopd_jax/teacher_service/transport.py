@@ -54,18 +54,20 @@ class Transport:
     def get(self, path: str) -> dict:
         return self._with_retries("GET", path, None)
 
-    def post(self, path: str, payload: dict) -> dict:
-        return self._with_retries("POST", path, json.dumps(payload).encode())
+    def post(self, path: str, payload: dict, answer_is_json: bool = True):
+        """The JSON answer; with answer_is_json=False its text (vLLM's adapter routes answer
+        a plain sentence)."""
+        return self._with_retries("POST", path, json.dumps(payload).encode(), answer_is_json)
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before retry number `attempt` (0-based): backoff_s * 2**attempt."""
         return min(self.backoff_s * (2.0 ** attempt), BACKOFF_CAP_S)
 
-    def _with_retries(self, method: str, path: str, body: bytes | None):
+    def _with_retries(self, method: str, path: str, body: bytes | None, as_json: bool = True):
         attempt = 0
         while True:
             try:
-                return self._once(method, path, body)
+                return self._once(method, path, body, as_json)
             except ServerError as err:
                 if not err.transient or attempt >= self.retries:
                     raise
@@ -77,7 +79,7 @@ class Transport:
         kind = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
         return kind(parsed.hostname, parsed.port, timeout=timeout)
 
-    def _once(self, method: str, path: str, body: bytes | None):
+    def _once(self, method: str, path: str, body: bytes | None, as_json: bool = True):
         deadline = time.monotonic() + self.timeout_s
         timed_out = ServerError(f"{method} {path}: time-out: no answer within {self.timeout_s:g} s",
                                 None, True, timed_out=True)
@@ -102,6 +104,8 @@ class Transport:
             transient = response.status >= 500 or response.status == 429
             raise ServerError(f"{method} {path}: HTTP {response.status}: {_error_text(raw)}",
                               response.status, transient)
+        if not as_json:
+            return raw.decode(errors="replace")
         try:
             return json.loads(raw)
         except ValueError:

@@ -58,9 +58,8 @@ def student():
 
 def perturb(model, seed: int, scale: float = 0.05):
     """Every LoRA adapter, or else the lm_head, moved by random noise: other weights."""
-    sites = list(lora._sites(model))
-    if sites:
-        for k, (_, module, name, _) in enumerate(sites):
+    if lora.has_adapters(model):
+        for k, (_, module, name, _) in enumerate(lora._sites(model)):
             for suffix in ("_lora_a", "_lora_b"):
                 var = getattr(module, name + suffix)
                 key = jax.random.fold_in(jax.random.key(seed), 2 * k + (suffix == "_lora_b"))
