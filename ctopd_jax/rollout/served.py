@@ -296,7 +296,9 @@ class ServedRolloutEngine:
 
         settings = settings_for(self.rollout, "")
         check_launch_python(settings, "rollout")
-        extra = ["--skip-tokenizer-init"]
+        # prompts are ids; sampling settings are the request's alone (no generation_config.json
+        # defaults), as the in-process engine does
+        extra = ["--skip-tokenizer-init", "--generation-config", "vllm"]
         if self.adapter_sync:
             rank = next(r for r in (8, 16, 32, 64, 128, 256, 512) if r >= self._rank)
             extra += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(rank)]
