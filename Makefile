@@ -49,9 +49,10 @@ $(VLLM_STAMP): pyproject.toml
 # The trainer against a real `vllm serve`: the trainer from .venv (its dependencies), the
 # server from .venv-vllm, as configs/tiny_cpu_served.yaml runs.
 test-vllm: $(VLLM_STAMP) assets
-	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/rollout
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/rollout --ignore=tests/rollout/test_served_rollouts_vllm.py
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/teacher_service
 	CTOPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/trainer/test_served_vllm_training.py
+	CTOPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/rollout/test_served_rollouts_vllm.py
 
 # jax 0.11-0.12 need Python >= 3.12: the default suite runs again on the newest jax the pins
 # admit (Python 3.12, jax 0.12, flax 0.12.12), from a venv of its own; skipped, with a line

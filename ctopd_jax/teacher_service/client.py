@@ -45,7 +45,8 @@ class ServedTeacher:
         self.prefix = prefix
         self.protocol = PROTOCOLS[settings.engine]
         self.transport = Transport(settings.base_url, settings.timeout_s, settings.retries,
-                                   settings.backoff_s, sleep=sleep)
+                                   settings.backoff_s, sleep=sleep,
+                                   health_path=self.protocol.HEALTH_PATH)
         self.info: ServerInfo | None = None
         self._background: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -109,12 +110,7 @@ class ServedTeacher:
 
     def _failure_line(self, err: ServerError) -> str:
         where = f"{self.prefix}.url {self.settings.url}"
-        if err.transient:
-            return (f"{where}: {err} (after {self.settings.retries} retries); the teacher "
-                    f"server is down or overloaded: check its log and restart it, or raise "
-                    f"{self.prefix}.timeout_s / {self.prefix}.retries; the run can resume from "
-                    f"its last checkpoint")
-        return f"{where}: the server refused a scoring request: {err}"
+        return failure_line(where, self.prefix, self.settings.retries, err, "scoring")
 
     def _checked_batch(self, sequences, starts) -> list[tuple[list[int], int]]:
         if len(sequences) != len(starts):
@@ -135,6 +131,20 @@ class ServedTeacher:
                     f"rollout.generate_max_len / the prompts")
             batch.append((ids, start))
         return batch
+
+
+def failure_line(where: str, prefix: str, retries: int, err: ServerError, what: str) -> str:
+    """One line for a request that failed for good: a time-out says so and names timeout_s; a
+    dropped or refused connection says the server is down. (The trainer adds the step and the
+    last checkpoint; at start-up there is no run to resume yet.)"""
+    if not err.transient:
+        return f"{where}: the server refused a {what} request: {err}"
+    if err.timed_out:
+        return (f"{where}: {err} (after {retries} retries): a time-out, the server is alive but "
+                f"too slow for {prefix}.timeout_s; raise {prefix}.timeout_s, or lower the load "
+                f"({prefix}.max_concurrency) or check the server's log")
+    return (f"{where}: {err} (after {retries} retries); the server is down or overloaded: check "
+            f"its log and restart it, or raise {prefix}.retries")
 
 
 def plan_requests(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

@@ -32,6 +32,7 @@ from ctopd_jax.teacher_service.scores import (ProtocolError, ScoredSequence, Ser
 from ctopd_jax.teacher_service.transport import ServerError
 
 SCORE_PATH = "/generate"
+HEALTH_PATH = "/health"  # 200 while the server (and its engine) lives
 INFO_PATH = "/get_model_info"
 START_COMMAND = "python -m sglang.launch_server --model-path <teacher> --port <port>"
 TOP_K_FIX = "lower {prefix}.top_k"
@@ -113,3 +114,57 @@ def is_out_of_vocabulary(message: str) -> bool:
 
 def is_top_k_limit(message: str) -> bool:
     return False  # SGLang sets no limit on top_logprobs_num
+
+
+# -- the student's rollouts on an SGLang server (rollout.engine: sglang_server, rollout/served.py)
+# Generation: POST /generate with `input_ids` (each prompt repeated n times: one result per
+# sample, in order) and return_logprob; meta_info.output_token_logprobs = [[logprob, id, null],
+# ...] per generated token (SGLang's logprobs are of the unmodified distribution unless the
+# server was started with --enable-... temperature scaling; the client asks at temperature 1
+# only for scoring). Weights: POST /load_lora_adapter {lora_name, lora_path} (generated with
+# "lora_path": name), full weights POST /update_weights_from_disk {"model_path": folder} (it
+# flushes the cache itself). GPU-only routes: /update_weights_from_distributed (NCCL group set
+# up by /init_weights_update_group) and /update_weights_from_tensor (same-GPU tensors).
+GENERATE_PATH = "/generate"
+LOAD_ADAPTER_PATH = "/load_lora_adapter"
+UNLOAD_ADAPTER_PATH = "/unload_lora_adapter"
+RESET_CACHE_PATH = None
+SERVER_ENV: dict = {}
+
+
+def generate_request(prompts: list[list[int]], params, model: str, eos_ids, seed: int) -> dict:
+    payload = {"input_ids": [ids for ids in prompts for _ in range(params.n)],
+               "sampling_params": {"max_new_tokens": params.max_new_tokens,
+                                   "temperature": params.temperature, "top_p": params.top_p,
+                                   "top_k": params.top_k if params.top_k > 0 else -1,
+                                   "stop_token_ids": list(eos_ids) if params.stop_on_eos else [],
+                                   "ignore_eos": True, "sampling_seed": seed},
+               "return_logprob": True, "logprob_start_len": -1}
+    if model:
+        payload["lora_path"] = model
+    return payload
+
+
+def parse_generation(answer, n_prompts: int, n: int) -> list[tuple[list[int], list[float]]]:
+    if isinstance(answer, dict) and n_prompts * n == 1:
+        answer = [answer]
+    if not isinstance(answer, list) or len(answer) != n_prompts * n:
+        raise ProtocolError(f"expected a list of {n_prompts * n} results, got "
+                            f"{len(answer) if isinstance(answer, list) else type(answer)}")
+    out = []
+    for item in answer:
+        meta = item.get("meta_info") if isinstance(item, dict) else None
+        entries = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
+        if not isinstance(entries, list):
+            raise ProtocolError("a result lacks meta_info.output_token_logprobs (was "
+                                "return_logprob honoured?)")
+        out.append(([int(e[1]) for e in entries], [logprob_value(e[0]) for e in entries]))
+    return out
+
+
+def reload_request(folder: str) -> tuple[str, dict]:
+    return "/update_weights_from_disk", {"model_path": folder}
+
+
+def adapter_request(name: str, folder: str) -> dict:
+    return {"lora_name": name, "lora_path": folder}

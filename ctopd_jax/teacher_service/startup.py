@@ -4,7 +4,7 @@ In order, each failure one line naming `teacher.url` and the fix (TeacherServerC
 ValueError so the CLI reports it like a bad setting):
 1. the server answers at all (else: start it, or correct teacher.url);
 2. it answers like the configured engine (GET /v1/models or /get_model_info; else: check
-   teacher.engine);
+   teacher.engine), where a 5xx there is a failing server (check its log), not a wrong engine;
 3. it serves `teacher.model` when that is set (the served name or model path);
 4. its vocabulary has exactly `vocab_size` rows: a probe scoring [0, V-1] must succeed and one
    with id V must be refused (both engines refuse ids outside the model's vocabulary), so a
@@ -40,6 +40,9 @@ def check_server(teacher, vocab_size: int) -> ServerInfo:
         if err.status is None:
             fail(f"no server answers ({err}); start the teacher server ({protocol.START_COMMAND})"
                  f" or correct {prefix}.url")
+        if err.status >= 500:  # it is the engine's server, but failing: not a wrong engine
+            fail(f"the server answers but fails ({err}); it is up and broken (still loading, "
+                 f"out of memory, a crashed engine): check its log and restart it")
         fail(f"does not answer as {prefix}.engine: {engine} expects ({err}); check {prefix}.engine "
              f"(vllm_server or sglang_server) and {prefix}.url")
     except ProtocolError as err:

@@ -24,6 +24,7 @@ from ctopd_jax.teacher_service.scores import (ProtocolError, ScoredSequence, Ser
                                               logprob_value, top_k_rows)
 
 SCORE_PATH = "/v1/completions"
+HEALTH_PATH = "/health"  # 200 while the server (and its engine) lives
 INFO_PATH = "/v1/models"
 START_COMMAND = "python -m vllm.entrypoints.openai.api_server --model <teacher> --port <port>"
 TOP_K_FIX = "restart the server with --max-logprobs {k} or lower {prefix}.top_k"
@@ -87,3 +88,59 @@ def is_out_of_vocabulary(message: str) -> bool:
 
 def is_top_k_limit(message: str) -> bool:
     return "max allowed" in message and "logprobs" in message
+
+
+# -- the student's rollouts on a vLLM server (rollout.engine: vllm_server, rollout/served.py) ----
+# Generation: POST /v1/completions with token-id prompts; `return_token_ids` gives the sampled ids
+# (choices[i].token_ids), `logprobs: 0` the sampled tokens' log-probs (vLLM's default
+# raw_logprobs: the unmodified distribution, what the JAX sampler returns). EOS handling is the
+# trainer's (ignore_eos + stop_token_ids), so it does not hang on a generation_config.json.
+# Weights: a LoRA adapter through POST /v1/load_lora_adapter {lora_name, lora_path} (the server
+# needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and --enable-lora), generated with `model` = its name;
+# full weights from a folder through POST /collective_rpc {"method": "reload_weights",
+# "kwargs": {"weights_path": folder}} then POST /reset_prefix_cache (both need
+# VLLM_SERVER_DEV_MODE=1). Choices come one per (prompt, sample): n per prompt, prompt-major.
+GENERATE_PATH = "/v1/completions"
+LOAD_ADAPTER_PATH = "/v1/load_lora_adapter"
+UNLOAD_ADAPTER_PATH = "/v1/unload_lora_adapter"
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def generate_request(prompts: list[list[int]], params, model: str, eos_ids, seed: int) -> dict:
+    payload = {"prompt": prompts, "n": params.n, "max_tokens": params.max_new_tokens,
+               "temperature": params.temperature, "top_p": params.top_p,
+               "top_k": params.top_k if params.top_k > 0 else -1, "seed": seed, "logprobs": 0,
+               "stop_token_ids": list(eos_ids) if params.stop_on_eos else [],
+               "ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True,
+               "skip_special_tokens": False}
+    if model:
+        payload["model"] = model
+    return payload
+
+
+def parse_generation(answer: dict, n_prompts: int, n: int) -> list[tuple[list[int], list[float]]]:
+    """(token ids, their log-probs) per sample, prompt-major."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or len(choices) != n_prompts * n:
+        raise ProtocolError(f"expected {n_prompts * n} choices, got "
+                            f"{len(choices) if isinstance(choices, list) else type(choices)}")
+    out = []
+    for choice in sorted(choices, key=lambda c: c.get("index", 0)):
+        ids, logprobs = choice.get("token_ids"), (choice.get("logprobs") or {})
+        values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+        if not isinstance(ids, list) or not isinstance(values, list) or len(ids) != len(values):
+            raise ProtocolError("a choice lacks token_ids / logprobs.token_logprobs of one length "
+                                "(was return_token_ids honoured?)")
+        out.append(([int(t) for t in ids], [logprob_value(v) for v in values]))
+    return out
+
+
+def reload_request(folder: str) -> tuple[str, dict]:
+    return "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}}
+
+
+RESET_CACHE_PATH = "/reset_prefix_cache"
+
+
+def adapter_request(name: str, folder: str) -> dict:
+    return {"lora_name": name, "lora_path": folder}

@@ -228,7 +228,7 @@ def test_server_gone_mid_run_is_one_line_naming_the_url(fake):
         teacher.score([[1, 2, 3]], [1])
     line = str(info.value)
     assert line.startswith(f"teacher.url {fake.url}: POST ")
-    assert "connection refused" in line and "resume" in line and "\n" not in line
+    assert "connection refused" in line and "resume" not in line and "\n" not in line
     assert sleeps == [0.25, 0.5]
 
 

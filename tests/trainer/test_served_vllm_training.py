@@ -123,7 +123,7 @@ def test_a_server_killed_mid_run_is_one_line_and_the_run_resumes_as_if_uninterru
     print(line)
     assert "\n" not in line
     assert line.startswith(f"step 2: teacher.url {first.url}: POST /v1/completions: ")
-    assert "(after 1 retries); the teacher server is down or overloaded" in line
+    assert "(after 1 retries); the server is down or overloaded" in line
     assert line.endswith(f"(last checkpoint: step 1 in {run / 'checkpoints'}; continue with "
                          "--resume once the server answers)")
     assert losses_of(run, "opd_loss").shape == (1,)
