@@ -45,7 +45,7 @@ from ctopd_jax.evaluation import evaluate_during_training
 from ctopd_jax.metrics import MetricsLogger, StartupClock, StepTimer
 from ctopd_jax.models import lora
 from ctopd_jax.preflight import check_objective
-from ctopd_jax.step.grad import micro_grad, scalar, zero_grads
+from ctopd_jax.step.grad import micro_grad, zero_grads
 from ctopd_jax.step.shards import stack_shards
 from ctopd_jax.teacher import teacher_hidden_rows
 from ctopd_jax.teacher_service import TeacherServiceError
@@ -135,21 +135,25 @@ class Trainer:
         shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         shards = shards if (stop - start) % shards == 0 else 1
         step = (stop - start) // shards
-        parts = [self.objective.prepare(host, a, a + step) for a in range(start, stop, step)]
-        batch = build.to_global(stack_shards(parts), self.mesh)
+        with timer("prepare"):   # host work, hidden under the device's previous micro-batch
+            parts = [self.objective.prepare(host, a, a + step) for a in range(start, stop, step)]
+            batch = build.to_global(stack_shards(parts), self.mesh)
         mesh = self.mesh if shards > 1 else None
         t_graphdef, t_state, t_lm_head = teacher.scoring
-        with timer("teacher"), jax.set_mesh(self.mesh):  # the models' activation constraints bind
+        with timer("teacher") as since, jax.set_mesh(self.mesh):  # the models' activation constraints bind
             t_hidden = None   # a served teacher's log-probs came with the host batch (iteration)
             if teacher.served is None:
                 t_hidden = teacher_hidden_rows(t_graphdef, t_state, batch["teacher_ids"],
                                                batch["teacher_mask"], batch["teacher_rows"], mesh=mesh)
-                t_hidden.block_until_ready()
             batch, overlap = build.add_teacher_base(self.base, batch, teacher.overlap_arrays, mesh)
-        with timer("student"), jax.set_mesh(self.mesh):
-            return micro_grad(self.params, self.rest, batch, t_hidden, t_lm_head, overlap,
-                              np.float32(total_tokens), grads, graphdef=self.graphdef,
-                              accumulation=accumulation, objective=self.objective, mesh=mesh, dropout=dropout)
+        if t_hidden is not None or "base_hidden" in batch:
+            timer.device("teacher", batch.get("base_hidden", t_hidden), since)
+        with timer("student") as since, jax.set_mesh(self.mesh):
+            out = micro_grad(self.params, self.rest, batch, t_hidden, t_lm_head, overlap,
+                             np.float32(total_tokens), grads, graphdef=self.graphdef,
+                             accumulation=accumulation, objective=self.objective, mesh=mesh, dropout=dropout)
+        timer.device("student", out[0], since)
+        return out
 
     def iteration(self, timer: StepTimer, rollout_index: int = 0) -> tuple[dict[str, Any], list[dict]]:
         o = self.config.optimizer
@@ -173,11 +177,12 @@ class Trainer:
                         lora.train_dropout(self.config, dropout_key, offset + start))
                     loss = loss + l
                     sums.add(name, s, m)
-            with timer("student"):
+            with timer("student") as since:
                 self.params, self.opt_state, info = self.apply_update(
                     self.params, self.opt_state, grads, loss, np.int32(self.update_count))
                 self.update_count += 1
-                infos.append({k: scalar(v) for k, v in info.items()})
+                infos.append(info)   # fetched with the sums, once per iteration
+            timer.device("student", info["grad_norm"], since)
         with timer("sync"):
             nnx.update(self.student, self.params)
             self.engine.update_weights(self.student)
