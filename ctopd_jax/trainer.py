@@ -39,6 +39,7 @@ from flax import nnx
 
 from ctopd_jax import build, teacher_batches
 from ctopd_jax.build import TrainerSetupError  # noqa: F401  (re-exported for callers)
+from ctopd_jax.algorithms.packing import pack_rows
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig, default_teacher
 from ctopd_jax.evaluation import evaluate_during_training
@@ -124,10 +125,10 @@ class Trainer:
 
     # -- one iteration --------------------------------------------------------------------
     def micro_batch(self, teacher, host, start: int, stop: int, total_tokens: float, accumulation: int, grads,
-                    timer, dropout):
+                    timer, dropout, packed: bool = False):
         """(loss, sums, metrics, grads + its gradient) of samples [start, stop) of a batch collected
         for `teacher` (build.TeacherParts; `grads` is donated to the step; `dropout`: its LoRA
-        dropout, lora.train_dropout).
+        dropout, lora.train_dropout; `packed`: packed rows, algorithms/packing.py).
 
         When the micro-batch divides over the batch shards (data × fsdp), each shard's samples
         are prepared on their own and the loss and teacher rows run per shard (no row moves
@@ -137,6 +138,8 @@ class Trainer:
         step = (stop - start) // shards
         with timer("prepare"):   # host work, hidden under the device's previous micro-batch
             parts = [self.objective.prepare(host, a, a + step) for a in range(start, stop, step)]
+            if packed:
+                parts = [pack_rows(part, self.objective.packed_rows) for part in parts]
             batch = build.to_global(stack_shards(parts), self.mesh)
         mesh = self.mesh if shards > 1 else None
         t_graphdef, t_state, t_lm_head = teacher.scoring
@@ -155,6 +158,27 @@ class Trainer:
         timer.device("student", out[0], since)
         return out
 
+    @property
+    def packing(self) -> bool:
+        """Packed rows: a token budget is set and the objective can pack (else its fallback)."""
+        return self.config.optimizer.micro_batch_tokens > 0 and self.objective.packed_rows is not None
+
+    def micro_ranges(self, host, first: int, last: int) -> list[tuple[int, int]]:
+        """The micro-batches [start, stop) of samples [first, last): micro_batch_size samples
+        (a teacher's last one may be short), or, packing, consecutive samples while their
+        student tokens fit micro_batch_tokens (a longer sample alone)."""
+        o = self.config.optimizer
+        if not self.packing:
+            return [(a, min(a + o.micro_batch_size, last)) for a in range(first, last, o.micro_batch_size)]
+        lengths = host.student.attention_mask[first:last].sum(axis=1)
+        ranges, start, used = [], first, 0
+        for i, n in enumerate(lengths.tolist(), first):
+            if i > start and used + n > o.micro_batch_tokens:
+                ranges.append((start, i))
+                start, used = i, 0
+            used += n
+        return ranges + [(start, last)]
+
     def iteration(self, timer: StepTimer, rollout_index: int = 0) -> tuple[dict[str, Any], list[dict]]:
         o = self.config.optimizer
         self.rng, sub = jax.random.split(self.rng)
@@ -163,18 +187,18 @@ class Trainer:
         collected = teacher_batches.collect(self.teachers, self.config, self.objective, self.stream.next_batch(),
                                             seed, timer, rollout_index)
         coverage = {name: self.coverage[name].update(host.alignment) for name, host in collected.items()}
-        accumulation = o.train_batch_size // o.micro_batch_size
+        # packed micro-batches vary in number: each is normalised by the whole batch's tokens
+        accumulation = 1 if self.packing else o.train_batch_size // o.micro_batch_size
         sums = teacher_batches.IterationSums(collected)
         infos = []
         for pieces in teacher_batches.update_pieces(collected, o.train_batch_size, bool(self.config.teachers)):
             total = sum(host.tokens(a, b) for _, host, a, b, _ in pieces)
             grads, loss = zero_grads(self.params), 0.0
             for name, host, first, last, offset in pieces:
-                for start in range(first, last, o.micro_batch_size):
-                    stop = min(start + o.micro_batch_size, last)  # a teacher's last one may be short
+                for start, stop in self.micro_ranges(host, first, last):
                     l, s, m, grads = self.micro_batch(
                         self.teachers[name], host, start, stop, total, accumulation, grads, timer,
-                        lora.train_dropout(self.config, dropout_key, offset + start))
+                        lora.train_dropout(self.config, dropout_key, offset + start), self.packing)
                     loss = loss + l
                     sums.add(name, s, m)
             with timer("student") as since:

@@ -2,7 +2,9 @@
 and cuDNN through ``jax.nn.dot_product_attention``.
 
 Mask contract (every path): query ``t`` of row ``b`` may attend key slot ``s`` iff
-``kv_valid[b, s]`` and ``s <= q_slots[t]``.  Without a cache ``q_slots = arange(T)`` and
+``kv_valid[b, s]`` and ``s <= q_slots[t]`` and, for packed rows (``segments`` given: several
+samples in one row, each a run of one segment id), ``segments[b, s] == segments[b, q_slots[t]]``:
+attention never crosses a sample.  Without a cache ``q_slots = arange(T)`` and
 ``kv_valid`` is the attention mask; with a KV cache ``q_slots`` are the slots the new tokens
 were written to and ``kv_valid`` the cache's valid slots.  ``AttentionMask`` carries those two
 O(T) arrays, so no path but the einsum reference ever builds a [T, S] mask.
@@ -28,6 +30,8 @@ Decisions:
   padding (``kv_valid`` = the first ``sum(kv_valid)`` slots), which is what every no-cache
   caller in this project passes (retokenized batches, teacher scoring, logprob recompute).
   It needs bf16/fp16 inputs and a GPU; ``resolve_implementation`` only picks it then.
+  ``jax.nn.dot_product_attention`` takes no segment ids, so packed rows (``segments``) asked
+  of cuDNN run the blockwise path instead (same result, no fused kernel).
 """
 
 from __future__ import annotations
@@ -48,11 +52,19 @@ class AttentionMask(NamedTuple):
 
     q_slots: jax.Array   # [T] int32, non-decreasing
     kv_valid: jax.Array  # [B, S] bool
+    segments: jax.Array | None = None   # [B, S] int32 sample id of each slot (packed rows)
+
+    def query_segments(self) -> jax.Array | None:
+        """[B, T] segment of each query (that of its slot), None without segments."""
+        return None if self.segments is None else jnp.take(self.segments, self.q_slots, axis=1)
 
     def dense(self) -> jax.Array:
         """The [B, T, S] boolean mask (only the einsum reference materialises it)."""
         s = jnp.arange(self.kv_valid.shape[1], dtype=jnp.int32)
-        return self.kv_valid[:, None, :] & (s[None, None, :] <= self.q_slots[None, :, None])
+        dense = self.kv_valid[:, None, :] & (s[None, None, :] <= self.q_slots[None, :, None])
+        if self.segments is not None:
+            dense = dense & (self.query_segments()[:, :, None] == self.segments[:, None, :])
+        return dense
 
 
 def attend_einsum(q, k, v, mask):
@@ -84,15 +96,29 @@ def _pad_axis(x, axis: int, size: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _tile_allowed(valid_j, q_pos_i, j, bk):
-    """[B, 1, 1, bq, bk] mask of one tile: key slot valid and not after the query's slot."""
+def _tile_allowed(valid_j, q_pos_i, j, bk, segs=None):
+    """[B, 1, 1, bq, bk] mask of one tile: key slot valid and not after the query's slot, and
+    with `segs` = (query segments [B, bq], key segments [B, bk]) in the query's segment."""
     k_slots = j * bk + jnp.arange(bk, dtype=jnp.int32)
     causal = k_slots[None, :] <= q_pos_i[:, None]                  # [bq, bk]
-    return (valid_j[:, None, :] & causal[None])[:, None, None]     # [B, 1, 1, bq, bk]
+    allowed = valid_j[:, None, :] & causal[None]
+    if segs is not None:
+        allowed = allowed & (segs[0][:, :, None] == segs[1][:, None, :])
+    return allowed[:, None, None]                                  # [B, 1, 1, bq, bk]
 
 
-def _blockwise_forward(q5, k, v, q_slots, kv_valid, bq, bk):
-    """Padded inputs: q5 [B,Tp,K,G,D], k/v [B,Sp,K,D], q_slots [Tp], kv_valid [B,Sp].
+def _tile_segments(segments, i, bq, j, bk):
+    """(query, key) segments of tile (i, j), or None for rows that are not packed."""
+    if segments is None:
+        return None
+    q_seg, kv_seg = segments
+    return (jax.lax.dynamic_slice_in_dim(q_seg, i * bq, bq, axis=1),
+            jax.lax.dynamic_slice_in_dim(kv_seg, j * bk, bk, axis=1))
+
+
+def _blockwise_forward(q5, k, v, q_slots, kv_valid, segments, bq, bk):
+    """Padded inputs: q5 [B,Tp,K,G,D], k/v [B,Sp,K,D], q_slots [Tp], kv_valid [B,Sp],
+    segments None or (query segments [B,Tp], key segments [B,Sp]).
     Returns out [B,Tp,K,G,D] (q dtype) and lse [B,K,G,Tp] float32."""
     b, tp, nkv, g, d = q5.shape
     n_qb, n_kb = tp // bq, k.shape[1] // bk
@@ -112,7 +138,7 @@ def _blockwise_forward(q5, k, v, q_slots, kv_valid, bq, bk):
             valid_j = jax.lax.dynamic_slice_in_dim(kv_valid, j * bk, bk, axis=1)
             s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj,
                            preferred_element_type=jnp.float32) * scale
-            allowed = _tile_allowed(valid_j, pos_i, j, bk)
+            allowed = _tile_allowed(valid_j, pos_i, j, bk, _tile_segments(segments, i, bq, j, bk))
             s = jnp.where(allowed, s, _NEG)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)
@@ -138,7 +164,7 @@ def _blockwise_forward(q5, k, v, q_slots, kv_valid, bq, bk):
     return jax.lax.fori_loop(0, n_qb, q_block, bufs)
 
 
-def _blockwise_backward(q5, k, v, q_slots, kv_valid, out, lse, d_out, bq, bk):
+def _blockwise_backward(q5, k, v, q_slots, kv_valid, segments, out, lse, d_out, bq, bk):
     """Gradients for padded inputs; key blocks outer, query blocks inner, dq accumulated."""
     b, tp, nkv, g, d = q5.shape
     sp = k.shape[1]
@@ -165,7 +191,7 @@ def _blockwise_backward(q5, k, v, q_slots, kv_valid, out, lse, d_out, bq, bk):
             delta_i = jax.lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
             s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj,
                            preferred_element_type=jnp.float32) * scale
-            allowed = _tile_allowed(valid_j, pos_i, j, bk)
+            allowed = _tile_allowed(valid_j, pos_i, j, bk, _tile_segments(segments, i, bq, j, bk))
             p = jnp.where(allowed, jnp.exp(s - lse_i[..., None]), 0.0)
             dvj = dvj + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(doi.dtype), doi,
                                    preferred_element_type=jnp.float32)
@@ -190,7 +216,7 @@ def _blockwise_backward(q5, k, v, q_slots, kv_valid, out, lse, d_out, bq, bk):
     return jax.lax.fori_loop(0, n_kb, k_block, grads)
 
 
-def _pad_inputs(q, k, v, q_slots, kv_valid, block_q, block_k):
+def _pad_inputs(q, k, v, q_slots, kv_valid, segments, block_q, block_k):
     b, t, nq, d = q.shape
     s, nkv = k.shape[1], k.shape[2]
     bq, bk = min(block_q, t), min(block_k, s)
@@ -200,33 +226,39 @@ def _pad_inputs(q, k, v, q_slots, kv_valid, block_q, block_k):
     # sliced off.  Padded keys are invalid.
     q_slots = jnp.concatenate([q_slots.astype(jnp.int32),
                                jnp.broadcast_to(q_slots[-1].astype(jnp.int32), (tp - t,))])
+    if segments is not None:   # padded queries and keys sit in segment -1, seen by no real query
+        q_seg, kv_seg = segments
+        segments = (_pad_axis(q_seg, 1, tp, -1), _pad_axis(kv_seg, 1, sp, -1))
     return (q5, _pad_axis(k, 1, sp), _pad_axis(v, 1, sp), q_slots,
-            _pad_axis(kv_valid.astype(jnp.bool_), 1, sp, False), bq, bk)
+            _pad_axis(kv_valid.astype(jnp.bool_), 1, sp, False), segments, bq, bk)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _blockwise(q, k, v, q_slots, kv_valid, block_q, block_k):
-    return _blockwise_fwd(q, k, v, q_slots, kv_valid, block_q, block_k)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _blockwise(q, k, v, q_slots, kv_valid, segments, block_q, block_k):
+    return _blockwise_fwd(q, k, v, q_slots, kv_valid, segments, block_q, block_k)[0]
 
 
-def _blockwise_fwd(q, k, v, q_slots, kv_valid, block_q, block_k):
+def _blockwise_fwd(q, k, v, q_slots, kv_valid, segments, block_q, block_k):
     b, t, nq, d = q.shape
-    q5, kp, vp, slots, valid, bq, bk = _pad_inputs(q, k, v, q_slots, kv_valid, block_q, block_k)
-    out, lse = _blockwise_forward(q5, kp, vp, slots, valid, bq, bk)
+    q5, kp, vp, slots, valid, segs, bq, bk = _pad_inputs(q, k, v, q_slots, kv_valid, segments,
+                                                         block_q, block_k)
+    out, lse = _blockwise_forward(q5, kp, vp, slots, valid, segs, bq, bk)
     result = out[:, :t].reshape(b, t, nq, d)
-    return result, (q, k, v, q_slots, kv_valid, out, lse)
+    return result, (q, k, v, q_slots, kv_valid, segments, out, lse)
 
 
 def _blockwise_bwd(block_q, block_k, residuals, d_result):
-    q, k, v, q_slots, kv_valid, out, lse = residuals
+    q, k, v, q_slots, kv_valid, segments, out, lse = residuals
     b, t, nq, d = q.shape
-    q5, kp, vp, slots, valid, bq, bk = _pad_inputs(q, k, v, q_slots, kv_valid, block_q, block_k)
+    q5, kp, vp, slots, valid, segs, bq, bk = _pad_inputs(q, k, v, q_slots, kv_valid, segments,
+                                                         block_q, block_k)
     d_out = _pad_axis(d_result.reshape(q5.shape[:1] + (t,) + q5.shape[2:]), 1, q5.shape[1])
-    dq, dk, dv = _blockwise_backward(q5, kp, vp, slots, valid, out, lse,
+    dq, dk, dv = _blockwise_backward(q5, kp, vp, slots, valid, segs, out, lse,
                                      d_out.astype(q.dtype), bq, bk)
     s = k.shape[1]
+    no_grad = None if segments is None else (None, None)
     return (dq[:, :t].reshape(q.shape).astype(q.dtype), dk[:, :s].astype(k.dtype),
-            dv[:, :s].astype(v.dtype), None, None)
+            dv[:, :s].astype(v.dtype), None, None, no_grad)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
@@ -236,7 +268,8 @@ def attend_blockwise(q, k, v, mask: AttentionMask, block_q: int = 512, block_k: 
     """Flash-style GQA attention: O(T) memory forward and backward (see module docstring)."""
     if block_q <= 0 or block_k <= 0:
         raise ValueError(f"attention blocks must be positive, got {block_q}, {block_k}")
-    return _blockwise(q, k, v, mask.q_slots, mask.kv_valid, int(block_q), int(block_k))
+    segments = None if mask.segments is None else (mask.query_segments(), mask.segments)
+    return _blockwise(q, k, v, mask.q_slots, mask.kv_valid, segments, int(block_q), int(block_k))
 
 
 # ---------------------------------------------------------------------- cuDNN
@@ -274,6 +307,8 @@ def attend(q, k, v, mask, implementation: str = "blockwise",
         return attend_einsum(q, k, v, mask)
     if implementation == "blockwise":
         return attend_blockwise(q, k, v, mask, block_q, block_k)
-    if implementation == "cudnn":
+    if implementation == "cudnn":   # no segment ids in cuDNN's API: packed rows go blockwise
+        if mask.segments is not None:
+            return attend_blockwise(q, k, v, mask, block_q, block_k)
         return attend_cudnn(q, k, v, mask)
     raise ValueError(f"unknown attention implementation {implementation!r}")

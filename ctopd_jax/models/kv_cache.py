@@ -67,5 +67,13 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
 
 
 def prefill_positions(attention_mask: jax.Array) -> jax.Array:
-    """RoPE positions for a (left- or right-) padded prompt batch: 0, 1, ... over real tokens."""
-    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+    """RoPE positions for a (left- or right-) padded prompt batch: 0, 1, ... over real tokens.
+    An integer mask holds packed rows' segment ids (contiguous runs, 0 on pads): positions
+    restart at 0 where each segment starts."""
+    if attention_mask.dtype == jnp.bool_:
+        return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+    seg = attention_mask.astype(jnp.int32)
+    slot = jnp.broadcast_to(jnp.arange(seg.shape[1], dtype=jnp.int32), seg.shape)
+    starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    first = jax.lax.cummax(jnp.where(starts, slot, 0), axis=1)
+    return jnp.where(seg > 0, slot - first, 0)

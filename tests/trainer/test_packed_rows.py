@@ -1,0 +1,115 @@
+"""Packed rows against one row per sample: the same samples of a collected batch, through the
+trainer's own micro-batch step (prepare, teacher rows, student gradient), give the same loss
+and gradient (fp32, 1e-6 relative) for every objective that declares packed_rows; the ones that
+cannot pack say so and keep one row per sample. The oracle is the unpacked step (each sample in
+a right-padded row of its own), which the objective tests check against their references.
+
+Pairs: the tiny random cross-tokenizer pair (tests/trainer/conftest.py) and the demo's char
+pair (configs/tiny_cpu_same.yaml) for the same-tokenizer objectives; the demo's cross-tokenizer
+pair and a long-tail synthetic batch run in the slow suite."""
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from ctopd_jax import teacher_batches
+from ctopd_jax.algorithms import registry
+from ctopd_jax.algorithms.packing import PackingError, pack_rows
+from ctopd_jax.config import from_dict, load_config
+from ctopd_jax.metrics import StepTimer
+from ctopd_jax.step.grad import zero_grads
+from ctopd_jax.trainer import Trainer
+
+from conftest import tiny_tree
+
+SAME = ("opd", "opd_full", "opd2", "gkd", "vopd", "sod", "sage_opd", "tcod")
+CROSS = ("strict", "topk_strict", "span", "simct", "mp_opd")
+SERVED = ("teacher_topk_strict", "topk_gkd")   # need a served teacher: test_served_teacher_training
+
+
+def test_every_registered_objective_is_covered_here():
+    assert set(registry()) == set(SAME + CROSS + SERVED)
+
+
+def trainer_for(name, tmp_path, *extra):
+    if name in SAME:
+        config = load_config("configs/tiny_cpu_same.yaml", [
+            f"algorithm.name={name}", f"output_dir={tmp_path / name}", "rollout.rollout_batch_size=7",
+            "optimizer.train_batch_size=7", "optimizer.micro_batch_size=7", "evaluation.dataset=",
+            "rollout.generate_max_len=24", "logging.tensorboard=false", *extra])
+        return Trainer(config)
+    tree = tiny_tree(tmp_path / name, **{"rollout.rollout_batch_size": 7, "rollout.n_samples_per_prompt": 1,
+                                          "optimizer.train_batch_size": 7, "optimizer.micro_batch_size": 7})
+    tree["algorithm"] = {"name": name, "chunked_loss_size": 64}
+    for item in extra:
+        key, value = item.split("=", 1)
+        tree["algorithm"][key.split(".", 1)[1]] = yaml.safe_load(value)
+    return Trainer(from_dict(tree))
+
+
+def loss_and_grads(trainer, host, packed):
+    """The step of samples [0, 7) as one micro-batch (7 does not divide over the 8 test devices,
+    so it is one unit and packs into one row per side)."""
+    name = next(iter(trainer.teachers))
+    loss, _, _, grads = trainer.micro_batch(trainer.teachers[name], host, 0, host.size,
+                                            host.tokens(0, host.size), 1, zero_grads(trainer.params),
+                                            StepTimer(), None, packed)
+    return float(loss), jax.tree.leaves(jax.device_get(grads))
+
+
+def assert_same(trainer):
+    host, = teacher_batches.collect(trainer.teachers, trainer.config, trainer.objective,
+                                    trainer.stream.next_batch(), 5, StepTimer(), 0).values()
+    assert host.size == 7
+    ref_loss, ref = loss_and_grads(trainer, host, packed=False)
+    got_loss, got = loss_and_grads(trainer, host, packed=True)
+    assert ref_loss != 0.0
+    assert abs(got_loss - ref_loss) <= 1e-6 * abs(ref_loss)
+    norm = np.sqrt(sum(float(np.sum(np.square(r, dtype=np.float64))) for r in ref))
+    diff = np.sqrt(sum(float(np.sum(np.square(g - r, dtype=np.float64))) for g, r in zip(got, ref)))
+    assert norm > 0 and diff <= 1e-6 * norm, (diff, norm)
+
+
+slow = pytest.mark.slow   # ~10-20 s each on 2 cores: one per pair stays in the default suite
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("strict", ()), pytest.param("topk_strict", ("algorithm.ctkd_topk=8",), marks=slow),
+    pytest.param("span", (), marks=slow), pytest.param("simct", (), marks=slow),
+    pytest.param("mp_opd", ("algorithm.mp_opd_mode=atomic",), marks=slow),
+    ("opd", ()), pytest.param("opd_full", (), marks=slow), pytest.param("opd2", (), marks=slow),
+    pytest.param("gkd", (), marks=slow), pytest.param("vopd", (), marks=slow),
+    pytest.param("sod", (), marks=slow),
+    pytest.param("sage_opd", ("algorithm.sage_judge=proxy", "algorithm.sage_proxy_skip_above=1.0"), marks=slow),
+    pytest.param("tcod", (), marks=slow)])
+def test_packed_rows_give_the_unpacked_loss_and_gradient(tmp_path, name, extra):
+    trainer = trainer_for(name, tmp_path, *extra)
+    assert trainer.objective.packed_rows is not None
+    assert_same(trainer)
+
+
+def test_an_objective_that_cannot_pack_falls_back_alone(tmp_path):
+    trainer = trainer_for("mp_opd", tmp_path, "algorithm.mp_opd_mode=grass_chunk")
+    assert trainer.objective.packed_rows is None
+    assert not trainer.packing
+
+
+def test_an_undeclared_row_array_is_refused():
+    arrays = {"student_ids": np.ones((2, 4), np.int32), "student_mask": np.ones((2, 4), bool),
+              "response_rows": np.zeros(3, np.int32), "other_rows": np.zeros(3, np.int32)}
+    with pytest.raises(PackingError, match="other_rows"):
+        pack_rows(arrays, {"response_rows": "student"})
+
+
+def test_rows_move_to_their_sample_in_the_packed_row():
+    """Samples of lengths 3, 1, 4 in rows of 5 -> one row: offsets 0, 3, 4 (hand-written)."""
+    mask = np.array([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]], bool)
+    ids = np.where(mask, np.arange(1, 16).reshape(3, 5), 0).astype(np.int32)
+    out = pack_rows({"student_ids": ids, "student_mask": mask,
+                     "response_rows": np.array([1, 5, 10, 13], np.int32)}, {"response_rows": "student"})
+    assert out["student_ids"][0, :9].tolist() == [1, 2, 3, 6, 11, 12, 13, 14, 0]
+    assert out["student_mask"][0, :9].tolist() == [1, 1, 1, 2, 3, 3, 3, 3, 0]
+    assert out["response_rows"].tolist() == [1, 3, 4, 7]
+    with pytest.raises(PackingError, match="past its sample"):
+        pack_rows({"student_ids": ids, "student_mask": mask, "response_rows": np.array([6])},
+                  {"response_rows": "student"})
