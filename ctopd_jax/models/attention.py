@@ -111,14 +111,15 @@ def _tile_segments(segments, i, bq, j, bk):
     """(query, key) segments of tile (i, j), or None for rows that are not packed."""
     if segments is None:
         return None
-    q_seg, kv_seg = segments
+    q_seg, kv_seg, _ = segments
     return (jax.lax.dynamic_slice_in_dim(q_seg, i * bq, bq, axis=1),
             jax.lax.dynamic_slice_in_dim(kv_seg, j * bk, bk, axis=1))
 
 
 def _blockwise_forward(q5, k, v, q_slots, kv_valid, segments, bq, bk):
     """Padded inputs: q5 [B,Tp,K,G,D], k/v [B,Sp,K,D], q_slots [Tp], kv_valid [B,Sp],
-    segments None or (query segments [B,Tp], key segments [B,Sp]).
+    segments None or (query segments [B,Tp], key segments [B,Sp], first slot of each query's
+    segment, least over the rows [Tp], non-decreasing).
     Returns out [B,Tp,K,G,D] (q dtype) and lse [B,K,G,Tp] float32."""
     b, tp, nkv, g, d = q5.shape
     n_qb, n_kb = tp // bq, k.shape[1] // bk
@@ -128,8 +129,10 @@ def _blockwise_forward(q5, k, v, q_slots, kv_valid, segments, bq, bk):
         out, lse = bufs
         qi = jax.lax.dynamic_slice_in_dim(q5, i * bq, bq, axis=1)
         pos_i = jax.lax.dynamic_slice_in_dim(q_slots, i * bq, bq)
-        # Key blocks that start after this block's last query slot are fully masked.
+        # Key blocks that start after this block's last query slot are fully masked, and in
+        # packed rows so are those that end before its first query's segment starts.
         n_needed = jnp.minimum(n_kb, pos_i[-1] // bk + 1)
+        first_kb = 0 if segments is None else segments[2][i * bq] // bk
 
         def k_step(j, carry):
             m, l, acc = carry
@@ -151,7 +154,7 @@ def _blockwise_forward(q5, k, v, q_slots, kv_valid, segments, bq, bk):
         init = (jnp.full((b, nkv, g, bq), _NEG, jnp.float32),
                 jnp.zeros((b, nkv, g, bq), jnp.float32),
                 jnp.zeros((b, nkv, g, bq, d), jnp.float32))
-        m, l, acc = jax.lax.fori_loop(0, n_needed, k_step, init)
+        m, l, acc = jax.lax.fori_loop(first_kb, n_needed, k_step, init)
         seen = l > 0
         out_i = acc / jnp.where(seen, l, 1.0)[..., None]
         lse_i = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
@@ -173,14 +176,17 @@ def _blockwise_backward(q5, k, v, q_slots, kv_valid, segments, out, lse, d_out, 
     # delta_t = sum_d dO * O: the softmax backward's row term, computed once.
     delta = jnp.einsum("bqkgd,bqkgd->bkgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
     block_last_slot = q_slots[bq - 1::bq]                               # [n_qb]
+    block_first_start = None if segments is None else segments[2][::bq]  # [n_qb]
 
     def k_block(j, grads):
         dq, dk, dv = grads
         kj = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)
         vj = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
         valid_j = jax.lax.dynamic_slice_in_dim(kv_valid, j * bk, bk, axis=1)
-        # Query blocks whose last slot precedes this key block cannot see any of it.
+        # Query blocks whose last slot precedes this key block cannot see any of it, nor (packed
+        # rows) those whose first query's segment starts after the block's last key.
         first = jnp.sum(block_last_slot < j * bk).astype(jnp.int32)
+        stop = n_qb if segments is None else jnp.sum(block_first_start <= (j + 1) * bk - 1).astype(jnp.int32)
 
         def q_step(i, carry):
             dq, dkj, dvj = carry
@@ -206,7 +212,7 @@ def _blockwise_backward(q5, k, v, q_slots, kv_valid, segments, out, lse, d_out, 
             return dq, dkj, dvj
 
         zeros_kv = jnp.zeros((b, bk, nkv, d), jnp.float32)
-        dq, dkj, dvj = jax.lax.fori_loop(first, n_qb, q_step, (dq, zeros_kv, zeros_kv))
+        dq, dkj, dvj = jax.lax.fori_loop(first, stop, q_step, (dq, zeros_kv, zeros_kv))
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dkj, j * bk, axis=1)
         dv = jax.lax.dynamic_update_slice_in_dim(dv, dvj, j * bk, axis=1)
         return dq, dk, dv
@@ -227,8 +233,9 @@ def _pad_inputs(q, k, v, q_slots, kv_valid, segments, block_q, block_k):
     q_slots = jnp.concatenate([q_slots.astype(jnp.int32),
                                jnp.broadcast_to(q_slots[-1].astype(jnp.int32), (tp - t,))])
     if segments is not None:   # padded queries and keys sit in segment -1, seen by no real query
-        q_seg, kv_seg = segments
-        segments = (_pad_axis(q_seg, 1, tp, -1), _pad_axis(kv_seg, 1, sp, -1))
+        q_seg, kv_seg, q_start = segments
+        q_start = jnp.concatenate([q_start, jnp.broadcast_to(q_start[-1], (tp - t,))])
+        segments = (_pad_axis(q_seg, 1, tp, -1), _pad_axis(kv_seg, 1, sp, -1), q_start)
     return (q5, _pad_axis(k, 1, sp), _pad_axis(v, 1, sp), q_slots,
             _pad_axis(kv_valid.astype(jnp.bool_), 1, sp, False), segments, bq, bk)
 
@@ -256,7 +263,7 @@ def _blockwise_bwd(block_q, block_k, residuals, d_result):
     dq, dk, dv = _blockwise_backward(q5, kp, vp, slots, valid, segs, out, lse,
                                      d_out.astype(q.dtype), bq, bk)
     s = k.shape[1]
-    no_grad = None if segments is None else (None, None)
+    no_grad = None if segments is None else (None, None, None)
     return (dq[:, :t].reshape(q.shape).astype(q.dtype), dk[:, :s].astype(k.dtype),
             dv[:, :s].astype(v.dtype), None, None, no_grad)
 
@@ -264,11 +271,26 @@ def _blockwise_bwd(block_q, block_k, residuals, d_result):
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
+def segment_starts(segments: jax.Array) -> jax.Array:
+    """[B, S] the first slot of each slot's segment (segments: contiguous runs of one id)."""
+    slot = jnp.broadcast_to(jnp.arange(segments.shape[1], dtype=jnp.int32), segments.shape)
+    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]],
+                             axis=1)
+    return jax.lax.cummax(jnp.where(starts, slot, 0), axis=1)
+
+
+def _query_segment_starts(mask: AttentionMask) -> jax.Array:
+    """[T] the first slot of each query's segment, least over the batch rows: it never
+    decreases along T (the loops' block bounds rely on that)."""
+    return jnp.take(segment_starts(mask.segments), mask.q_slots, axis=1).min(axis=0).astype(jnp.int32)
+
+
 def attend_blockwise(q, k, v, mask: AttentionMask, block_q: int = 512, block_k: int = 512):
     """Flash-style GQA attention: O(T) memory forward and backward (see module docstring)."""
     if block_q <= 0 or block_k <= 0:
         raise ValueError(f"attention blocks must be positive, got {block_q}, {block_k}")
-    segments = None if mask.segments is None else (mask.query_segments(), mask.segments)
+    segments = None if mask.segments is None else (mask.query_segments(), mask.segments,
+                                                   _query_segment_starts(mask))
     return _blockwise(q, k, v, mask.q_slots, mask.kv_valid, segments, int(block_q), int(block_k))
 
 

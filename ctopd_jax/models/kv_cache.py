@@ -30,6 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ctopd_jax.models.attention import segment_starts
 from ctopd_jax.models.config import DTYPES, ModelConfig
 
 
@@ -73,7 +74,5 @@ def prefill_positions(attention_mask: jax.Array) -> jax.Array:
     if attention_mask.dtype == jnp.bool_:
         return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
     seg = attention_mask.astype(jnp.int32)
-    slot = jnp.broadcast_to(jnp.arange(seg.shape[1], dtype=jnp.int32), seg.shape)
-    starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-    first = jax.lax.cummax(jnp.where(starts, slot, 0), axis=1)
-    return jnp.where(seg > 0, slot - first, 0)
+    slot = jnp.arange(seg.shape[1], dtype=jnp.int32)[None]
+    return jnp.where(seg > 0, slot - segment_starts(seg), 0)

@@ -63,6 +63,11 @@ def assert_same(trainer):
     assert host.size == 7
     ref_loss, ref = loss_and_grads(trainer, host, packed=False)
     got_loss, got = loss_and_grads(trainer, host, packed=True)
+    assert_close(got_loss, ref_loss, got, ref)
+
+
+def assert_close(got_loss, ref_loss, got, ref):
+    """Loss and gradient (as one vector) equal to 1e-6 relative."""
     assert ref_loss != 0.0
     assert abs(got_loss - ref_loss) <= 1e-6 * abs(ref_loss)
     norm = np.sqrt(sum(float(np.sum(np.square(r, dtype=np.float64))) for r in ref))
@@ -113,3 +118,38 @@ def test_rows_move_to_their_sample_in_the_packed_row():
     with pytest.raises(PackingError, match="past its sample"):
         pack_rows({"student_ids": ids, "student_mask": mask, "response_rows": np.array([6])},
                   {"response_rows": "student"})
+
+
+def long_tail_host(rng, n, longest, s_vocab, t_vocab):
+    """A synthetic batch of `n` samples, lengths log-uniform over 8..`longest` on both sides,
+    random strict pairs (test_student_step's hand-made host batch layout)."""
+    from types import SimpleNamespace
+
+    from test_student_step import side
+    from ctopd_jax.host import HostBatch
+
+    lengths = np.exp(rng.uniform(np.log(8), np.log(longest), n)).astype(int)
+    width = int(lengths.max()) + 8
+    s_seqs, t_seqs, prompts, pairs = [], [], [], []
+    for i, length in enumerate(lengths):
+        prompt = int(rng.integers(2, 6))
+        s_seqs.append(rng.integers(1, s_vocab, length))
+        t_seqs.append(rng.integers(1, t_vocab, int(length) + int(rng.integers(0, 8))))
+        prompts.append(prompt)
+        k = int(rng.integers(1, length - prompt))
+        pairs.append((np.full(k, i), i * width + prompt - 1 + np.sort(rng.choice(length - prompt, k, replace=False)),
+                      i * width + prompt - 1 + np.sort(rng.choice(length - prompt, k, replace=False))))
+    s, t = side(s_seqs, prompts, width), side(t_seqs, prompts, width)
+    sample, s_rows, t_rows = (np.concatenate(x) for x in zip(*pairs))
+    return HostBatch(s, t, SimpleNamespace(pair_sample=sample, student_rows=s_rows, teacher_rows=t_rows),
+                     None, [], [])
+
+
+@pytest.mark.parametrize("longest", [256, pytest.param(2048, marks=slow)])
+def test_a_long_tail_batch_packs_to_the_unpacked_loss_and_gradient(tmp_path, longest):
+    """Lengths spread 8..2,048 (8..256 in the default suite) in one micro-batch of 7."""
+    trainer = trainer_for("strict", tmp_path)
+    host = long_tail_host(np.random.default_rng(longest), 7, longest, 901, 800)
+    ref_loss, ref = loss_and_grads(trainer, host, packed=False)
+    got_loss, got = loss_and_grads(trainer, host, packed=True)
+    assert_close(got_loss, ref_loss, got, ref)
