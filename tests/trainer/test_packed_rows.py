@@ -153,3 +153,41 @@ def test_a_long_tail_batch_packs_to_the_unpacked_loss_and_gradient(tmp_path, lon
     ref_loss, ref = loss_and_grads(trainer, host, packed=False)
     got_loss, got = loss_and_grads(trainer, host, packed=True)
     assert_close(got_loss, ref_loss, got, ref)
+
+
+class _StopAfterFirstStep:
+    """run_guard.SignalGuard's face: a stop requested at the first step boundary."""
+    signum = 15
+
+    def requested_everywhere(self):
+        return True
+
+
+@slow   # two tiny runs and a resume (~1-3 min on 2 cores)
+def test_a_checkpoint_resumes_bit_exactly_under_another_micro_batching(tmp_path):
+    """Step 1 one row per sample, checkpointed; resumed with packed micro-batches of 96 tokens,
+    step 2 ends bit-exactly where a run that switched micro-batching in memory ends."""
+    import dataclasses
+
+    from ctopd_jax.run_guard import Stopped
+
+    def config(out, tokens):
+        tree = tiny_tree(out, **{"steps": 2, "checkpoint.every": 1, "optimizer.micro_batch_tokens": tokens})
+        return from_dict(tree)
+
+    def state(trainer):
+        return jax.tree.leaves(jax.tree.map(np.asarray, trainer._state()))
+
+    straight = Trainer(config(tmp_path / "straight", 0))
+    straight.step(1, StepTimer())
+    straight.config = dataclasses.replace(straight.config, optimizer=dataclasses.replace(
+        straight.config.optimizer, micro_batch_tokens=96))
+    assert straight.packing
+    straight.step(2, StepTimer())
+
+    with pytest.raises(Stopped):
+        Trainer(config(tmp_path / "resumed", 0)).train(stop=_StopAfterFirstStep())
+    resumed = Trainer(config(tmp_path / "resumed", 96))
+    assert resumed.train(resume=True).final_step == 2
+    for a, b in zip(state(straight), state(resumed)):
+        np.testing.assert_array_equal(a, b)
