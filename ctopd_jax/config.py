@@ -222,7 +222,8 @@ class AlgorithmSection:
     jsd_beta: float = 0.5
     skl_lambda: float = 0.1
     akl_alpha: float = 0.5
-    implementation: Literal["reference", "xla", "pallas"] = "xla"
+    # auto: per kernel and device from kernels/<kernel>/measured.json (kernels/choices.py)
+    implementation: Literal["reference", "xla", "pallas", "auto"] = "xla"
     chunked_loss_size: int = 2048        # rows per lm_head/loss chunk
     # Gradient diagnostics (SPEC §6) for objectives with a strict part: every N steps (and at
     # step 0) on a fixed, seeded replay set of `diagnostics_prompts` prompts; 0 = off.
