@@ -5,7 +5,7 @@ one right-padded row each (pack.py's layout).
     arrays = pack_rows(arrays, objective.packed_rows)    # the same samples in one row per side
 
 Per side (`student_*`, `teacher_*`): the ids become one row of its samples' tokens in sample
-order, its width the length bucket of their total (pack.length_bucket); the mask becomes int32
+order, its width the token budget (else the length bucket of their total); the mask becomes int32
 segment ids (sample i of the micro-batch is segment i + 1, pads 0), which the decoder reads as
 "attend only inside your segment, positions restart at each segment" (models/decoder.py,
 kv_cache.prefill_positions). Every flat row index of that side (the keys the objective names
@@ -40,9 +40,12 @@ def layout(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pack_side(ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
-              multiple: int = 64) -> tuple[np.ndarray, np.ndarray]:
-    """(ids [1, W], segment ids [1, W] int32) of one side's samples in one row (`layout`)."""
-    width = length_bucket(max(int(lengths.sum()), 1), multiple)
+              width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [1, W], segment ids [1, W] int32) of one side's samples in one row (`layout`): W is
+    `width` when they fit it (the token budget: one shape, padding only at the row's end), else
+    the length bucket of their total."""
+    total = max(int(lengths.sum()), 1)
+    width = width if width is not None and total <= width else length_bucket(total)
     out = np.zeros((1, width), ids.dtype)
     segments = np.zeros((1, width), np.int32)
     for b, (at, n) in enumerate(zip(offsets, lengths)):
@@ -59,8 +62,10 @@ def move_rows(rows: np.ndarray, width: int, offsets: np.ndarray, lengths: np.nda
     return (offsets[b] + p).astype(np.asarray(rows).dtype)
 
 
-def pack_rows(arrays: dict[str, np.ndarray], row_keys: dict[str, str]) -> dict[str, np.ndarray]:
-    """`arrays` of one micro-batch (one sample per row) with both sides packed (module doc)."""
+def pack_rows(arrays: dict[str, np.ndarray], row_keys: dict[str, str],
+              width: int | None = None) -> dict[str, np.ndarray]:
+    """`arrays` of one micro-batch (one sample per row) with both sides packed (module doc),
+    each side's row `width` slots when its tokens fit (pack_side)."""
     undeclared = sorted(k for k in arrays if k.endswith("_rows") and k not in row_keys)
     if undeclared:
         raise PackingError(f"row arrays {undeclared} are not in the objective's packed_rows")
@@ -70,7 +75,7 @@ def pack_rows(arrays: dict[str, np.ndarray], row_keys: dict[str, str]) -> dict[s
             continue
         ids, mask = arrays[f"{side}_ids"], arrays[f"{side}_mask"]
         offsets, lengths = layout(mask)
-        out[f"{side}_ids"], out[f"{side}_mask"] = pack_side(ids, offsets, lengths)
+        out[f"{side}_ids"], out[f"{side}_mask"] = pack_side(ids, offsets, lengths, width)
         for key, owner in row_keys.items():
             if owner == side and key in arrays:
                 out[key] = move_rows(arrays[key], ids.shape[1], offsets, lengths, key)
