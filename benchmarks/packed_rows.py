@@ -106,7 +106,7 @@ def passes(trainer, host, tokens: int, repeats: int):
     for start, stop in ranges:
         arrays = trainer.objective.prepare(host, start, stop)
         if trainer.packing:
-            arrays = pack_rows(arrays, trainer.objective.packed_rows)
+            arrays = pack_rows(arrays, trainer.objective.packed_rows, tokens)
         for side in ("student", "teacher"):
             real += int((arrays[f"{side}_mask"] > 0).sum())
             slots += arrays[f"{side}_mask"].size

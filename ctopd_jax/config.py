@@ -312,8 +312,8 @@ class OptimizerSection:
     min_lr: float = 1e-8
     train_batch_size: int = 8            # responses per optimizer step
     micro_batch_size: int = 8            # responses per forward/backward
-    # > 0: packed rows (algorithms/packing.py): a micro-batch is the consecutive responses whose
-    # student and teacher tokens (prompt + response) each fit this budget, one row per model;
+    # > 0: packed rows (algorithms/packing.py): a micro-batch is the consecutive responses that
+    # fit, several per row, rows of this many tokens in all, on both models' sides;
     # objectives that cannot pack (packed_rows None) keep micro_batch_size rows of one sample
     micro_batch_tokens: int = 0
     mu_dtype: Literal["float32", "bfloat16"] = "float32"  # AdamW first moment (bf16 halves it)

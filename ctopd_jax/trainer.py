@@ -39,7 +39,7 @@ from flax import nnx
 
 from ctopd_jax import build, teacher_batches
 from ctopd_jax.build import TrainerSetupError  # noqa: F401  (re-exported for callers)
-from ctopd_jax.algorithms.packing import pack_rows
+from ctopd_jax.algorithms.packing import micro_ranges, pack_rows
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig, default_teacher
 from ctopd_jax.evaluation import evaluate_during_training
@@ -138,9 +138,9 @@ class Trainer:
         step = (stop - start) // shards
         with timer("prepare"):   # host work, hidden under the device's previous micro-batch
             parts = [self.objective.prepare(host, a, a + step) for a in range(start, stop, step)]
-            if packed:   # one micro-batch: rows of the budget; shard parts: their own buckets
-                width = self.config.optimizer.micro_batch_tokens if shards == 1 else None
-                parts = [pack_rows(part, self.objective.packed_rows, width) for part in parts]
+            if packed:   # one micro-batch: rows of the budget; a shard's part: rows enough for it
+                budget = self.config.optimizer.micro_batch_tokens if shards == 1 else None
+                parts = [pack_rows(part, self.objective.packed_rows, budget) for part in parts]
             batch = build.to_global(stack_shards(parts), self.mesh)
         mesh = self.mesh if shards > 1 else None
         t_graphdef, t_state, t_lm_head = teacher.scoring
@@ -166,20 +166,13 @@ class Trainer:
 
     def micro_ranges(self, host, first: int, last: int) -> list[tuple[int, int]]:
         """The micro-batches [start, stop) of samples [first, last): micro_batch_size samples
-        (a teacher's last one may be short), or, packing, consecutive samples while their
-        student tokens and their teacher tokens each fit micro_batch_tokens (a longer sample
-        alone)."""
+        (a teacher's last one may be short), or, packing, consecutive samples whose student
+        and teacher tokens each fit rows of micro_batch_tokens (packing.micro_ranges)."""
         o = self.config.optimizer
         if not self.packing:
             return [(a, min(a + o.micro_batch_size, last)) for a in range(first, last, o.micro_batch_size)]
         lengths = np.stack([side.attention_mask[first:last].sum(axis=1) for side in (host.student, host.teacher)], 1)
-        ranges, start, used = [], first, np.zeros(2, np.int64)
-        for i, n in enumerate(lengths, first):
-            if i > start and (used + n > o.micro_batch_tokens).any():
-                ranges.append((start, i))
-                start, used = i, np.zeros(2, np.int64)
-            used += n
-        return ranges + [(start, last)]
+        return micro_ranges(lengths, first, o.micro_batch_tokens)
 
     def iteration(self, timer: StepTimer, rollout_index: int = 0) -> tuple[dict[str, Any], list[dict]]:
         o = self.config.optimizer

@@ -1,22 +1,29 @@
-"""Packed rows: the samples of a micro-batch laid end to end in one row per model, instead of
-one right-padded row each (pack.py's layout).
+"""Packed rows: the samples of a micro-batch laid end to end in rows of a token budget, several
+per row, instead of one right-padded row each (pack.py's layout).
 
-    arrays = objective.prepare(host, start, stop)       # one sample per row
-    arrays = pack_rows(arrays, objective.packed_rows)    # the same samples in one row per side
+    ranges = micro_ranges(student_lengths, teacher_lengths, budget)  # the micro-batches
+    arrays = objective.prepare(host, start, stop)                    # one sample per row
+    arrays = pack_rows(arrays, objective.packed_rows, budget)        # several samples per row
 
-Per side (`student_*`, `teacher_*`): the ids become one row of its samples' tokens in sample
-order, its width the token budget (else the length bucket of their total); the mask becomes int32
-segment ids (sample i of the micro-batch is segment i + 1, pads 0), which the decoder reads as
-"attend only inside your segment, positions restart at each segment" (models/decoder.py,
-kv_cache.prefill_positions). Every flat row index of that side (the keys the objective names
-in `packed_rows`) moves from (sample b, position p) = divmod(row, T) to offset_b + p, so each
-per-token term (response, strict pair, span, teacher row) reads the same hidden state as
-before: the loss sums are those of the unpacked micro-batch up to float summation order.
+Layout, per side (`student_*`, `teacher_*`): rows of width W = the length bucket of the
+micro-batch's longest sample (pack.length_bucket, as unpacked), budget // W of them (at least
+one); the samples go first-fit into them in order (the collector orders a batch longest first,
+so this is first-fit decreasing). A micro-batch is the consecutive samples that fit that way on
+both sides. One shape per width bucket, as unpacked; attention costs rows · W², as unpacked,
+but the rows hold several short samples instead of one each.
+
+The mask becomes int32 segment ids (sample i of the micro-batch is segment i + 1, pads 0),
+which the decoder reads as "attend only inside your segment, positions restart at each
+segment" (models/decoder.py, kv_cache.prefill_positions). Every flat row index of that side
+(the keys the objective names in `packed_rows`) moves from (sample b, position p) =
+divmod(row, T) to row_b · W + offset_b + p, so each per-token term (response, strict pair,
+span, teacher row) reads the same hidden state as before: the loss sums are those of the
+unpacked micro-batch up to float summation order.
 
 An objective declares `packed_rows` = {array key: "student" | "teacher"} for every array of
-flat row indices its `prepare` makes; None declares that it cannot pack (an array indexed by
-sample position, or rows the loop cannot see), and the loop keeps one row per sample for it.
-A key ending in `_rows` that the declaration leaves out is an error, not a silent misread.
+flat row indices its `prepare` makes; None declares that it cannot pack, and the loop keeps one
+row per sample for it. A key ending in `_rows` that the declaration leaves out is an error, not
+a silent misread.
 """
 from __future__ import annotations
 
@@ -31,41 +38,60 @@ class PackingError(ValueError):
     """Arrays that cannot be packed as declared (a programming error of an objective)."""
 
 
-def layout(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, lengths) of right-padded samples laid end to end; raises for other padding."""
+def shape(lengths, budget: int | None) -> tuple[int, int]:
+    """(rows, width) of the packed rows of samples of these lengths (budget None: as many rows
+    as samples, so any of them fit: a batch shard's part of a micro-batch)."""
+    width = length_bucket(max(int(max(lengths, default=1)), 1))
+    return (len(lengths) if budget is None else max(1, budget // width)), width
+
+
+def first_fit(lengths, budget: int | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(row, offset) of each sample, first-fit into `shape(lengths, budget)`; None if they do
+    not all fit."""
+    rows, width = shape(lengths, budget)
+    used = np.zeros(rows, np.int64)
+    row, offset = np.zeros(len(lengths), np.int64), np.zeros(len(lengths), np.int64)
+    for i, n in enumerate(lengths):
+        free = np.flatnonzero(used + n <= width)
+        if not len(free):
+            return None
+        row[i], offset[i] = free[0], used[free[0]]
+        used[free[0]] += n
+    return row, offset
+
+
+def micro_ranges(lengths: np.ndarray, first: int, budget: int) -> list[tuple[int, int]]:
+    """Consecutive [start, stop) of samples `first`.. whose lengths ([n, sides]) each side's
+    rows hold (first_fit); a sample alone always fits (its own bucket)."""
+    ranges, start = [], 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or any(first_fit(lengths[start:i + 1, s], budget) is None
+                                    for s in range(lengths.shape[1])):
+            ranges.append((first + start, first + i))
+            start = i
+    return ranges
+
+
+def lengths_of(mask: np.ndarray) -> np.ndarray:
+    """Real tokens per sample of right-padded rows; raises for other padding."""
     lengths = mask.sum(axis=1).astype(np.int64)
     if not (mask == (np.arange(mask.shape[1]) < lengths[:, None])).all():
         raise PackingError("packed rows need right-padded samples (real tokens first)")
-    return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64), lengths
+    return lengths
 
 
-def pack_side(ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
-              width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(ids [1, W], segment ids [1, W] int32) of one side's samples in one row (`layout`): W is
-    `width` when they fit it (the token budget: one shape, padding only at the row's end), else
-    the length bucket of their total."""
-    total = max(int(lengths.sum()), 1)
-    width = width if width is not None and total <= width else length_bucket(total)
-    out = np.zeros((1, width), ids.dtype)
-    segments = np.zeros((1, width), np.int32)
-    for b, (at, n) in enumerate(zip(offsets, lengths)):
-        out[0, at:at + n] = ids[b, :n]
-        segments[0, at:at + n] = b + 1
-    return out, segments
-
-
-def move_rows(rows: np.ndarray, width: int, offsets: np.ndarray, lengths: np.ndarray, key: str) -> np.ndarray:
-    """Flat rows of [M, width] (one sample per row) -> flat rows of the packed row."""
+def move_rows(rows: np.ndarray, width: int, flat_start: np.ndarray, lengths: np.ndarray, key: str) -> np.ndarray:
+    """Flat rows of [M, width] (one sample per row) -> flat rows of the packed rows, where
+    sample b starts at flat slot flat_start[b]."""
     b, p = np.divmod(np.asarray(rows, np.int64), width)
     if (b >= len(lengths)).any() or (p >= np.maximum(lengths[b.clip(max=len(lengths) - 1)], 1)).any():
         raise PackingError(f"{key}: a row index points past its sample's tokens")
-    return (offsets[b] + p).astype(np.asarray(rows).dtype)
+    return (flat_start[b] + p).astype(np.asarray(rows).dtype)
 
 
 def pack_rows(arrays: dict[str, np.ndarray], row_keys: dict[str, str],
-              width: int | None = None) -> dict[str, np.ndarray]:
-    """`arrays` of one micro-batch (one sample per row) with both sides packed (module doc),
-    each side's row `width` slots when its tokens fit (pack_side)."""
+              budget: int | None) -> dict[str, np.ndarray]:
+    """`arrays` of one micro-batch (one sample per row) with both sides packed (module doc)."""
     undeclared = sorted(k for k in arrays if k.endswith("_rows") and k not in row_keys)
     if undeclared:
         raise PackingError(f"row arrays {undeclared} are not in the objective's packed_rows")
@@ -73,10 +99,17 @@ def pack_rows(arrays: dict[str, np.ndarray], row_keys: dict[str, str],
     for side in SIDES:
         if f"{side}_ids" not in arrays:
             continue
-        ids, mask = arrays[f"{side}_ids"], arrays[f"{side}_mask"]
-        offsets, lengths = layout(mask)
-        out[f"{side}_ids"], out[f"{side}_mask"] = pack_side(ids, offsets, lengths, width)
+        ids, lengths = arrays[f"{side}_ids"], lengths_of(arrays[f"{side}_mask"])
+        placed = first_fit(lengths, budget)
+        if placed is None:
+            raise PackingError(f"the {side} samples do not fit rows of {budget} tokens (micro_ranges)")
+        (rows, width), (row, offset) = shape(lengths, budget), placed
+        packed, segments = np.zeros((rows, width), ids.dtype), np.zeros((rows, width), np.int32)
+        for b, (r, at, n) in enumerate(zip(row, offset, lengths)):
+            packed[r, at:at + n] = ids[b, :n]
+            segments[r, at:at + n] = b + 1
+        out[f"{side}_ids"], out[f"{side}_mask"] = packed, segments
         for key, owner in row_keys.items():
             if owner == side and key in arrays:
-                out[key] = move_rows(arrays[key], ids.shape[1], offsets, lengths, key)
+                out[key] = move_rows(arrays[key], ids.shape[1], row * width + offset, lengths, key)
     return out

@@ -14,7 +14,7 @@ import yaml
 
 from ctopd_jax import teacher_batches
 from ctopd_jax.algorithms import registry
-from ctopd_jax.algorithms.packing import PackingError, pack_rows
+from ctopd_jax.algorithms.packing import PackingError, micro_ranges, pack_rows
 from ctopd_jax.config import from_dict, load_config
 from ctopd_jax.metrics import StepTimer
 from ctopd_jax.step.grad import zero_grads
@@ -31,15 +31,18 @@ def test_every_registered_objective_is_covered_here():
     assert set(registry()) == set(SAME + CROSS + SERVED)
 
 
-def trainer_for(name, tmp_path, *extra):
+def trainer_for(name, tmp_path, *extra, budget=512):
+    """A trainer whose packed micro-batch of 7 samples spreads over several rows of the budget."""
     if name in SAME:
         config = load_config("configs/tiny_cpu_same.yaml", [
             f"algorithm.name={name}", f"output_dir={tmp_path / name}", "rollout.rollout_batch_size=7",
             "optimizer.train_batch_size=7", "optimizer.micro_batch_size=7", "evaluation.dataset=",
-            "rollout.generate_max_len=24", "logging.tensorboard=false", *extra])
+            f"optimizer.micro_batch_tokens={budget}", "rollout.generate_max_len=24",
+            "logging.tensorboard=false", *extra])
         return Trainer(config)
     tree = tiny_tree(tmp_path / name, **{"rollout.rollout_batch_size": 7, "rollout.n_samples_per_prompt": 1,
-                                          "optimizer.train_batch_size": 7, "optimizer.micro_batch_size": 7})
+                                          "optimizer.train_batch_size": 7, "optimizer.micro_batch_size": 7,
+                                          "optimizer.micro_batch_tokens": budget})
     tree["algorithm"] = {"name": name, "chunked_loss_size": 64}
     for item in extra:
         key, value = item.split("=", 1)
@@ -103,21 +106,37 @@ def test_an_undeclared_row_array_is_refused():
     arrays = {"student_ids": np.ones((2, 4), np.int32), "student_mask": np.ones((2, 4), bool),
               "response_rows": np.zeros(3, np.int32), "other_rows": np.zeros(3, np.int32)}
     with pytest.raises(PackingError, match="other_rows"):
-        pack_rows(arrays, {"response_rows": "student"})
+        pack_rows(arrays, {"response_rows": "student"}, 64)
 
 
 def test_rows_move_to_their_sample_in_the_packed_row():
-    """Samples of lengths 3, 1, 4 in rows of 5 -> one row: offsets 0, 3, 4 (hand-written)."""
+    """Samples of lengths 3, 1, 4 in rows of 5 -> one row of 64: offsets 0, 3, 4 (hand-written)."""
     mask = np.array([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]], bool)
     ids = np.where(mask, np.arange(1, 16).reshape(3, 5), 0).astype(np.int32)
     out = pack_rows({"student_ids": ids, "student_mask": mask,
-                     "response_rows": np.array([1, 5, 10, 13], np.int32)}, {"response_rows": "student"})
+                     "response_rows": np.array([1, 5, 10, 13], np.int32)}, {"response_rows": "student"}, 64)
+    assert out["student_ids"].shape == (1, 64)
     assert out["student_ids"][0, :9].tolist() == [1, 2, 3, 6, 11, 12, 13, 14, 0]
     assert out["student_mask"][0, :9].tolist() == [1, 1, 1, 2, 3, 3, 3, 3, 0]
     assert out["response_rows"].tolist() == [1, 3, 4, 7]
     with pytest.raises(PackingError, match="past its sample"):
         pack_rows({"student_ids": ids, "student_mask": mask, "response_rows": np.array([6])},
-                  {"response_rows": "student"})
+                  {"response_rows": "student"}, 64)
+
+
+def test_samples_go_first_fit_into_rows_of_their_bucket():
+    """Lengths 40, 30, 20 (bucket 64), budget 128: two rows; 40 -> row 0, 30 does not fit
+    beside it -> row 1, 20 fits after the 40 -> row 0 at 40 (hand-written)."""
+    mask = np.arange(40)[None] < np.array([40, 30, 20])[:, None]
+    ids = np.where(mask, 7, 0).astype(np.int32)
+    rows = np.array([0, 39, 40, 40 + 29, 80, 80 + 19], np.int32)   # first and last of each
+    out = pack_rows({"student_ids": ids, "student_mask": mask, "response_rows": rows},
+                    {"response_rows": "student"}, 128)
+    assert out["student_mask"].shape == (2, 64)
+    assert out["response_rows"].tolist() == [0, 39, 64, 64 + 29, 40, 59]
+    assert (out["student_mask"][0, :60] == np.repeat([1, 3], [40, 20])).all()
+    assert (out["student_mask"][1, :30] == 2).all() and not out["student_mask"][1, 30:].any()
+    assert micro_ranges(np.array([[40, 40], [30, 30], [20, 20], [50, 10]]), 10, 128) == [(10, 13), (13, 14)]
 
 
 def long_tail_host(rng, n, longest, s_vocab, t_vocab):
@@ -148,7 +167,7 @@ def long_tail_host(rng, n, longest, s_vocab, t_vocab):
 @pytest.mark.parametrize("longest", [256, pytest.param(2048, marks=slow)])
 def test_a_long_tail_batch_packs_to_the_unpacked_loss_and_gradient(tmp_path, longest):
     """Lengths spread 8..2,048 (8..256 in the default suite) in one micro-batch of 7."""
-    trainer = trainer_for("strict", tmp_path)
+    trainer = trainer_for("strict", tmp_path, budget=7 * 3072)
     host = long_tail_host(np.random.default_rng(longest), 7, longest, 901, 800)
     ref_loss, ref = loss_and_grads(trainer, host, packed=False)
     got_loss, got = loss_and_grads(trainer, host, packed=True)
