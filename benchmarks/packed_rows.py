@@ -160,11 +160,14 @@ def memory() -> None:
     # the seed config's model section (its checkpoint is Llama-3.2-3B-Instruct)
     cfg = llama3_2_3b(dtype="bfloat16", param_dtype="float32", scan_layers=True, remat_policy="full",
                       mlp_chunk=1024, attention="blockwise")
+    # the seed's micro-batch (2 x 10,240) and, at its budget of 20,480 tokens, packed micro-batches
+    # of full-length samples (2 rows of 10,240) and of 2,048-token ones (10 rows of 2,048)
     unpacked = student_grad_temp_bytes(cfg, 2, 10240)
-    packed = student_grad_temp_bytes(cfg, 1, 20480, packed=True)
     print(f"seed student gradient, compile-only temporaries: [2, 10240] one row per sample "
-          f"{unpacked / 2**30:.2f} GiB; [1, 20480] packed {packed / 2**30:.2f} GiB "
-          f"(ratio {packed / unpacked:.2f})", flush=True)
+          f"{unpacked / 2**30:.2f} GiB", flush=True)
+    for rows, width in ((2, 10240), (10, 2048)):
+        packed = student_grad_temp_bytes(cfg, rows, width, packed=True)
+        print(f"  packed [{rows}, {width}]: {packed / 2**30:.2f} GiB (ratio {packed / unpacked:.2f})", flush=True)
 
 
 def main() -> None:

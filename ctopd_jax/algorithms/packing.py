@@ -38,17 +38,18 @@ class PackingError(ValueError):
     """Arrays that cannot be packed as declared (a programming error of an objective)."""
 
 
-def shape(lengths, budget: int | None) -> tuple[int, int]:
-    """(rows, width) of the packed rows of samples of these lengths (budget None: as many rows
-    as samples, so any of them fit: a batch shard's part of a micro-batch)."""
-    width = length_bucket(max(int(max(lengths, default=1)), 1))
+def shape(lengths, budget: int | None, cap: int) -> tuple[int, int]:
+    """(rows, width) of the packed rows of samples of these lengths: width their longest's
+    length bucket, at most `cap` (the side's padded length, as pack.micro_length); budget
+    None: as many rows as samples, so any of them fit (a batch shard's part of a micro-batch)."""
+    width = min(length_bucket(max(int(max(lengths, default=1)), 1)), cap)
     return (len(lengths) if budget is None else max(1, budget // width)), width
 
 
-def first_fit(lengths, budget: int | None) -> tuple[np.ndarray, np.ndarray] | None:
-    """(row, offset) of each sample, first-fit into `shape(lengths, budget)`; None if they do
-    not all fit."""
-    rows, width = shape(lengths, budget)
+def first_fit(lengths, budget: int | None, cap: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(row, offset) of each sample, first-fit into `shape(lengths, budget, cap)`; None if they
+    do not all fit."""
+    rows, width = shape(lengths, budget, cap)
     used = np.zeros(rows, np.int64)
     row, offset = np.zeros(len(lengths), np.int64), np.zeros(len(lengths), np.int64)
     for i, n in enumerate(lengths):
@@ -60,12 +61,12 @@ def first_fit(lengths, budget: int | None) -> tuple[np.ndarray, np.ndarray] | No
     return row, offset
 
 
-def micro_ranges(lengths: np.ndarray, first: int, budget: int) -> list[tuple[int, int]]:
+def micro_ranges(lengths: np.ndarray, first: int, budget: int, caps) -> list[tuple[int, int]]:
     """Consecutive [start, stop) of samples `first`.. whose lengths ([n, sides]) each side's
-    rows hold (first_fit); a sample alone always fits (its own bucket)."""
+    rows hold (first_fit; `caps`: each side's padded length); a sample alone always fits."""
     ranges, start = [], 0
     for i in range(1, len(lengths) + 1):
-        if i == len(lengths) or any(first_fit(lengths[start:i + 1, s], budget) is None
+        if i == len(lengths) or any(first_fit(lengths[start:i + 1, s], budget, caps[s]) is None
                                     for s in range(lengths.shape[1])):
             ranges.append((first + start, first + i))
             start = i
@@ -100,10 +101,10 @@ def pack_rows(arrays: dict[str, np.ndarray], row_keys: dict[str, str],
         if f"{side}_ids" not in arrays:
             continue
         ids, lengths = arrays[f"{side}_ids"], lengths_of(arrays[f"{side}_mask"])
-        placed = first_fit(lengths, budget)
+        placed = first_fit(lengths, budget, ids.shape[1])
         if placed is None:
             raise PackingError(f"the {side} samples do not fit rows of {budget} tokens (micro_ranges)")
-        (rows, width), (row, offset) = shape(lengths, budget), placed
+        (rows, width), (row, offset) = shape(lengths, budget, ids.shape[1]), placed
         packed, segments = np.zeros((rows, width), ids.dtype), np.zeros((rows, width), np.int32)
         for b, (r, at, n) in enumerate(zip(row, offset, lengths)):
             packed[r, at:at + n] = ids[b, :n]

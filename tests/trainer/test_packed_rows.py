@@ -110,33 +110,34 @@ def test_an_undeclared_row_array_is_refused():
 
 
 def test_rows_move_to_their_sample_in_the_packed_row():
-    """Samples of lengths 3, 1, 4 in rows of 5 -> one row of 64: offsets 0, 3, 4 (hand-written)."""
-    mask = np.array([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]], bool)
-    ids = np.where(mask, np.arange(1, 16).reshape(3, 5), 0).astype(np.int32)
+    """Samples of lengths 3, 1, 4 in rows of 64 -> one row: offsets 0, 3, 4 (hand-written)."""
+    mask = np.arange(64)[None] < np.array([3, 1, 4])[:, None]
+    ids = np.where(mask, np.arange(1, 193).reshape(3, 64), 0).astype(np.int32)
     out = pack_rows({"student_ids": ids, "student_mask": mask,
-                     "response_rows": np.array([1, 5, 10, 13], np.int32)}, {"response_rows": "student"}, 64)
+                     "response_rows": np.array([1, 64, 128, 131], np.int32)}, {"response_rows": "student"}, 64)
     assert out["student_ids"].shape == (1, 64)
-    assert out["student_ids"][0, :9].tolist() == [1, 2, 3, 6, 11, 12, 13, 14, 0]
+    assert out["student_ids"][0, :9].tolist() == [1, 2, 3, 65, 129, 130, 131, 132, 0]
     assert out["student_mask"][0, :9].tolist() == [1, 1, 1, 2, 3, 3, 3, 3, 0]
     assert out["response_rows"].tolist() == [1, 3, 4, 7]
     with pytest.raises(PackingError, match="past its sample"):
-        pack_rows({"student_ids": ids, "student_mask": mask, "response_rows": np.array([6])},
+        pack_rows({"student_ids": ids, "student_mask": mask, "response_rows": np.array([65])},
                   {"response_rows": "student"}, 64)
 
 
 def test_samples_go_first_fit_into_rows_of_their_bucket():
     """Lengths 40, 30, 20 (bucket 64), budget 128: two rows; 40 -> row 0, 30 does not fit
     beside it -> row 1, 20 fits after the 40 -> row 0 at 40 (hand-written)."""
-    mask = np.arange(40)[None] < np.array([40, 30, 20])[:, None]
+    mask = np.arange(64)[None] < np.array([40, 30, 20])[:, None]
     ids = np.where(mask, 7, 0).astype(np.int32)
-    rows = np.array([0, 39, 40, 40 + 29, 80, 80 + 19], np.int32)   # first and last of each
+    rows = np.array([0, 39, 64, 64 + 29, 128, 128 + 19], np.int32)   # first and last of each
     out = pack_rows({"student_ids": ids, "student_mask": mask, "response_rows": rows},
                     {"response_rows": "student"}, 128)
     assert out["student_mask"].shape == (2, 64)
     assert out["response_rows"].tolist() == [0, 39, 64, 64 + 29, 40, 59]
     assert (out["student_mask"][0, :60] == np.repeat([1, 3], [40, 20])).all()
     assert (out["student_mask"][1, :30] == 2).all() and not out["student_mask"][1, 30:].any()
-    assert micro_ranges(np.array([[40, 40], [30, 30], [20, 20], [50, 10]]), 10, 128) == [(10, 13), (13, 14)]
+    assert micro_ranges(np.array([[40, 40], [30, 30], [20, 20], [50, 10]]), 10, 128, (64, 64)) == [
+        (10, 13), (13, 14)]
 
 
 def long_tail_host(rng, n, longest, s_vocab, t_vocab):
