@@ -84,22 +84,19 @@ class StepTimer:
     phase, `time_other` for what falls in none, `time_wall` from the timer's creation to
     `as_metrics`, and the XLA compile seconds spent inside (`time_compile`, part of the phases).
 
-    Host phases: `with timer("rollout"): ...` (an interval of host time). Device phases: the
-    host dispatches work and hands its output to `device(phase, output, since)`; a watcher
-    thread waits for the output, so the phase ends when its device work ends, not when its
-    dispatch returns (the loop never waits for it). Device work runs one program after another:
-    a program's interval starts at its dispatch or at the end of the previous program, whichever
-    is later. Where the device is busy, that time is the device phase's; a host phase keeps only
-    its time outside device work (host work hidden under device work costs the step nothing),
-    so the phases and `time_other` partition the wall time."""
+    Host phases: `with timer("rollout"): ...`. Device phases: the host hands the dispatched
+    work's output to `device(phase, output, since)`; a watcher thread waits for it, so the phase
+    ends when its device work ends (the loop never waits). Programs run one after another: each
+    starts at its dispatch or at the previous one's end, whichever is later. Device-busy time is
+    the device phase's; a host phase keeps only its time outside device work (host work hidden
+    under it costs nothing), so the phases and `time_other` partition the wall time."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
         self._began = time.perf_counter()
         self._compile_start = compile_seconds()
         self._host: list[tuple[str, float, float]] = []
-        self._pending: queue.Queue | None = None
-        self._watcher: threading.Thread | None = None
+        self._pending, self._watcher = queue.Queue(), None   # the watcher starts with device work
         self._device: list[tuple[str, float, float]] = []   # (phase, dispatched, finished)
 
     @contextmanager
@@ -111,10 +108,9 @@ class StepTimer:
             self._host.append((phase, start, time.perf_counter()))
 
     def device(self, phase: str, output, since: float) -> None:
-        """Device work of `phase`, dispatched at `since` (perf_counter), done when `output` (an
-        array the program returns and nothing donates) is ready."""
+        """Device work of `phase` dispatched at `since`, done when `output` (a returned array
+        nothing donates) is ready."""
         if self._watcher is None:
-            self._pending = queue.Queue()
             self._watcher = threading.Thread(target=self._watch, daemon=True)
             self._watcher.start()
         self._pending.put((phase, since, output))
