@@ -237,7 +237,9 @@ class AlgorithmSection:
     jsd_beta: float = 0.5                # β of jsd, in (0, 1)
     skl_lambda: float = 0.1              # λ of skl / srkl, in (0, 1)
     akl_alpha: float = 0.5               # α of akl: the tail's probability mass, in (0, 1)
-    implementation: Literal["reference", "xla", "pallas"] = "xla"  # strict kernels (kernels/api.py)
+    # strict kernels (kernels/api.py); auto: per kernel and device from
+    # kernels/<kernel>/measured.json (kernels/choices.py)
+    implementation: Literal["reference", "xla", "pallas", "auto"] = "xla"
     chunked_loss_size: int = 2048        # rows per lm_head/loss chunk
     # Gradient diagnostics (SPEC §6) for objectives with a strict part: every N steps (and at
     # step 0) on a fixed, seeded replay set of `diagnostics_prompts` prompts; 0 = off.
@@ -326,6 +328,10 @@ class OptimizerSection:
     min_lr: float = 1e-8                 # the cosine schedule's floor
     train_batch_size: int = 8            # responses per optimizer step
     micro_batch_size: int = 8            # responses per forward/backward
+    # > 0: packed rows (algorithms/packing.py): a micro-batch is the consecutive responses that
+    # fit, several per row, rows of this many tokens in all, on both models' sides;
+    # objectives that cannot pack (packed_rows None) keep micro_batch_size rows of one sample
+    micro_batch_tokens: int = 0
     mu_dtype: Literal["float32", "bfloat16"] = "float32"  # AdamW first moment (bf16 halves it)
     offload_during_rollout: bool = False  # AdamW state in host memory while the rollout runs
 
@@ -689,6 +695,8 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     require(0 <= o.warmup_ratio < 1, "optimizer.warmup_ratio", "must be in [0, 1)")
     require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", "must be in [0, optimizer.lr]")
     require(o.micro_batch_size >= 1, "optimizer.micro_batch_size", "must be >= 1")
+    require(o.micro_batch_tokens >= 0, "optimizer.micro_batch_tokens",
+            "must be >= 0 (0: one row per response, micro_batch_size of them)")
     require(o.train_batch_size >= 1, "optimizer.train_batch_size", "must be >= 1")
     require(o.train_batch_size % o.micro_batch_size == 0, "optimizer.train_batch_size",
              f"{o.train_batch_size} must be a multiple of optimizer.micro_batch_size "

@@ -3,7 +3,8 @@
 Decisions:
 - One JSON object per logged step in `<run_dir>/metrics.jsonl` with every scalar of that step
   (loss, lr, grad_norm, coverage_student / coverage_teacher per batch and cumulative,
-  byte_mismatch_samples, logprob_gap, response_length, time_* seconds, tokens_per_s, ...).
+  byte_mismatch_samples, logprob_gap, response_length, time_* seconds (StepTimer: the phases,
+  time_other and time_wall), tokens_per_s, ...).
   Non-scalar extras (e.g. a few byte-mismatch sample texts) go to `<run_dir>/samples.jsonl`.
 - Every row also gets `wall_time` (unix seconds), `elapsed_s` (seconds of training so far,
   continued across resumes from the last kept row) and, where the device reports it,
@@ -26,9 +27,12 @@ Decisions:
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
+import queue
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,24 +80,76 @@ def compile_seconds() -> float:
 
 
 class StepTimer:
-    """Wall-clock seconds per phase of one iteration: `with timer("rollout"): ...`, and the XLA
-    compile seconds spent inside the iteration (`time_compile`, part of the phases' time)."""
+    """Seconds per phase of one iteration that add up to its wall time: `time_<phase>` per
+    phase, `time_other` for what falls in none, `time_wall` from the timer's creation to
+    `as_metrics`, and the XLA compile seconds spent inside (`time_compile`, part of the phases).
+
+    Host phases: `with timer("rollout"): ...`. Device phases: the host hands the dispatched
+    work's output to `device(phase, output, since)`; a watcher thread waits for it, so the phase
+    ends when its device work ends (the loop never waits). Programs run one after another: each
+    starts at its dispatch or at the previous one's end, whichever is later. Device-busy time is
+    the device phase's; a host phase keeps only its time outside device work (host work hidden
+    under it costs nothing), so the phases and `time_other` partition the wall time."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self._began = time.perf_counter()
         self._compile_start = compile_seconds()
+        self._host: list[tuple[str, float, float]] = []
+        self._pending, self._watcher = queue.Queue(), None   # the watcher starts with device work
+        self._device: list[tuple[str, float, float]] = []   # (phase, dispatched, finished)
 
     @contextmanager
     def __call__(self, phase: str):
         start = time.perf_counter()
         try:
-            yield
+            yield start
         finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            self._host.append((phase, start, time.perf_counter()))
+
+    def device(self, phase: str, output, since: float) -> None:
+        """Device work of `phase` dispatched at `since`, done when `output` (a returned array
+        nothing donates) is ready."""
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, daemon=True)
+            self._watcher.start()
+        self._pending.put((phase, since, output))
+
+    def _watch(self) -> None:
+        import jax
+
+        while (item := self._pending.get()) is not None:
+            phase, since, output = item
+            jax.block_until_ready(output)
+            self._device.append((phase, since, time.perf_counter()))
+
+    def _settle(self) -> None:
+        """Wait for the watched device work and turn every interval into `seconds`."""
+        if self._watcher is not None:
+            self._pending.put(None)
+            self._watcher.join()
+            self._watcher = None
+        busy, end = [], float("-inf")
+        self.seconds = {}
+        for phase, since, finished in self._device:
+            start = max(since, end)
+            end = max(finished, start)
+            busy.append((start, end))
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + end - start
+        ends = [b for _, b in busy]   # busy intervals are disjoint and in order
+        for phase, start, stop in self._host:
+            covered, i = 0.0, bisect.bisect_right(ends, start)
+            while i < len(busy) and busy[i][0] < stop:
+                covered += max(0.0, min(stop, busy[i][1]) - max(start, busy[i][0]))
+                i += 1
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + (stop - start) - covered
 
     def as_metrics(self) -> dict[str, float]:
+        self._settle()
         out = {f"time_{k}": v for k, v in self.seconds.items()}
         out["time_total"] = sum(self.seconds.values())
+        out["time_wall"] = time.perf_counter() - self._began
+        out["time_other"] = out["time_wall"] - out["time_total"]
         out["time_compile"] = compile_seconds() - self._compile_start
         return out
 

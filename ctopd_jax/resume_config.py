@@ -12,7 +12,8 @@ the same run, so both fields are harmless. Harmless too (they change neither the
 the models, the objective nor the optimizer trajectory): every `logging.*`, `evaluation.*` and
 `guard.*` field; `checkpoint.every / keep / async_save / export_hf`; `run_name`; `mesh.*` (the
 checkpoint is resharded on restore); `model.remat`, `algorithm.implementation`,
-`algorithm.chunked_loss_size` (same numbers up to float rounding);
+`algorithm.chunked_loss_size`,
+`optimizer.micro_batch_tokens` (same numbers up to float rounding);
 `rollout.vllm_gpu_memory_utilization`; how a served teacher is reached (`teacher.url`,
 `timeout_s`, `max_concurrency`, `retries`, `backoff_s`, `max_tokens_per_request`, `launch`,
 `launch_python`: a server restarted elsewhere scores the same ids alike; its engine, model and
@@ -35,7 +36,7 @@ HARMLESS_PREFIXES = ("logging.", "evaluation.", "guard.", "mesh.")
 HARMLESS_FIELDS = frozenset({
     "output_dir", "checkpoint.dir", "run_name", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
     "checkpoint.export_hf", "model.remat", "algorithm.implementation",
-    "algorithm.chunked_loss_size", "rollout.vllm_gpu_memory_utilization",
+    "algorithm.chunked_loss_size", "optimizer.micro_batch_tokens", "rollout.vllm_gpu_memory_utilization",
     "teacher.url", "teacher.timeout_s", "teacher.max_concurrency", "teacher.retries",
     "teacher.backoff_s", "teacher.max_tokens_per_request", "teacher.launch",
     "teacher.launch_python"})

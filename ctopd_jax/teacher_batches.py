@@ -4,8 +4,8 @@
     for pieces in update_pieces(collected, train_batch_size, several=bool(config.teachers)):
         ...  # (name, host batch, first, last sample, offset in the iteration) per piece
     sums = IterationSums(collected)
-    ...  # sums.add(name, micro-batch sums, micro-batch metrics) per micro-batch
-    metrics = sums.metrics(objective, collected, update_infos, coverage, several)
+    ...  # sums.add(name, micro-batch sums, micro-batch metrics) per micro-batch (device arrays)
+    metrics = sums.metrics(objective, collected, update_infos, coverage, several)  # one transfer
 
 Decisions: teacher g's prompts sample with seed + g, so teachers do not share random streams
 (g = 0 is the single-teacher seed); with several teachers one update covers every teacher's
@@ -20,7 +20,7 @@ import numpy as np
 
 from ctopd_jax.teacher_service.batch_rows import score_teacher_batch
 from ctopd_jax.routing import route_rows
-from ctopd_jax.step.grad import scalar
+from ctopd_jax.step.grad import host_floats
 
 
 def collect(teachers: dict, config, objective, prompts, seed: int, timer, rollout_index: int) -> dict[str, Any]:
@@ -85,31 +85,43 @@ def teacher_metrics(collected: dict[str, Any], by_teacher: dict, coverage: dict,
 
 class IterationSums:
     """What an iteration's micro-batches add up to: each objective sum, over the iteration and
-    per teacher, and the objective's (numerator, denominator) metrics."""
+    per teacher, and the objective's (numerator, denominator) metrics.
+
+    `add` only keeps the micro-batch's device arrays (no host sync, so the host prepares the
+    next micro-batch while the device computes this one); `metrics` fetches them all in one
+    transfer and adds them on the host in micro-batch order, in float64 as before."""
 
     def __init__(self, names):
-        self.total: dict[str, float] = {}
-        self.by_teacher: dict[str, dict[str, float]] = {name: {} for name in names}
-        self.parts: dict[str, list] = {}
+        self.names = list(names)
+        self.added: list[tuple[str, dict, dict]] = []
 
     def add(self, name: str, sums: dict, metrics: dict) -> None:
-        for k, v in sums.items():
-            v = scalar(v)
-            self.total[k] = self.total.get(k, 0.0) + v
-            self.by_teacher[name][k] = self.by_teacher[name].get(k, 0.0) + v
-        for k, (num, den) in metrics.items():  # den None: a count, reported as the total
-            part = self.parts.setdefault(k, [0.0, None if den is None else 0.0])
-            part[0] += scalar(num)
-            part[1] = None if den is None else part[1] + scalar(den)
+        self.added.append((name, sums, metrics))
+
+    def _totals(self, added) -> tuple[dict, dict, dict]:
+        total: dict[str, float] = {}
+        by_teacher: dict[str, dict[str, float]] = {name: {} for name in self.names}
+        parts: dict[str, list] = {}
+        for name, sums, metrics in added:
+            for k, v in sums.items():
+                total[k] = total.get(k, 0.0) + v
+                by_teacher[name][k] = by_teacher[name].get(k, 0.0) + v
+            for k, (num, den) in metrics.items():  # den None: a count, reported as the total
+                part = parts.setdefault(k, [0.0, None if den is None else 0.0])
+                part[0] += num
+                part[1] = None if den is None else part[1] + den
+        return total, by_teacher, parts
 
     def metrics(self, objective, collected: dict[str, Any], infos: list[dict], coverage: dict,
                 several: bool) -> dict[str, Any]:
         """The iteration's metrics: losses over its student response tokens, the last update's
         lr and gradient norm, rollout counts, and coverage (per teacher with several)."""
         hosts = list(collected.values())
+        values, infos = host_floats(([(sums, m) for _, sums, m in self.added], infos))
+        total, by_teacher, parts = self._totals([(name, *v) for (name, _, _), v in zip(self.added, values)])
         tokens = max(sum(host.tokens(0, host.size) for host in hosts), 1.0)
-        metrics = loss_metrics(objective, self.total, tokens)
-        for k, (num, den) in self.parts.items():
+        metrics = loss_metrics(objective, total, tokens)
+        for k, (num, den) in parts.items():
             if den is None or den:  # no log-prob gap when no re-tokenized response equals its samples
                 metrics[k] = num if den is None else num / den
         metrics.update({
@@ -121,7 +133,7 @@ class IterationSums:
             "student_response_tokens": int(tokens),
             "strict_pairs": sum(h.alignment.num_pairs for h in hosts)})
         if several:
-            metrics.update(teacher_metrics(collected, self.by_teacher, coverage, objective))
+            metrics.update(teacher_metrics(collected, by_teacher, coverage, objective))
         else:
             (one_teacher,) = coverage.values()
             metrics.update(one_teacher)

@@ -39,13 +39,15 @@ from flax import nnx
 
 from ctopd_jax import build, host_offload, teacher_batches
 from ctopd_jax.build import TrainerSetupError  # noqa: F401  (re-exported for callers)
+from ctopd_jax.algorithms.pack import round_up
+from ctopd_jax.algorithms.packing import micro_ranges, pack_rows
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig, default_teacher
 from ctopd_jax.evaluation import evaluate_during_training
 from ctopd_jax.metrics import MetricsLogger, StartupClock, StepTimer
 from ctopd_jax.models import lora
 from ctopd_jax.preflight import check_objective
-from ctopd_jax.step.grad import micro_grad, scalar, zero_grads
+from ctopd_jax.step.grad import micro_grad, zero_grads
 from ctopd_jax.step.shards import stack_shards
 from ctopd_jax.teacher import teacher_hidden_rows
 from ctopd_jax.teacher_service import TeacherServiceError
@@ -124,10 +126,10 @@ class Trainer:
 
     # -- one iteration --------------------------------------------------------------------
     def micro_batch(self, teacher, host, start: int, stop: int, total_tokens: float, accumulation: int, grads,
-                    timer, dropout):
+                    timer, dropout, packed: bool = False):
         """(loss, sums, metrics, grads + its gradient) of samples [start, stop) of a batch collected
         for `teacher` (build.TeacherParts; `grads` is donated to the step; `dropout`: its LoRA
-        dropout, lora.train_dropout).
+        dropout, lora.train_dropout; `packed`: packed rows, algorithms/packing.py).
 
         When the micro-batch divides over the batch shards (data × fsdp), each shard's samples
         are prepared on their own and the loss and teacher rows run per shard (no row moves
@@ -135,21 +137,44 @@ class Trainer:
         shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         shards = shards if (stop - start) % shards == 0 else 1
         step = (stop - start) // shards
-        parts = [self.objective.prepare(host, a, a + step) for a in range(start, stop, step)]
-        batch = build.to_global(stack_shards(parts), self.mesh)
+        with timer("prepare"):   # host work, hidden under the device's previous micro-batch
+            parts = [self.objective.prepare(host, a, a + step) for a in range(start, stop, step)]
+            if packed:   # one micro-batch: rows of the budget; a shard's part: rows enough for it
+                budget = self.config.optimizer.micro_batch_tokens if shards == 1 else None
+                parts = [pack_rows(part, self.objective.packed_rows, budget) for part in parts]
+            batch = build.to_global(stack_shards(parts), self.mesh)
         mesh = self.mesh if shards > 1 else None
         t_graphdef, t_state, t_lm_head = teacher.scoring
-        with timer("teacher"), jax.set_mesh(self.mesh):  # the models' activation constraints bind
+        with timer("teacher") as since, jax.set_mesh(self.mesh):  # the models' activation constraints bind
             t_hidden = None   # a served teacher's log-probs came with the host batch (iteration)
             if teacher.served is None:
                 t_hidden = teacher_hidden_rows(t_graphdef, t_state, batch["teacher_ids"],
                                                batch["teacher_mask"], batch["teacher_rows"], mesh=mesh)
-                t_hidden.block_until_ready()
             batch, overlap = build.add_teacher_base(self.base, batch, teacher.overlap_arrays, mesh)
-        with timer("student"), jax.set_mesh(self.mesh):
-            return micro_grad(self.params, self.rest, batch, t_hidden, t_lm_head, overlap,
-                              np.float32(total_tokens), grads, graphdef=self.graphdef,
-                              accumulation=accumulation, objective=self.objective, mesh=mesh, dropout=dropout)
+        if t_hidden is not None or "base_hidden" in batch:
+            timer.device("teacher", batch.get("base_hidden", t_hidden), since)
+        with timer("student") as since, jax.set_mesh(self.mesh):
+            out = micro_grad(self.params, self.rest, batch, t_hidden, t_lm_head, overlap,
+                             np.float32(total_tokens), grads, graphdef=self.graphdef,
+                             accumulation=accumulation, objective=self.objective, mesh=mesh, dropout=dropout)
+        timer.device("student", out[0], since)
+        return out
+
+    @property
+    def packing(self) -> bool:
+        """Packed rows: a token budget is set and the objective can pack (else its fallback)."""
+        return self.config.optimizer.micro_batch_tokens > 0 and self.objective.packed_rows is not None
+
+    def micro_ranges(self, host, first: int, last: int) -> list[tuple[int, int]]:
+        """The micro-batches [start, stop) of samples [first, last): micro_batch_size samples
+        (a teacher's last one may be short), or, packing, consecutive samples whose student
+        and teacher tokens each fit rows of micro_batch_tokens (packing.micro_ranges)."""
+        o = self.config.optimizer
+        if not self.packing:
+            return [(a, min(a + o.micro_batch_size, last)) for a in range(first, last, o.micro_batch_size)]
+        sides = (host.student, host.teacher)
+        lengths = np.stack([side.attention_mask[first:last].sum(axis=1) for side in sides], 1)
+        return micro_ranges(lengths, first, o.micro_batch_tokens, [round_up(s.seq_len, 64) for s in sides])
 
     def iteration(self, timer: StepTimer, rollout_index: int = 0) -> tuple[dict[str, Any], list[dict]]:
         o = self.config.optimizer
@@ -165,25 +190,26 @@ class Trainer:
             with timer("offload"):
                 self.opt_state = host_offload.move(self.opt_state, host_offload.DEVICE)
         coverage = {name: self.coverage[name].update(host.alignment) for name, host in collected.items()}
-        accumulation = o.train_batch_size // o.micro_batch_size
+        # packed micro-batches vary in number: each is normalised by the whole batch's tokens
+        accumulation = 1 if self.packing else o.train_batch_size // o.micro_batch_size
         sums = teacher_batches.IterationSums(collected)
         infos = []
         for pieces in teacher_batches.update_pieces(collected, o.train_batch_size, bool(self.config.teachers)):
             total = sum(host.tokens(a, b) for _, host, a, b, _ in pieces)
             grads, loss = zero_grads(self.params), 0.0
             for name, host, first, last, offset in pieces:
-                for start in range(first, last, o.micro_batch_size):
-                    stop = min(start + o.micro_batch_size, last)  # a teacher's last one may be short
+                for start, stop in self.micro_ranges(host, first, last):
                     l, s, m, grads = self.micro_batch(
                         self.teachers[name], host, start, stop, total, accumulation, grads, timer,
-                        lora.train_dropout(self.config, dropout_key, offset + start))
+                        lora.train_dropout(self.config, dropout_key, offset + start), self.packing)
                     loss = loss + l
                     sums.add(name, s, m)
-            with timer("student"):
+            with timer("student") as since:
                 self.params, self.opt_state, info = self.apply_update(
                     self.params, self.opt_state, grads, loss, np.int32(self.update_count))
                 self.update_count += 1
-                infos.append({k: scalar(v) for k, v in info.items()})
+                infos.append(info)   # fetched with the sums, once per iteration
+            timer.device("student", info["grad_norm"], since)
         with timer("sync"):
             nnx.update(self.student, self.params)
             self.engine.update_weights(self.student)

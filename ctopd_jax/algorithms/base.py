@@ -78,6 +78,10 @@ def shard_gather(x):
 
 RESPONSE_SOURCES = ("student", "dataset", "teacher", "teacher_prefix")
 
+# the row arrays of every objective's `prepare` (pack.student_arrays, the teacher's rows), for
+# `Objective.packed_rows`
+BASE_ROWS = {"response_rows": "student", "teacher_rows": "teacher"}
+
 
 # What an objective needs from the teacher's scores (`Needs.teacher_scores`):
 # - "full_rows": teacher rows over the whole vocabulary (hidden rows + lm_head on the mesh): only
@@ -141,6 +145,9 @@ class Objective:
     # a strict part (SPEC §4) the gradient diagnostics of SPEC §6 can compare with the span term;
     # its top-k is `topk` (None: the full shared vocabulary)
     has_strict_part: ClassVar[bool] = False
+    # packed rows (algorithms/packing.py): every array of flat row indices `prepare` makes and
+    # the side it indexes; None: the objective cannot pack and keeps one row per sample
+    packed_rows: ClassVar[dict[str, str] | None] = None
 
     @property
     def topk(self) -> int | None:

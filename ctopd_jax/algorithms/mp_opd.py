@@ -55,7 +55,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from ctopd_jax.algorithms import pack
-from ctopd_jax.algorithms.base import Needs, Objective, register, shard_gather
+from ctopd_jax.algorithms.base import BASE_ROWS, Needs, Objective, register, shard_gather
 from ctopd_jax.config import AlgorithmSection, require
 from ctopd_jax.kernels.token_rows import token_rows
 
@@ -450,6 +450,14 @@ class MpOpd(Objective):
     def load_state_dict(self, state: dict) -> None:
         if state:
             self.noise = GrassNoise(state.get("grass_noise_ema", 0.0), state.get("grass_noise_updates", 0))
+
+    @property
+    def packed_rows(self) -> dict[str, str] | None:
+        """grass_chunk cannot pack: its noise EMA advances once per micro-batch, so a token
+        budget (other micro-batch boundaries) would change the loss, not only its layout."""
+        if self.settings.mp_opd_mode == "grass_chunk":
+            return None
+        return {**BASE_ROWS, "atom_teacher_rows": "teacher"}
 
     def after_micro_batch(self, metrics: dict) -> dict:
         """Host, after each micro-batch (device.micro_grad): the micro-batch's per-sample noise

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ctopd_jax.algorithms import pack
-from ctopd_jax.algorithms.base import Needs, Objective
+from ctopd_jax.algorithms.base import BASE_ROWS, Needs, Objective
 from ctopd_jax.config import AlgorithmSection, require
 from ctopd_jax.kernels.api import strict_kd_rows
 from ctopd_jax.kernels.token_rows import token_rows
@@ -120,6 +120,7 @@ class SameTokenizerObjective(Objective):
     settings_class = SameTokenizerSettings
     needs = Needs(responses="student", teacher=True, rollout_logprobs=True, reuse_sampled_ids=True,
                   episodes=True)
+    packed_rows = BASE_ROWS
 
     def check(self, overlap) -> None:
         if overlap.teacher_vocab_size != overlap.student_vocab_size:

@@ -41,7 +41,7 @@ from ctopd_jax.algorithms import pack
 from ctopd_jax.algorithms.base import Needs, Objective, register
 from ctopd_jax.algorithms.gkd import Gkd, GkdSettings
 from ctopd_jax.algorithms.same_tokenizer import same_inputs
-from ctopd_jax.algorithms.strict import strict_inputs
+from ctopd_jax.algorithms.strict import STRICT_ROWS, strict_inputs
 from ctopd_jax.config import AlgorithmSection, require, teacher_views
 from ctopd_jax.kernels.token_rows import token_rows
 from ctopd_jax.teacher_service.topk import (head_columns, overlap_pairs_by_teacher_id,
@@ -69,6 +69,7 @@ def overlap_table(overlap) -> tuple:
 
 @register("teacher_topk_strict")
 class TeacherTopkStrict(Objective):
+    packed_rows = STRICT_ROWS
     settings_class = AlgorithmSection
     needs = Needs(teacher_scores="topk")
 

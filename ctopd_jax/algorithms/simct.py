@@ -43,7 +43,7 @@ import numpy as np
 
 from ctopd_jax import losses
 from ctopd_jax.algorithms import pack
-from ctopd_jax.algorithms.base import Objective, register
+from ctopd_jax.algorithms.base import BASE_ROWS, Objective, register
 from ctopd_jax.config import AlgorithmSection
 from ctopd_jax.kernels.token_rows import token_rows
 
@@ -187,6 +187,8 @@ def simct_rows_sum(settings, hs, lm_head, s_extra, ht, t_lm_head, t_extra, s_ids
 
 @register("simct")
 class SimCT(Objective):
+    packed_rows = {**BASE_ROWS, "simct_student_first": "student", "simct_student_rows": "student",
+                   "simct_teacher_first": "teacher", "simct_teacher_span_rows": "teacher"}
     settings_class = SimCTSettings
 
     def prepare(self, host, start, stop):

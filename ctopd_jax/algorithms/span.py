@@ -26,7 +26,7 @@ import numpy as np
 
 from ctopd_jax.algorithms import pack
 from ctopd_jax.algorithms.base import Objective, register
-from ctopd_jax.algorithms.strict import StrictSettings, check_topk, strict_inputs, strict_sum
+from ctopd_jax.algorithms.strict import STRICT_ROWS, StrictSettings, check_topk, strict_inputs, strict_sum
 from ctopd_jax.config import require
 from ctopd_jax.kernels.token_rows import token_rows
 
@@ -102,6 +102,7 @@ def span_sum(student_logprobs, teacher_logprobs, batch):
 
 @register("span")
 class SpanLoss(Objective):
+    packed_rows = {**STRICT_ROWS, "span_teacher_rows": "teacher"}
     settings_class = SpanSettings
     response_logprob_grad = True  # the span term differentiates the student's token log-probs
     has_strict_part = True

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from ctopd_jax.algorithms import pack
-from ctopd_jax.algorithms.base import Objective, register
+from ctopd_jax.algorithms.base import BASE_ROWS, Objective, register
 from ctopd_jax.config import AlgorithmSection, require
 from ctopd_jax.kernels.api import strict_kd_rows
 
@@ -25,6 +25,10 @@ class StrictSettings(AlgorithmSection):
         super().validate()
         require(self.ctkd_topk >= 1, "algorithm.ctkd_topk",
                  "must be >= 1 (and <= |V∩|, checked once the tokenizers are loaded)")
+
+
+# the row arrays of strict_inputs (Objective.packed_rows)
+STRICT_ROWS = {**BASE_ROWS, "strict_student_rows": "student", "strict_teacher_rows": "teacher"}
 
 
 def strict_inputs(host, start: int, stop: int) -> dict:
@@ -59,6 +63,7 @@ def check_topk(topk: int | None, shared_size: int) -> None:
 
 @register("strict")
 class StrictFull(Objective):
+    packed_rows = STRICT_ROWS
     settings_class = StrictSettings
     has_strict_part = True
 

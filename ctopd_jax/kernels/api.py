@@ -1,6 +1,8 @@
 """One entry point for the strict objectives: `strict_kd_rows(..., implementation=...)`.
 
-Implementations, tried in this order from the one asked for (ordered fallback):
+Implementations, tried in this order from the one asked for (ordered fallback); "auto" first
+picks one per kernel (strict full / top-k) and device from the kernel folder's table of measured
+choices (kernels/choices.py):
   "pallas"    -> fused Pallas chunk kernels (interpret mode on CPU, compiled on GPU); akl and
                  top-k with k > PALLAS_MAX_TOPK are not supported there and fall back to xla.
   "xla"       -> row-chunked custom-VJP driver (kernels.row_chunks) with jnp chunk functions.
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 
 from ctopd_jax import losses
 from ctopd_jax.kernels import row_chunks
+from ctopd_jax.kernels.choices import choose
 from ctopd_jax.kernels.strict_full import reference as full_reference
 from ctopd_jax.kernels.strict_full import xla as full_xla
 from ctopd_jax.kernels.strict_topk import reference as topk_reference
@@ -54,8 +57,10 @@ def resolve_implementation(implementation: str, divergence: str, topk: int | Non
     With `chunk_shape` = (rows per chunk, |V∩|), a compiled (non-interpret) Pallas kernel is
     also lowered once for that shape on the current backend; if that fails it falls back too.
     """
+    if implementation == "auto":
+        implementation = choose("strict_full" if topk is None else "strict_topk")
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}; use one of {IMPLEMENTATIONS}")
+        raise ValueError(f"implementation={implementation!r}; use auto or one of {IMPLEMENTATIONS}")
     for candidate in IMPLEMENTATIONS[IMPLEMENTATIONS.index(implementation):]:
         reason = _unsupported_reason(candidate, divergence, topk, chunk_shape, interpret)
         if reason is None:

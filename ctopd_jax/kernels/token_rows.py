@@ -112,8 +112,8 @@ def _chunked(chunk_rows: int, inv_t: float):
 def token_rows(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_rows: int = 2048,
                implementation: str = "xla"):
     """(log p(target) [R], logsumexp [R]) of hidden @ lm_head / τ over the full vocabulary."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}; use one of {IMPLEMENTATIONS}")
+    if implementation not in IMPLEMENTATIONS + ("auto",):   # no Pallas kernel here: auto is xla
+        raise ValueError(f"implementation={implementation!r}; use auto or one of {IMPLEMENTATIONS}")
     if hidden.ndim != 2 or lm_head.ndim != 2 or hidden.shape[1] != lm_head.shape[0]:
         raise ValueError(f"hidden [R, H] and lm_head [H, V] disagree: {hidden.shape}, {lm_head.shape}")
     if targets.shape != hidden.shape[:1]:

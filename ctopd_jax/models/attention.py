@@ -2,7 +2,9 @@
 and cuDNN through ``jax.nn.dot_product_attention``.
 
 Mask contract (every path): query ``t`` of row ``b`` may attend key slot ``s`` iff
-``kv_valid[b, s]`` and ``s <= q_slots[t]``.  Without a cache ``q_slots = arange(T)`` and
+``kv_valid[b, s]`` and ``s <= q_slots[t]`` and, for packed rows (``segments`` given: several
+samples in one row, each a run of one segment id), ``segments[b, s] == segments[b, q_slots[t]]``:
+attention never crosses a sample.  Without a cache ``q_slots = arange(T)`` and
 ``kv_valid`` is the attention mask; with a KV cache ``q_slots`` are the slots the new tokens
 were written to and ``kv_valid`` the cache's valid slots.  ``AttentionMask`` carries those two
 O(T) arrays, so no path but the einsum reference ever builds a [T, S] mask.
@@ -28,6 +30,8 @@ Decisions:
   padding (``kv_valid`` = the first ``sum(kv_valid)`` slots), which is what every no-cache
   caller in this project passes (retokenized batches, teacher scoring, logprob recompute).
   It needs bf16/fp16 inputs and a GPU; ``resolve_implementation`` only picks it then.
+  ``jax.nn.dot_product_attention`` takes no segment ids, so packed rows (``segments``) asked
+  of cuDNN run the blockwise path instead (same result, no fused kernel).
 """
 
 from __future__ import annotations
@@ -48,11 +52,19 @@ class AttentionMask(NamedTuple):
 
     q_slots: jax.Array   # [T] int32, non-decreasing
     kv_valid: jax.Array  # [B, S] bool
+    segments: jax.Array | None = None   # [B, S] int32 sample id of each slot (packed rows)
+
+    def query_segments(self) -> jax.Array | None:
+        """[B, T] segment of each query (that of its slot), None without segments."""
+        return None if self.segments is None else jnp.take(self.segments, self.q_slots, axis=1)
 
     def dense(self) -> jax.Array:
         """The [B, T, S] boolean mask (only the einsum reference materialises it)."""
         s = jnp.arange(self.kv_valid.shape[1], dtype=jnp.int32)
-        return self.kv_valid[:, None, :] & (s[None, None, :] <= self.q_slots[None, :, None])
+        dense = self.kv_valid[:, None, :] & (s[None, None, :] <= self.q_slots[None, :, None])
+        if self.segments is not None:
+            dense = dense & (self.query_segments()[:, :, None] == self.segments[:, None, :])
+        return dense
 
 
 def attend_einsum(q, k, v, mask):
@@ -84,15 +96,30 @@ def _pad_axis(x, axis: int, size: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _tile_allowed(valid_j, q_pos_i, j, bk):
-    """[B, 1, 1, bq, bk] mask of one tile: key slot valid and not after the query's slot."""
+def _tile_allowed(valid_j, q_pos_i, j, bk, segs=None):
+    """[B, 1, 1, bq, bk] mask of one tile: key slot valid and not after the query's slot, and
+    with `segs` = (query segments [B, bq], key segments [B, bk]) in the query's segment."""
     k_slots = j * bk + jnp.arange(bk, dtype=jnp.int32)
     causal = k_slots[None, :] <= q_pos_i[:, None]                  # [bq, bk]
-    return (valid_j[:, None, :] & causal[None])[:, None, None]     # [B, 1, 1, bq, bk]
+    allowed = valid_j[:, None, :] & causal[None]
+    if segs is not None:
+        allowed = allowed & (segs[0][:, :, None] == segs[1][:, None, :])
+    return allowed[:, None, None]                                  # [B, 1, 1, bq, bk]
 
 
-def _blockwise_forward(q5, k, v, q_slots, kv_valid, bq, bk):
-    """Padded inputs: q5 [B,Tp,K,G,D], k/v [B,Sp,K,D], q_slots [Tp], kv_valid [B,Sp].
+def _tile_segments(segments, i, bq, j, bk):
+    """(query, key) segments of tile (i, j), or None for rows that are not packed."""
+    if segments is None:
+        return None
+    q_seg, kv_seg, _ = segments
+    return (jax.lax.dynamic_slice_in_dim(q_seg, i * bq, bq, axis=1),
+            jax.lax.dynamic_slice_in_dim(kv_seg, j * bk, bk, axis=1))
+
+
+def _blockwise_forward(q5, k, v, q_slots, kv_valid, segments, bq, bk):
+    """Padded inputs: q5 [B,Tp,K,G,D], k/v [B,Sp,K,D], q_slots [Tp], kv_valid [B,Sp],
+    segments None or (query segments [B,Tp], key segments [B,Sp], first slot of each query's
+    segment, least over the rows [Tp], non-decreasing).
     Returns out [B,Tp,K,G,D] (q dtype) and lse [B,K,G,Tp] float32."""
     b, tp, nkv, g, d = q5.shape
     n_qb, n_kb = tp // bq, k.shape[1] // bk
@@ -102,8 +129,10 @@ def _blockwise_forward(q5, k, v, q_slots, kv_valid, bq, bk):
         out, lse = bufs
         qi = jax.lax.dynamic_slice_in_dim(q5, i * bq, bq, axis=1)
         pos_i = jax.lax.dynamic_slice_in_dim(q_slots, i * bq, bq)
-        # Key blocks that start after this block's last query slot are fully masked.
+        # Key blocks that start after this block's last query slot are fully masked, and in
+        # packed rows so are those that end before its first query's segment starts.
         n_needed = jnp.minimum(n_kb, pos_i[-1] // bk + 1)
+        first_kb = 0 if segments is None else segments[2][i * bq] // bk
 
         def k_step(j, carry):
             m, l, acc = carry
@@ -112,7 +141,7 @@ def _blockwise_forward(q5, k, v, q_slots, kv_valid, bq, bk):
             valid_j = jax.lax.dynamic_slice_in_dim(kv_valid, j * bk, bk, axis=1)
             s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj,
                            preferred_element_type=jnp.float32) * scale
-            allowed = _tile_allowed(valid_j, pos_i, j, bk)
+            allowed = _tile_allowed(valid_j, pos_i, j, bk, _tile_segments(segments, i, bq, j, bk))
             s = jnp.where(allowed, s, _NEG)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)
@@ -125,7 +154,7 @@ def _blockwise_forward(q5, k, v, q_slots, kv_valid, bq, bk):
         init = (jnp.full((b, nkv, g, bq), _NEG, jnp.float32),
                 jnp.zeros((b, nkv, g, bq), jnp.float32),
                 jnp.zeros((b, nkv, g, bq, d), jnp.float32))
-        m, l, acc = jax.lax.fori_loop(0, n_needed, k_step, init)
+        m, l, acc = jax.lax.fori_loop(first_kb, n_needed, k_step, init)
         seen = l > 0
         out_i = acc / jnp.where(seen, l, 1.0)[..., None]
         lse_i = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
@@ -138,7 +167,7 @@ def _blockwise_forward(q5, k, v, q_slots, kv_valid, bq, bk):
     return jax.lax.fori_loop(0, n_qb, q_block, bufs)
 
 
-def _blockwise_backward(q5, k, v, q_slots, kv_valid, out, lse, d_out, bq, bk):
+def _blockwise_backward(q5, k, v, q_slots, kv_valid, segments, out, lse, d_out, bq, bk):
     """Gradients for padded inputs; key blocks outer, query blocks inner, dq accumulated."""
     b, tp, nkv, g, d = q5.shape
     sp = k.shape[1]
@@ -147,14 +176,17 @@ def _blockwise_backward(q5, k, v, q_slots, kv_valid, out, lse, d_out, bq, bk):
     # delta_t = sum_d dO * O: the softmax backward's row term, computed once.
     delta = jnp.einsum("bqkgd,bqkgd->bkgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
     block_last_slot = q_slots[bq - 1::bq]                               # [n_qb]
+    block_first_start = None if segments is None else segments[2][::bq]  # [n_qb]
 
     def k_block(j, grads):
         dq, dk, dv = grads
         kj = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)
         vj = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
         valid_j = jax.lax.dynamic_slice_in_dim(kv_valid, j * bk, bk, axis=1)
-        # Query blocks whose last slot precedes this key block cannot see any of it.
+        # Query blocks whose last slot precedes this key block cannot see any of it, nor (packed
+        # rows) those whose first query's segment starts after the block's last key.
         first = jnp.sum(block_last_slot < j * bk).astype(jnp.int32)
+        stop = n_qb if segments is None else jnp.sum(block_first_start <= (j + 1) * bk - 1).astype(jnp.int32)
 
         def q_step(i, carry):
             dq, dkj, dvj = carry
@@ -165,7 +197,7 @@ def _blockwise_backward(q5, k, v, q_slots, kv_valid, out, lse, d_out, bq, bk):
             delta_i = jax.lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
             s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj,
                            preferred_element_type=jnp.float32) * scale
-            allowed = _tile_allowed(valid_j, pos_i, j, bk)
+            allowed = _tile_allowed(valid_j, pos_i, j, bk, _tile_segments(segments, i, bq, j, bk))
             p = jnp.where(allowed, jnp.exp(s - lse_i[..., None]), 0.0)
             dvj = dvj + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(doi.dtype), doi,
                                    preferred_element_type=jnp.float32)
@@ -180,7 +212,7 @@ def _blockwise_backward(q5, k, v, q_slots, kv_valid, out, lse, d_out, bq, bk):
             return dq, dkj, dvj
 
         zeros_kv = jnp.zeros((b, bk, nkv, d), jnp.float32)
-        dq, dkj, dvj = jax.lax.fori_loop(first, n_qb, q_step, (dq, zeros_kv, zeros_kv))
+        dq, dkj, dvj = jax.lax.fori_loop(first, stop, q_step, (dq, zeros_kv, zeros_kv))
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dkj, j * bk, axis=1)
         dv = jax.lax.dynamic_update_slice_in_dim(dv, dvj, j * bk, axis=1)
         return dq, dk, dv
@@ -190,7 +222,7 @@ def _blockwise_backward(q5, k, v, q_slots, kv_valid, out, lse, d_out, bq, bk):
     return jax.lax.fori_loop(0, n_kb, k_block, grads)
 
 
-def _pad_inputs(q, k, v, q_slots, kv_valid, block_q, block_k):
+def _pad_inputs(q, k, v, q_slots, kv_valid, segments, block_q, block_k):
     b, t, nq, d = q.shape
     s, nkv = k.shape[1], k.shape[2]
     bq, bk = min(block_q, t), min(block_k, s)
@@ -200,43 +232,66 @@ def _pad_inputs(q, k, v, q_slots, kv_valid, block_q, block_k):
     # sliced off.  Padded keys are invalid.
     q_slots = jnp.concatenate([q_slots.astype(jnp.int32),
                                jnp.broadcast_to(q_slots[-1].astype(jnp.int32), (tp - t,))])
+    if segments is not None:   # padded queries and keys sit in segment -1, seen by no real query
+        q_seg, kv_seg, q_start = segments
+        q_start = jnp.concatenate([q_start, jnp.broadcast_to(q_start[-1], (tp - t,))])
+        segments = (_pad_axis(q_seg, 1, tp, -1), _pad_axis(kv_seg, 1, sp, -1), q_start)
     return (q5, _pad_axis(k, 1, sp), _pad_axis(v, 1, sp), q_slots,
-            _pad_axis(kv_valid.astype(jnp.bool_), 1, sp, False), bq, bk)
+            _pad_axis(kv_valid.astype(jnp.bool_), 1, sp, False), segments, bq, bk)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _blockwise(q, k, v, q_slots, kv_valid, block_q, block_k):
-    return _blockwise_fwd(q, k, v, q_slots, kv_valid, block_q, block_k)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _blockwise(q, k, v, q_slots, kv_valid, segments, block_q, block_k):
+    return _blockwise_fwd(q, k, v, q_slots, kv_valid, segments, block_q, block_k)[0]
 
 
-def _blockwise_fwd(q, k, v, q_slots, kv_valid, block_q, block_k):
+def _blockwise_fwd(q, k, v, q_slots, kv_valid, segments, block_q, block_k):
     b, t, nq, d = q.shape
-    q5, kp, vp, slots, valid, bq, bk = _pad_inputs(q, k, v, q_slots, kv_valid, block_q, block_k)
-    out, lse = _blockwise_forward(q5, kp, vp, slots, valid, bq, bk)
+    q5, kp, vp, slots, valid, segs, bq, bk = _pad_inputs(q, k, v, q_slots, kv_valid, segments,
+                                                         block_q, block_k)
+    out, lse = _blockwise_forward(q5, kp, vp, slots, valid, segs, bq, bk)
     result = out[:, :t].reshape(b, t, nq, d)
-    return result, (q, k, v, q_slots, kv_valid, out, lse)
+    return result, (q, k, v, q_slots, kv_valid, segments, out, lse)
 
 
 def _blockwise_bwd(block_q, block_k, residuals, d_result):
-    q, k, v, q_slots, kv_valid, out, lse = residuals
+    q, k, v, q_slots, kv_valid, segments, out, lse = residuals
     b, t, nq, d = q.shape
-    q5, kp, vp, slots, valid, bq, bk = _pad_inputs(q, k, v, q_slots, kv_valid, block_q, block_k)
+    q5, kp, vp, slots, valid, segs, bq, bk = _pad_inputs(q, k, v, q_slots, kv_valid, segments,
+                                                         block_q, block_k)
     d_out = _pad_axis(d_result.reshape(q5.shape[:1] + (t,) + q5.shape[2:]), 1, q5.shape[1])
-    dq, dk, dv = _blockwise_backward(q5, kp, vp, slots, valid, out, lse,
+    dq, dk, dv = _blockwise_backward(q5, kp, vp, slots, valid, segs, out, lse,
                                      d_out.astype(q.dtype), bq, bk)
     s = k.shape[1]
+    no_grad = None if segments is None else (None, None, None)
     return (dq[:, :t].reshape(q.shape).astype(q.dtype), dk[:, :s].astype(k.dtype),
-            dv[:, :s].astype(v.dtype), None, None)
+            dv[:, :s].astype(v.dtype), None, None, no_grad)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def segment_starts(segments: jax.Array) -> jax.Array:
+    """[B, S] the first slot of each slot's segment (segments: contiguous runs of one id)."""
+    slot = jnp.broadcast_to(jnp.arange(segments.shape[1], dtype=jnp.int32), segments.shape)
+    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]],
+                             axis=1)
+    return jax.lax.cummax(jnp.where(starts, slot, 0), axis=1)
+
+
+def _query_segment_starts(mask: AttentionMask) -> jax.Array:
+    """[T] the first slot of each query's segment, least over the batch rows: it never
+    decreases along T (the loops' block bounds rely on that)."""
+    return jnp.take(segment_starts(mask.segments), mask.q_slots, axis=1).min(axis=0).astype(jnp.int32)
 
 
 def attend_blockwise(q, k, v, mask: AttentionMask, block_q: int = 512, block_k: int = 512):
     """Flash-style GQA attention: O(T) memory forward and backward (see module docstring)."""
     if block_q <= 0 or block_k <= 0:
         raise ValueError(f"attention blocks must be positive, got {block_q}, {block_k}")
-    return _blockwise(q, k, v, mask.q_slots, mask.kv_valid, int(block_q), int(block_k))
+    segments = None if mask.segments is None else (mask.query_segments(), mask.segments,
+                                                   _query_segment_starts(mask))
+    return _blockwise(q, k, v, mask.q_slots, mask.kv_valid, segments, int(block_q), int(block_k))
 
 
 # ---------------------------------------------------------------------- cuDNN
@@ -274,6 +329,8 @@ def attend(q, k, v, mask, implementation: str = "blockwise",
         return attend_einsum(q, k, v, mask)
     if implementation == "blockwise":
         return attend_blockwise(q, k, v, mask, block_q, block_k)
-    if implementation == "cudnn":
+    if implementation == "cudnn":   # no segment ids in cuDNN's API: packed rows go blockwise
+        if mask.segments is not None:
+            return attend_blockwise(q, k, v, mask, block_q, block_k)
         return attend_cudnn(q, k, v, mask)
     raise ValueError(f"unknown attention implementation {implementation!r}")

@@ -286,7 +286,9 @@ class Decoder(nnx.Module):
     """Causal LM: ``model(input_ids, positions, attention_mask=None, cache=None)``.
 
     - ``input_ids``, ``positions``: int32 [B, T]. ``attention_mask``: bool [B, T], True on real
-      tokens (pads may be on the left or the right); None means all real.
+      tokens (pads may be on the left or the right); None means all real. Or int32 [B, T]
+      segment ids of packed rows (0 on pads; ``positions`` restart at each segment, see
+      kv_cache.prefill_positions), so no token attends across samples.
     - Returns float32 logits [B, T, V]; with a ``KVCache`` returns ``(logits, new_cache)``
       (see ``kv_cache.py`` for the cache contract).
     - ``hidden_states(...)`` returns the final-normed hidden [B, T, H] (compute dtype) and
@@ -319,6 +321,10 @@ class Decoder(nnx.Module):
         b, t = input_ids.shape
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), jnp.bool_)
+        # an integer mask holds packed rows' segment ids (0 on pads): attention stays inside one
+        segments = None if attention_mask.dtype == jnp.bool_ else attention_mask.astype(jnp.int32)
+        if segments is not None and cache is not None:
+            raise ValueError("hidden_states: packed rows (segment ids) are for the no-cache forward")
         attention_mask = attention_mask.astype(jnp.bool_)
         # Gather the table over fsdp first (as for every FSDP weight), keeping vocab sharded:
         # a lookup into a table sharded on both axes makes the partitioner replicate it.
@@ -328,7 +334,7 @@ class Decoder(nnx.Module):
         cos, sin = rope_cos_sin(cfg, positions)
 
         if cache is None:
-            mask = AttentionMask(jnp.arange(t, dtype=jnp.int32), attention_mask)
+            mask = AttentionMask(jnp.arange(t, dtype=jnp.int32), attention_mask, segments)
             policy = cfg.layer_remat_policy
             if cfg.scan_layers:
                 x = self._scan_layers(x, cos, sin, mask, policy, lora_dropout)

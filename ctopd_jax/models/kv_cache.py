@@ -55,6 +55,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ctopd_jax.models.attention import segment_starts
 from ctopd_jax.models.config import DTYPES, ModelConfig
 
 
@@ -121,5 +122,11 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
 
 
 def prefill_positions(attention_mask: jax.Array) -> jax.Array:
-    """RoPE positions for a (left- or right-) padded prompt batch: 0, 1, ... over real tokens."""
-    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+    """RoPE positions for a (left- or right-) padded prompt batch: 0, 1, ... over real tokens.
+    An integer mask holds packed rows' segment ids (contiguous runs, 0 on pads): positions
+    restart at 0 where each segment starts."""
+    if attention_mask.dtype == jnp.bool_:
+        return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+    seg = attention_mask.astype(jnp.int32)
+    slot = jnp.arange(seg.shape[1], dtype=jnp.int32)[None]
+    return jnp.where(seg > 0, slot - segment_starts(seg), 0)

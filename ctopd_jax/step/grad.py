@@ -114,8 +114,17 @@ def make_apply_update(tx: optax.GradientTransformation, schedule, donate: bool =
     return jax.jit(apply_update, donate_argnums=(0, 1) if donate else ())
 
 
+def _local(x):
+    """This process's copy of a (possibly globally sharded, replicated) array."""
+    return x.addressable_data(0) if isinstance(x, jax.Array) and not x.is_fully_addressable else x
+
+
 def scalar(x: Any) -> float:
     """Host float of a (possibly globally sharded, replicated) scalar array."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_data(0)
-    return float(jax.device_get(x))
+    return float(jax.device_get(_local(x)))
+
+
+def host_floats(tree):
+    """`tree` with every (replicated) scalar array as a host float, in one transfer: the loop
+    keeps an iteration's sums on the device and fetches them here once, at its end."""
+    return jax.tree.map(float, jax.device_get(jax.tree.map(_local, tree)))

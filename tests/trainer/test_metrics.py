@@ -2,6 +2,7 @@
 based progress when redirected; plot writes readable, labelled PNGs."""
 import io
 import json
+import threading
 import time
 
 import matplotlib.image as mpimg
@@ -35,7 +36,8 @@ def test_jsonl_tensorboard_and_resume_truncation(tmp_path):
 def test_timer_accumulates_phases(monkeypatch):
     import ctopd_jax.metrics as metrics_module
 
-    clock = iter([10.0, 10.5, 20.0, 20.25, 30.0, 32.0])  # start/stop pairs of three phases
+    # the timer's creation, start/stop pairs of three phases, the end of the step
+    clock = iter([10.0, 10.0, 10.5, 20.0, 20.25, 30.0, 32.0, 33.0])
     monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: next(clock))
     timer = StepTimer()
     for _ in range(2):
@@ -44,7 +46,51 @@ def test_timer_accumulates_phases(monkeypatch):
     with timer("rollout"):
         pass
     assert timer.as_metrics() == {"time_align": 0.75, "time_rollout": 2.0, "time_total": 2.75,
-                                  "time_compile": 0.0}
+                                  "time_wall": 23.0, "time_other": 20.25, "time_compile": 0.0}
+
+
+class _Work:
+    """Device work stand-in: ready once `done` is set (what jax.block_until_ready waits on)."""
+
+    def __init__(self):
+        self.done = threading.Event()
+
+    def block_until_ready(self):
+        self.done.wait()
+        return self
+
+
+def test_timer_device_phase_ends_with_its_work_and_phases_partition_the_wall(monkeypatch):
+    import ctopd_jax.metrics as metrics_module
+
+    # creation; rollout 0–1; student dispatch 1–1.1; prepare 1.2–2 (while the device works);
+    # the student's device work is seen done at 3; the step ends at 3.5
+    clock = iter([0.0, 0.0, 1.0, 1.0, 1.1, 1.2, 2.0, 3.0, 3.5])
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: next(clock))
+    timer, work = StepTimer(), _Work()
+    with timer("rollout"):
+        pass
+    with timer("student") as since:
+        pass
+    timer.device("student", work, since)
+    with timer("prepare"):
+        pass
+    work.done.set()
+    m = timer.as_metrics()
+    # the student phase runs from its dispatch to the end of its device work; the host's
+    # prepare lay under it and costs nothing; what is left of the wall is time_other
+    assert m["time_rollout"] == 1.0 and m["time_student"] == 2.0 and m["time_prepare"] == 0.0
+    assert (m["time_total"], m["time_wall"], m["time_other"]) == (3.0, 3.5, 0.5)
+
+
+def test_timer_device_programs_run_one_after_another():
+    timer = StepTimer()
+    timer._device = [("teacher", 0.0, 2.0), ("student", 1.0, 3.0), ("student", 5.0, 6.0)]
+    timer._host = [("prepare", 1.5, 4.0)]
+    timer._settle()
+    # the second program starts when the first ends (2, not its dispatch at 1); the host's
+    # prepare keeps only 3–4, when the device was idle
+    assert timer.seconds == {"teacher": 2.0, "student": 2.0, "prepare": 1.0}
 
 
 def test_timer_counts_the_compiles_inside_its_iteration():

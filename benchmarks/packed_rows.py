@@ -1,0 +1,190 @@
+"""Packed rows against one row per sample: the student + teacher passes of one optimizer batch
+(the trainer's own micro-batch step: prepare, teacher rows, student gradient), tokens/s and
+padding fraction, on the same samples in the same run; and compile-only peak memory of the
+student gradient at the seed config's shapes.
+
+    python benchmarks/packed_rows.py [--workloads demo,long_tail] [--repeats 2] [--memory]
+
+Workloads:
+- demo: one rollout batch of the demo recipe's `strict` run (the demo cross-tokenizer pair,
+  demo.compare.write_config), collected once by the demo student;
+- long_tail: 64 synthetic samples on the tiny random pair (tests/trainer/conftest.py's models),
+  lengths 16..1,024 drawn from a long tail (a math-reasoning run at small scale: most responses
+  short, a few near the limit), ordered longest first as host.sort_by_length orders a batch.
+
+Unpacked: `optimizer.micro_batch_size` samples per micro-batch, each in its own row padded to
+the micro-batch's length bucket (pack.py). Packed: consecutive samples within
+`optimizer.micro_batch_tokens` student tokens, one row per side (algorithms/packing.py).
+Padding fraction: pad slots ÷ all slots over both models' passes. Seconds: the best of
+`--repeats` timed passes over the batch after one untimed pass (compilation).
+
+--memory: XLA's temporary bytes of d(hidden states)/d(params) for the seed config's student
+(configs/single_gpu_full_workload.yaml: Llama-3.2-3B shapes, bf16, scan + full remat, blockwise
+attention) at [micro_batch_size 2, 10,240] against one packed row of 20,480 (compile only).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def demo_workload(out: Path):
+    from ctopd_jax.config import load_config
+    from ctopd_jax.demo.compare import write_config
+
+    config = load_config(write_config("strict", out / "configs"), [
+        f"output_dir={out / 'demo'}", "evaluation.dataset=", "logging.tensorboard=false",
+        "rollout.rollout_batch_size=64", "optimizer.train_batch_size=64", "optimizer.micro_batch_size=8"])
+    return config, None
+
+
+def long_tail_workload(out: Path):
+    sys.path.insert(0, str(ROOT / "tests" / "trainer"))
+    from conftest import tiny_tree
+    from ctopd_jax.config import from_dict
+
+    tree = tiny_tree(out / "long_tail", **{"rollout.rollout_batch_size": 64, "rollout.n_samples_per_prompt": 1,
+                                            "optimizer.train_batch_size": 64, "optimizer.micro_batch_size": 8})
+    tree["algorithm"] = {"name": "strict", "chunked_loss_size": 1024}
+    tree["model"]["attention"] = "blockwise"
+    return from_dict(tree), long_tail_host
+
+
+def long_tail_host(trainer, n: int = 64, seed: int = 0):
+    """`n` samples, lengths 16 + 1,008 · u⁴ (median ~80, a few near 1,024), both sides, with a
+    strict pair at every third response position; longest first."""
+    import numpy as np
+
+    from ctopd_jax.host import HostBatch
+
+    rng = np.random.default_rng(seed)
+    lengths = np.sort(16 + (1008 * rng.uniform(size=n) ** 4).astype(int))[::-1]
+    width, prompt = int(lengths.max()), 8
+
+    def side(vocab):
+        ids = np.zeros((n, width), np.int32)
+        mask = np.arange(width)[None] < lengths[:, None]
+        ids[mask] = rng.integers(1, vocab, int(mask.sum()))
+        loss_mask = (np.arange(width)[None] >= prompt - 1) & (np.arange(width)[None] < lengths[:, None] - 1)
+        labels = np.concatenate([ids[:, 1:], np.zeros((n, 1), np.int32)], axis=1)
+        return SimpleNamespace(input_ids=ids, attention_mask=mask, loss_mask=loss_mask, labels=labels,
+                               seq_len=width, batch_size=n, response_lens=lengths - prompt)
+
+    overlap = trainer.default_parts.overlap
+    s, t = side(overlap.student_vocab_size), side(overlap.teacher_vocab_size)
+    sample, pos = np.nonzero(s.loss_mask & (np.arange(width)[None] % 3 == 0))
+    rows = sample * width + pos
+    return HostBatch(s, t, SimpleNamespace(pair_sample=sample, student_rows=rows, teacher_rows=rows,
+                                           num_pairs=len(rows)), None, [], [])
+
+
+def passes(trainer, host, tokens: int, repeats: int):
+    """(seconds, padding fraction, micro-batches) of the batch's passes at micro_batch_tokens."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from ctopd_jax.algorithms.packing import pack_rows
+    from ctopd_jax.metrics import StepTimer
+    from ctopd_jax.step.grad import zero_grads
+
+    c = trainer.config
+    trainer.config = dataclasses.replace(c, optimizer=dataclasses.replace(c.optimizer, micro_batch_tokens=tokens))
+    ranges = trainer.micro_ranges(host, 0, host.size)
+    teacher = trainer.default_parts
+    real = slots = 0
+    for start, stop in ranges:
+        arrays = trainer.objective.prepare(host, start, stop)
+        if trainer.packing:
+            arrays = pack_rows(arrays, trainer.objective.packed_rows, tokens)
+        for side in ("student", "teacher"):
+            real += int((arrays[f"{side}_mask"] > 0).sum())
+            slots += arrays[f"{side}_mask"].size
+
+    def run():
+        grads, total = zero_grads(trainer.params), host.tokens(0, host.size)
+        for start, stop in ranges:
+            _, _, _, grads = trainer.micro_batch(teacher, host, start, stop, total, 1, grads, StepTimer(),
+                                                 None, trainer.packing)
+        jax.block_until_ready(grads)
+
+    run()   # compiles every shape of this batch
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - began)
+    trainer.config = c
+    return best, 1.0 - real / slots, len(ranges)
+
+
+def compare(name: str, make, budget: int, repeats: int) -> None:
+    from ctopd_jax import teacher_batches
+    from ctopd_jax.metrics import StepTimer
+    from ctopd_jax.trainer import Trainer
+
+    out = Path(tempfile.mkdtemp(prefix=f"packed_rows_{name}_"))
+    config, synthetic = make(out)
+    trainer = Trainer(config)
+    if synthetic is None:
+        host, = teacher_batches.collect(trainer.teachers, config, trainer.objective, trainer.stream.next_batch(),
+                                        config.seed, StepTimer(), 0).values()
+    else:
+        host = synthetic(trainer)
+    lengths = host.student.attention_mask.sum(axis=1)
+    tokens = host.tokens(0, host.size)
+    print(f"{name}: {host.size} samples, student lengths {lengths.min()}..{lengths.max()} "
+          f"(median {int(sorted(lengths)[len(lengths) // 2])}), {tokens:.0f} response tokens", flush=True)
+    unpacked = passes(trainer, host, 0, repeats)
+    packed = passes(trainer, host, budget, repeats)
+    for label, (seconds, padding, micro) in (("unpacked", unpacked), (f"packed {budget}", packed)):
+        print(f"  {label:<14} {micro:3d} micro-batches  {seconds:7.3f} s  {tokens / seconds:9.1f} "
+              f"response tokens/s  padding {100 * padding:5.1f} %", flush=True)
+    print(f"  packed / unpacked tokens/s: {unpacked[0] / packed[0]:.2f}x", flush=True)
+
+
+def memory() -> None:
+    from ctopd_jax.models.config import llama3_2_3b
+    from ctopd_jax.models.memory_probe import student_grad_temp_bytes
+
+    # the seed config's model section (its checkpoint is Llama-3.2-3B-Instruct)
+    cfg = llama3_2_3b(dtype="bfloat16", param_dtype="float32", scan_layers=True, remat_policy="full",
+                      mlp_chunk=1024, attention="blockwise")
+    # the seed's micro-batch (2 x 10,240) and, at its budget of 20,480 tokens, packed micro-batches
+    # of full-length samples (2 rows of 10,240) and of 2,048-token ones (10 rows of 2,048)
+    unpacked = student_grad_temp_bytes(cfg, 2, 10240)
+    print(f"seed student gradient, compile-only temporaries: [2, 10240] one row per sample "
+          f"{unpacked / 2**30:.2f} GiB", flush=True)
+    for rows, width in ((2, 10240), (10, 2048)):
+        packed = student_grad_temp_bytes(cfg, rows, width, packed=True)
+        print(f"  packed [{rows}, {width}]: {packed / 2**30:.2f} GiB (ratio {packed / unpacked:.2f})", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default="demo,long_tail")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--budget", type=int, default=2048, help="optimizer.micro_batch_tokens of the packed runs")
+    p.add_argument("--memory", action="store_true")
+    args = p.parse_args()
+    import jax
+    print(f"jax {jax.__version__} {jax.default_backend()} x{jax.device_count()}, {os.cpu_count()} cpus", flush=True)
+    makers = {"demo": demo_workload, "long_tail": long_tail_workload}
+    for name in [w for w in args.workloads.split(",") if w]:
+        compare(name, makers[name], args.budget, args.repeats)
+    if args.memory:
+        memory()
+
+
+if __name__ == "__main__":
+    main()

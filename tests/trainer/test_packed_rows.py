@@ -1,0 +1,213 @@
+"""Packed rows against one row per sample: the same samples of a collected batch, through the
+trainer's own micro-batch step (prepare, teacher rows, student gradient), give the same loss
+and gradient (fp32, 1e-6 relative) for every objective that declares packed_rows; the ones that
+cannot pack say so and keep one row per sample. The oracle is the unpacked step (each sample in
+a right-padded row of its own), which the objective tests check against their references.
+
+Pairs: the tiny random cross-tokenizer pair (tests/trainer/conftest.py) and the demo's char
+pair (configs/tiny_cpu_same.yaml) for the same-tokenizer objectives; the demo's cross-tokenizer
+pair and a long-tail synthetic batch run in the slow suite."""
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from ctopd_jax import teacher_batches
+from ctopd_jax.algorithms import registry
+from ctopd_jax.algorithms.packing import PackingError, micro_ranges, pack_rows
+from ctopd_jax.config import from_dict, load_config
+from ctopd_jax.metrics import StepTimer
+from ctopd_jax.step.grad import zero_grads
+from ctopd_jax.trainer import Trainer
+
+from conftest import tiny_tree
+
+SAME = ("opd", "opd_full", "opd2", "gkd", "vopd", "sod", "sage_opd", "tcod")
+CROSS = ("strict", "topk_strict", "span", "simct", "mp_opd")
+SERVED = ("teacher_topk_strict", "topk_gkd")   # need a served teacher: test_served_teacher_training
+
+
+def test_every_registered_objective_is_covered_here():
+    assert set(registry()) == set(SAME + CROSS + SERVED)
+
+
+def trainer_for(name, tmp_path, *extra, budget=512):
+    """A trainer whose packed micro-batch of 7 samples spreads over several rows of the budget."""
+    if name in SAME:
+        config = load_config("configs/tiny_cpu_same.yaml", [
+            f"algorithm.name={name}", f"output_dir={tmp_path / name}", "rollout.rollout_batch_size=7",
+            "optimizer.train_batch_size=7", "optimizer.micro_batch_size=7", "evaluation.dataset=",
+            f"optimizer.micro_batch_tokens={budget}", "rollout.generate_max_len=24",
+            "logging.tensorboard=false", *extra])
+        return Trainer(config)
+    tree = tiny_tree(tmp_path / name, **{"rollout.rollout_batch_size": 7, "rollout.n_samples_per_prompt": 1,
+                                          "optimizer.train_batch_size": 7, "optimizer.micro_batch_size": 7,
+                                          "optimizer.micro_batch_tokens": budget})
+    tree["algorithm"] = {"name": name, "chunked_loss_size": 64}
+    for item in extra:
+        key, value = item.split("=", 1)
+        tree["algorithm"][key.split(".", 1)[1]] = yaml.safe_load(value)
+    return Trainer(from_dict(tree))
+
+
+def loss_and_grads(trainer, host, packed):
+    """The step of samples [0, 7) as one micro-batch (7 does not divide over the 8 test devices,
+    so it is one unit and packs into one row per side)."""
+    name = next(iter(trainer.teachers))
+    loss, _, _, grads = trainer.micro_batch(trainer.teachers[name], host, 0, host.size,
+                                            host.tokens(0, host.size), 1, zero_grads(trainer.params),
+                                            StepTimer(), None, packed)
+    return float(loss), jax.tree.leaves(jax.device_get(grads))
+
+
+def assert_same(trainer):
+    host, = teacher_batches.collect(trainer.teachers, trainer.config, trainer.objective,
+                                    trainer.stream.next_batch(), 5, StepTimer(), 0).values()
+    assert host.size == 7
+    ref_loss, ref = loss_and_grads(trainer, host, packed=False)
+    got_loss, got = loss_and_grads(trainer, host, packed=True)
+    assert_close(got_loss, ref_loss, got, ref)
+
+
+def assert_close(got_loss, ref_loss, got, ref):
+    """Loss and gradient (as one vector) equal to 1e-6 relative."""
+    assert ref_loss != 0.0
+    assert abs(got_loss - ref_loss) <= 1e-6 * abs(ref_loss)
+    norm = np.sqrt(sum(float(np.sum(np.square(r, dtype=np.float64))) for r in ref))
+    diff = np.sqrt(sum(float(np.sum(np.square(g - r, dtype=np.float64))) for g, r in zip(got, ref)))
+    assert norm > 0 and diff <= 1e-6 * norm, (diff, norm)
+
+
+slow = pytest.mark.slow   # ~10-20 s each on 2 cores: one per pair stays in the default suite
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("strict", ()), pytest.param("topk_strict", ("algorithm.ctkd_topk=8",), marks=slow),
+    pytest.param("span", (), marks=slow), pytest.param("simct", (), marks=slow),
+    pytest.param("mp_opd", ("algorithm.mp_opd_mode=atomic",), marks=slow),
+    ("opd", ()), pytest.param("opd_full", (), marks=slow), pytest.param("opd2", (), marks=slow),
+    pytest.param("gkd", (), marks=slow), pytest.param("vopd", (), marks=slow),
+    pytest.param("sod", (), marks=slow),
+    pytest.param("sage_opd", ("algorithm.sage_judge=proxy", "algorithm.sage_proxy_skip_above=1.0"), marks=slow),
+    pytest.param("tcod", (), marks=slow)])
+def test_packed_rows_give_the_unpacked_loss_and_gradient(tmp_path, name, extra):
+    trainer = trainer_for(name, tmp_path, *extra)
+    assert trainer.objective.packed_rows is not None
+    assert_same(trainer)
+
+
+def test_an_objective_that_cannot_pack_falls_back_alone(tmp_path):
+    trainer = trainer_for("mp_opd", tmp_path, "algorithm.mp_opd_mode=grass_chunk")
+    assert trainer.objective.packed_rows is None
+    assert not trainer.packing
+
+
+def test_an_undeclared_row_array_is_refused():
+    arrays = {"student_ids": np.ones((2, 4), np.int32), "student_mask": np.ones((2, 4), bool),
+              "response_rows": np.zeros(3, np.int32), "other_rows": np.zeros(3, np.int32)}
+    with pytest.raises(PackingError, match="other_rows"):
+        pack_rows(arrays, {"response_rows": "student"}, 64)
+
+
+def test_rows_move_to_their_sample_in_the_packed_row():
+    """Samples of lengths 3, 1, 4 in rows of 64 -> one row: offsets 0, 3, 4 (hand-written)."""
+    mask = np.arange(64)[None] < np.array([3, 1, 4])[:, None]
+    ids = np.where(mask, np.arange(1, 193).reshape(3, 64), 0).astype(np.int32)
+    out = pack_rows({"student_ids": ids, "student_mask": mask,
+                     "response_rows": np.array([1, 64, 128, 131], np.int32)}, {"response_rows": "student"}, 64)
+    assert out["student_ids"].shape == (1, 64)
+    assert out["student_ids"][0, :9].tolist() == [1, 2, 3, 65, 129, 130, 131, 132, 0]
+    assert out["student_mask"][0, :9].tolist() == [1, 1, 1, 2, 3, 3, 3, 3, 0]
+    assert out["response_rows"].tolist() == [1, 3, 4, 7]
+    with pytest.raises(PackingError, match="past its sample"):
+        pack_rows({"student_ids": ids, "student_mask": mask, "response_rows": np.array([65])},
+                  {"response_rows": "student"}, 64)
+
+
+def test_samples_go_first_fit_into_rows_of_their_bucket():
+    """Lengths 40, 30, 20 (bucket 64), budget 128: two rows; 40 -> row 0, 30 does not fit
+    beside it -> row 1, 20 fits after the 40 -> row 0 at 40 (hand-written)."""
+    mask = np.arange(64)[None] < np.array([40, 30, 20])[:, None]
+    ids = np.where(mask, 7, 0).astype(np.int32)
+    rows = np.array([0, 39, 64, 64 + 29, 128, 128 + 19], np.int32)   # first and last of each
+    out = pack_rows({"student_ids": ids, "student_mask": mask, "response_rows": rows},
+                    {"response_rows": "student"}, 128)
+    assert out["student_mask"].shape == (2, 64)
+    assert out["response_rows"].tolist() == [0, 39, 64, 64 + 29, 40, 59]
+    assert (out["student_mask"][0, :60] == np.repeat([1, 3], [40, 20])).all()
+    assert (out["student_mask"][1, :30] == 2).all() and not out["student_mask"][1, 30:].any()
+    assert micro_ranges(np.array([[40, 40], [30, 30], [20, 20], [50, 10]]), 10, 128, (64, 64)) == [
+        (10, 13), (13, 14)]
+
+
+def long_tail_host(rng, n, longest, s_vocab, t_vocab):
+    """A synthetic batch of `n` samples, lengths log-uniform over 8..`longest` on both sides,
+    random strict pairs (test_student_step's hand-made host batch layout)."""
+    from types import SimpleNamespace
+
+    from test_student_step import side
+    from ctopd_jax.host import HostBatch
+
+    lengths = np.exp(rng.uniform(np.log(8), np.log(longest), n)).astype(int)
+    width = int(lengths.max()) + 8
+    s_seqs, t_seqs, prompts, pairs = [], [], [], []
+    for i, length in enumerate(lengths):
+        prompt = int(rng.integers(2, 6))
+        s_seqs.append(rng.integers(1, s_vocab, length))
+        t_seqs.append(rng.integers(1, t_vocab, int(length) + int(rng.integers(0, 8))))
+        prompts.append(prompt)
+        k = int(rng.integers(1, length - prompt))
+        pairs.append((np.full(k, i), i * width + prompt - 1 + np.sort(rng.choice(length - prompt, k, replace=False)),
+                      i * width + prompt - 1 + np.sort(rng.choice(length - prompt, k, replace=False))))
+    s, t = side(s_seqs, prompts, width), side(t_seqs, prompts, width)
+    sample, s_rows, t_rows = (np.concatenate(x) for x in zip(*pairs))
+    return HostBatch(s, t, SimpleNamespace(pair_sample=sample, student_rows=s_rows, teacher_rows=t_rows),
+                     None, [], [])
+
+
+@pytest.mark.parametrize("longest", [256, pytest.param(2048, marks=slow)])
+def test_a_long_tail_batch_packs_to_the_unpacked_loss_and_gradient(tmp_path, longest):
+    """Lengths spread 8..2,048 (8..256 in the default suite) in one micro-batch of 7."""
+    trainer = trainer_for("strict", tmp_path, budget=7 * 3072)
+    host = long_tail_host(np.random.default_rng(longest), 7, longest, 901, 800)
+    ref_loss, ref = loss_and_grads(trainer, host, packed=False)
+    got_loss, got = loss_and_grads(trainer, host, packed=True)
+    assert_close(got_loss, ref_loss, got, ref)
+
+
+class _StopAfterFirstStep:
+    """run_guard.SignalGuard's face: a stop requested at the first step boundary."""
+    signum = 15
+
+    def requested_everywhere(self):
+        return True
+
+
+@slow   # two tiny runs and a resume (~1-3 min on 2 cores)
+def test_a_checkpoint_resumes_bit_exactly_under_another_micro_batching(tmp_path):
+    """Step 1 one row per sample, checkpointed; resumed with packed micro-batches of 96 tokens,
+    step 2 ends bit-exactly where a run that switched micro-batching in memory ends."""
+    import dataclasses
+
+    from ctopd_jax.run_guard import Stopped
+
+    def config(out, tokens):
+        tree = tiny_tree(out, **{"steps": 2, "checkpoint.every": 1, "optimizer.micro_batch_tokens": tokens})
+        return from_dict(tree)
+
+    def state(trainer):
+        return jax.tree.leaves(jax.tree.map(np.asarray, trainer._state()))
+
+    straight = Trainer(config(tmp_path / "straight", 0))
+    straight.step(1, StepTimer())
+    straight.config = dataclasses.replace(straight.config, optimizer=dataclasses.replace(
+        straight.config.optimizer, micro_batch_tokens=96))
+    assert straight.packing
+    straight.step(2, StepTimer())
+
+    with pytest.raises(Stopped):
+        Trainer(config(tmp_path / "resumed", 0)).train(stop=_StopAfterFirstStep())
+    resumed = Trainer(config(tmp_path / "resumed", 96))
+    assert resumed.train(resume=True).final_step == 2
+    for a, b in zip(state(straight), state(resumed)):
+        np.testing.assert_array_equal(a, b)
