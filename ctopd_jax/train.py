@@ -89,13 +89,14 @@ def _main(argv: list[str]) -> int:
 
 
 def _train(config, pre, args, writer: bool) -> int:
-    if pre.config_changes and writer:
-        from ctopd_jax.resume_config import record_config_changes
+    def log_config_changes(step: int) -> None:
+        """After the restore: a checkpoint refused as another model's leaves the run as it was."""
+        if pre.config_changes and writer:
+            from ctopd_jax.resume_config import record_config_changes
 
-        path = record_config_changes(config.output_dir, pre.config_changes,
-                                     resumed_step=max(pre.checkpoint_steps))
-        print(f"resume: config changed ({', '.join(c.field for c in pre.config_changes)}); "
-              f"logged to {path}", file=sys.stderr, flush=True)
+            path = record_config_changes(config.output_dir, pre.config_changes, resumed_step=step)
+            print(f"resume: config changed ({', '.join(c.field for c in pre.config_changes)}); "
+                  f"logged to {path}", file=sys.stderr, flush=True)
 
     from ctopd_jax.run_guard import SIGNAL_NAMES, SignalGuard
     from ctopd_jax.trainer import Trainer, TrainingDiverged
@@ -106,7 +107,7 @@ def _train(config, pre, args, writer: bool) -> int:
         # cli.run prints its line); one after it lets the export and the plots finish
         # (nothing half-written), then the run exits
         with SignalGuard() as stop:
-            result = trainer.train(resume=args.resume, stop=stop)
+            result = trainer.train(resume=args.resume, stop=stop, on_resumed=log_config_changes)
             if writer:
                 from ctopd_jax.plot import plot_after_training
 

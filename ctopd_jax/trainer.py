@@ -244,9 +244,10 @@ class Trainer:
         self.engine.update_weights(self.student)
         return restored.step
 
-    def train(self, resume: bool = False, stop=None) -> TrainResult:
+    def train(self, resume: bool = False, stop=None, on_resumed=None) -> TrainResult:
         """Run to `steps`. `stop` (run_guard.SignalGuard): at each step boundary a requested stop
-        checkpoints the finished step and raises run_guard.Stopped."""
+        checkpoints the finished step and raises run_guard.Stopped. `on_resumed(step)` runs once
+        a checkpoint was restored (a refused restore writes nothing into the run)."""
         from ctopd_jax.run_guard import Stopped
 
         c = self.config
@@ -258,6 +259,8 @@ class Trainer:
             raise TrainerSetupError(f"{ck_dir} already holds checkpoints {checkpointer.steps()}; pass --resume "
                                     "to continue that run or choose another output_dir")
         start = self._resume(checkpointer) if resume else 0
+        if start and on_resumed is not None:
+            on_resumed(start)
         if self.is_writer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(c.to_json())

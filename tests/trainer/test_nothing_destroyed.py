@@ -72,9 +72,22 @@ def test_checkpoints_of_another_model_are_refused_and_left_as_they_were(request,
     line = error_line(capsys, code)
     assert "checkpoint step 2" in line and "left as it is" in line and detail in line, line
     assert not list(run.rglob("*.corrupt*"))
-    after = digest(run)
-    after.pop("config_changes.jsonl", None)   # the accepted change is logged, nothing else moves
-    assert after == before
+    assert digest(run) == before   # nothing written, not even the change log
+
+
+@pytest.mark.slow
+def test_an_accepted_change_is_logged_once_the_checkpoint_is_restored(trained, tmp_path):
+    """The other side of the refusal above: a change the checkpoint fits (steps 2 -> 3 under a
+    cosine schedule) is logged to config_changes.jsonl with the step actually restored."""
+    import json
+    cfg, source = trained
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    assert train.main(["--config", str(cfg), "--set", f"output_dir={run}", "--resume",
+                       "--allow-config-change", "--set", "steps=3"]) == 0
+    rows = [json.loads(x) for x in (run / "config_changes.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["resumed_from_step"] == 2
+    assert [c["field"] for c in rows[0]["changes"]] == ["output_dir", "steps"]   # the copy moved
 
 
 @pytest.mark.slow
