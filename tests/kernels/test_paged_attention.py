@@ -9,6 +9,8 @@ import pytest
 
 from ctopd_jax.kernels.paged_attention import api, pallas, reference, xla
 
+from gpu_target import abstract_gpu
+
 
 def _case(rng, rows=5, hq=4, hkv=2, d=16, page=8, pool=24, lengths=(1, 8, 9, 30, 0)):
     maxp = -(-max(lengths) // page) + 1
@@ -75,8 +77,9 @@ def test_pallas_lowers_for_cuda():
     # jax.export refuses Triton custom calls by default (no serialisation guarantee); the
     # check is lifted for this one target so the lowering itself is exercised.
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    exported = jax.export.export(jax.jit(pallas.decode_attention), platforms=["cuda"],
-                                 disabled_checks=[triton])(*shapes)
+    with abstract_gpu():
+        exported = jax.export.export(jax.jit(pallas.decode_attention), platforms=["cuda"],
+                                     disabled_checks=[triton])(*shapes)
     assert exported.platforms == ("cuda",)
     assert exported.out_avals[0].shape == (rows, hq, d)
     assert re.search(r"__gpu\$xla\.gpu\.triton", exported.mlir_module())

@@ -11,7 +11,6 @@ a GPU yet.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 
@@ -23,6 +22,8 @@ import pytest
 from ctopd_jax.kernels import api, pallas_common
 from ctopd_jax.kernels.strict_full import pallas as full_pallas
 from ctopd_jax.kernels.strict_topk import pallas as topk_pallas
+
+from gpu_target import abstract_gpu
 
 ROWS, SHARED = 2048, 109_567
 DIV_ITEMS = (("akl_alpha", 0.5), ("jsd_beta", 0.5), ("skl_lambda", 0.1))
@@ -60,21 +61,11 @@ def _lower_cuda_triton(make_fn, monkeypatch):
     monkeypatch.setenv("CTOPD_PALLAS_GPU_BACKEND", "triton")
     fn = make_fn()
     block = jax.ShapeDtypeStruct((ROWS, SHARED), jnp.float32)
-    with _abstract_gpu():
+    with abstract_gpu():
         lowered = jax.jit(fn).trace(block, block, jax.ShapeDtypeStruct((ROWS,), jnp.float32)
                                     ).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text and "mosaic_gpu" not in text
-
-
-def _abstract_gpu():
-    # jax >= 0.11 reads the GPU's compute capability during Triton lowering; with no GPU here
-    # it must be told which one to target (an abstract H200); jax 0.10 lowers without it.
-    if not hasattr(jax.sharding, "AbstractDevice"):
-        return contextlib.nullcontext()
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
-    return jax.sharding.use_abstract_mesh(
-        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200))
 
 
 @pytest.mark.parametrize("divergence", ["rkl", "jsd", "top1_ce"])

@@ -303,7 +303,7 @@ def test_train_refused_write_during_the_run_is_one_line(tmp_path, capsys, monkey
         def __init__(self, config, **kwargs):
             assert (run / ".run.lock").is_file()     # held while the run works
 
-        def train(self, resume=False, stop=None):
+        def train(self, resume=False, stop=None, on_resumed=None):
             raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(run / where))
     monkeypatch.setattr(trainer, "Trainer", RefusedWrite)
     err = run_case(capsys, f"refused_write_{code}", train.main,

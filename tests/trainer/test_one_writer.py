@@ -72,7 +72,7 @@ def test_the_run_holds_both_folders_while_it_works(tmp_path, capsys, monkeypatch
         def __init__(self, config, **kwargs):
             pass
 
-        def train(self, resume=False, stop=None):
+        def train(self, resume=False, stop=None, on_resumed=None):
             for name, folder in (("out", run), ("ck", ck)):
                 seen[name] = json.loads((folder / LOCK_NAME).read_text())["pid"]
             raise OSError(28, "No space left on device", str(ck / "1"))   # ends the run
