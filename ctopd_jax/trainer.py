@@ -39,8 +39,7 @@ from flax import nnx
 
 from ctopd_jax import build, host_offload, teacher_batches
 from ctopd_jax.build import TrainerSetupError  # noqa: F401  (re-exported for callers)
-from ctopd_jax.algorithms.pack import round_up
-from ctopd_jax.algorithms.packing import micro_ranges, pack_rows
+from ctopd_jax.algorithms.packing import host_micro_ranges, pack_rows
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig, default_teacher
 from ctopd_jax.evaluation import evaluate_during_training
@@ -172,9 +171,7 @@ class Trainer:
         o = self.config.optimizer
         if not self.packing:
             return [(a, min(a + o.micro_batch_size, last)) for a in range(first, last, o.micro_batch_size)]
-        sides = (host.student, host.teacher)
-        lengths = np.stack([side.attention_mask[first:last].sum(axis=1) for side in sides], 1)
-        return micro_ranges(lengths, first, o.micro_batch_tokens, [round_up(s.seq_len, 64) for s in sides])
+        return host_micro_ranges(host, first, last, o.micro_batch_tokens)
 
     def iteration(self, timer: StepTimer, rollout_index: int = 0) -> tuple[dict[str, Any], list[dict]]:
         o = self.config.optimizer

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ctopd_jax.algorithms.pack import length_bucket
+from ctopd_jax.algorithms.pack import length_bucket, round_up
 
 SIDES = ("student", "teacher")
 
@@ -71,6 +71,15 @@ def micro_ranges(lengths: np.ndarray, first: int, budget: int, caps) -> list[tup
             ranges.append((first + start, first + i))
             start = i
     return ranges
+
+
+def host_micro_ranges(host, first: int, last: int, budget: int) -> list[tuple[int, int]]:
+    """micro_ranges of samples [first, last) of a host batch: each side's real tokens, in rows
+    at most that side's padded length wide (its sequence length rounded up to 64, as the
+    objectives' arrays are)."""
+    sides = (host.student, host.teacher)
+    lengths = np.stack([side.attention_mask[first:last].sum(axis=1) for side in sides], 1)
+    return micro_ranges(lengths, first, budget, [round_up(side.seq_len, 64) for side in sides])
 
 
 def lengths_of(mask: np.ndarray) -> np.ndarray:
