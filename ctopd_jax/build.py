@@ -24,10 +24,8 @@ from flax import nnx
 
 from ctopd_jax import mesh as mesh_lib
 from ctopd_jax import sources
-
-
-class TrainerSetupError(ValueError):
-    """A model, tokenizer or data setting that cannot be used (raised before training)."""
+from ctopd_jax.mesh_arrays import allgather_objects, local_copy, replicated
+from ctopd_jax.setup_errors import TrainerSetupError
 
 
 def model_dir(spec: str) -> Path | None:
@@ -185,7 +183,7 @@ def load_teacher(view, name: str, objective, s_tok, mesh, seed: int, checked=Non
 
     model = served = None
     if view.teacher.served:   # its weights stay on the server: only its tokenizer is needed here
-        served = checked.served if checked is not None else \
+        served = checked.served if checked is not None and checked.served is not None else \
             start_served_teacher(view, served_teacher_model_config(view).vocab_size)
         t_tok = checked.tokenizer if checked is not None else \
             tokenizer_side(view.model.teacher, view.model.teacher_tokenizer, "teacher")
@@ -203,59 +201,6 @@ def load_teacher(view, name: str, objective, s_tok, mesh, seed: int, checked=Non
         graphdef, state = nnx.split(model)
         scoring = (graphdef, state, lm_head_of(graphdef, state))
     return TeacherParts(name, model, served, t_tok, overlap, arrays, None, scoring)
-
-
-def replicated(value: np.ndarray, mesh) -> jax.Array:
-    """Identical host data on every process -> one array replicated over the mesh."""
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
-
-
-def to_global(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
-    """Identical host arrays on every process -> global arrays (batch dim sharded when it divides)."""
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    out = {}
-    for key, value in batch.items():
-        if value.ndim >= 1 and value.shape[0] % shards == 0:
-            sharding = mesh_lib.batch_sharding(mesh, value.ndim)
-            out[key] = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
-        else:
-            out[key] = replicated(value, mesh)
-    return out
-
-
-def on_mesh(x, mesh):
-    """x itself when it already lives on a mesh sharding, else replicated over `mesh` (device to
-    device when this process holds all of x: a 25 GB optimizer state on one GPU took 24 s
-    through the host)."""
-    if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding):
-        return x
-    if isinstance(x, jax.Array) and x.is_fully_addressable:
-        return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    return replicated(np.asarray(jax.device_get(x)), mesh)
-
-
-def local_copy(module):
-    """A single-device copy of a (possibly multi-process sharded) module, for per-process work."""
-    from jax.experimental import multihost_utils
-
-    graphdef, state = nnx.split(module)
-    device = jax.local_devices()[0]
-    gathered = jax.tree.map(
-        lambda x: jax.device_put(np.asarray(multihost_utils.process_allgather(x, tiled=True)), device), state)
-    return nnx.merge(graphdef, gathered)
-
-
-def allgather_objects(obj) -> list:
-    """Every process's JSON-able `obj`, in process order (bytes through process_allgather)."""
-    from jax.experimental import multihost_utils
-
-    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-    sizes = multihost_utils.process_allgather(np.array([data.size], np.int64)).reshape(-1)
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[:data.size] = data
-    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
-    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes)]
 
 
 class ProcessShardedEngine:
@@ -415,19 +360,6 @@ def load_teacher_base(config, mesh):
     base, _ = load_side(m.teacher_base, "", m, mesh, config.seed + 2, "teacher")
     graphdef, state = nnx.split(base)
     return graphdef, state, lm_head_of(graphdef, state)
-
-
-def add_teacher_base(base, batch, overlap, mesh):
-    """(batch, overlap) with the base's hidden rows at the teacher rows (batch["base_hidden"])
-    and its lm_head (overlap["base_lm_head"], replicated); unchanged without a base."""
-    if base is None:
-        return batch, overlap
-    from ctopd_jax.teacher import teacher_hidden_rows
-
-    graphdef, state, lm_head = base
-    hidden = teacher_hidden_rows(graphdef, state, batch["teacher_ids"], batch["teacher_mask"],
-                                 batch["teacher_rows"], mesh=mesh)
-    return dict(batch, base_hidden=hidden), dict(overlap, base_lm_head=lm_head)
 
 
 def make_collector(config, objective, s_tok, t_tok, engine, teacher, mesh):

@@ -16,9 +16,10 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")   # the mesh axes a batch's rows are split over
 
 LOGICAL_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
+    "batch": BATCH_AXES,
     "length": (),
     "vocab": ("tensor",),
     "embed": ("fsdp",),
@@ -158,7 +159,7 @@ def shard_module(module, mesh: Mesh):
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Shard the leading (batch) dimension over data and fsdp, the rest replicated."""
-    return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
 
 
 def initialize_distributed() -> bool:

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ctopd_jax.mesh import BATCH_AXES
 from ctopd_jax.models.kv_cache import prefill_positions
 
 
@@ -30,8 +31,6 @@ def teacher_hidden_rows(graphdef, state, ids, mask, rows, mesh=None):
     With `mesh` the arrays are stacked per batch shard (step.shards.stack_shards): each
     shard gathers its own rows (shard-local indices) from its own sequences, so no hidden row
     crosses devices."""
-    from ctopd_jax.step.shards import BATCH_AXES
-
     model = nnx.merge(graphdef, jax.lax.stop_gradient(state))
     hidden = model.hidden_states(ids, prefill_positions(mask), mask)
 
@@ -47,3 +46,14 @@ def teacher_hidden_rows(graphdef, state, ids, mask, rows, mesh=None):
 def lm_head_of(graphdef, state):
     """The teacher's [H, V_T] output projection (tied or untied), as a constant array."""
     return jax.lax.stop_gradient(nnx.merge(graphdef, state).lm_head_weight())
+
+
+def add_teacher_base(base, batch, overlap, mesh):
+    """(batch, overlap) with the base's hidden rows at the teacher rows (batch["base_hidden"])
+    and its lm_head (overlap["base_lm_head"], replicated); unchanged without a base."""
+    if base is None:
+        return batch, overlap
+    graphdef, state, lm_head = base
+    hidden = teacher_hidden_rows(graphdef, state, batch["teacher_ids"], batch["teacher_mask"],
+                                 batch["teacher_rows"], mesh=mesh)
+    return dict(batch, base_hidden=hidden), dict(overlap, base_lm_head=lm_head)

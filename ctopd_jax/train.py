@@ -61,12 +61,13 @@ def _main(argv: list[str]) -> int:
     import jax
 
     from ctopd_jax.config import load_config
-    from ctopd_jax.preflight import preflight
+    from ctopd_jax.preflight import preflight, start_served_teachers
 
     config = load_config(args.config, args.overrides, args.mesh)
     # `with`: a teacher server the run starts itself (teacher.launch) stops whenever the run ends
     with preflight(config, resume=args.resume, allow_config_change=args.allow_config_change,
                    device_count=jax.device_count()) as pre:
+        start_served_teachers(pre)   # after every cheap check: the one that talks to a server
         writer = jax.process_index() == 0
         from ctopd_jax.run_dir import RunLock, write_error
 

@@ -38,17 +38,18 @@ import numpy as np
 from flax import nnx
 
 from ctopd_jax import build, host_offload, teacher_batches
-from ctopd_jax.build import TrainerSetupError  # noqa: F401  (re-exported for callers)
+from ctopd_jax.setup_errors import TrainerSetupError  # noqa: F401  (re-exported for callers)
 from ctopd_jax.algorithms.packing import host_micro_ranges, pack_rows
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig, default_teacher
 from ctopd_jax.evaluation import evaluate_during_training
+from ctopd_jax.mesh_arrays import on_mesh, to_global
 from ctopd_jax.metrics import MetricsLogger, StartupClock, StepTimer
 from ctopd_jax.models import lora
-from ctopd_jax.preflight import check_objective
+from ctopd_jax.objective_factory import check_objective
 from ctopd_jax.step.grad import micro_grad, zero_grads
 from ctopd_jax.step.shards import stack_shards
-from ctopd_jax.teacher import teacher_hidden_rows
+from ctopd_jax.teacher import add_teacher_base, teacher_hidden_rows
 from ctopd_jax.teacher_service import TeacherServiceError
 
 
@@ -96,7 +97,7 @@ class Trainer:
         self.graphdef, self.params, self.rest = nnx.split(self.student, lora.trainable_filter(c), ...)
         # scalars of the optimizer state (step counts) come out of init on one device: put them
         # on the mesh too, so saved and restored states carry mesh shardings throughout
-        self.opt_state = jax.tree.map(lambda x: build.on_mesh(x, self.mesh), jax.jit(self.tx.init)(self.params))
+        self.opt_state = jax.tree.map(lambda x: on_mesh(x, self.mesh), jax.jit(self.tx.init)(self.params))
         self.rng = jax.random.key(c.seed)
         self.coverage = {name: CoverageMeter() for name in self.teachers}
         self.guard = DivergenceGuard.from_config(c.guard)
@@ -115,7 +116,7 @@ class Trainer:
     # -- checkpoint state -----------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         return {"params": self.params, "opt_state": self.opt_state,
-                "rng": build.on_mesh(jax.random.key_data(self.rng), self.mesh)}
+                "rng": on_mesh(jax.random.key_data(self.rng), self.mesh)}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self.params, self.opt_state = state["params"], state["opt_state"]
@@ -141,7 +142,7 @@ class Trainer:
             if packed:   # one micro-batch: rows of the budget; a shard's part: rows enough for it
                 budget = self.config.optimizer.micro_batch_tokens if shards == 1 else None
                 parts = [pack_rows(part, self.objective.packed_rows, budget) for part in parts]
-            batch = build.to_global(stack_shards(parts), self.mesh)
+            batch = to_global(stack_shards(parts), self.mesh)
         mesh = self.mesh if shards > 1 else None
         t_graphdef, t_state, t_lm_head = teacher.scoring
         with timer("teacher") as since, jax.set_mesh(self.mesh):  # the models' activation constraints bind
@@ -149,7 +150,7 @@ class Trainer:
             if teacher.served is None:
                 t_hidden = teacher_hidden_rows(t_graphdef, t_state, batch["teacher_ids"],
                                                batch["teacher_mask"], batch["teacher_rows"], mesh=mesh)
-            batch, overlap = build.add_teacher_base(self.base, batch, teacher.overlap_arrays, mesh)
+            batch, overlap = add_teacher_base(self.base, batch, teacher.overlap_arrays, mesh)
         if t_hidden is not None or "base_hidden" in batch:
             timer.device("teacher", batch.get("base_hidden", t_hidden), since)
         with timer("student") as since, jax.set_mesh(self.mesh):

@@ -19,7 +19,7 @@ the loss does not see the rollout section). One completion per prompt, no group 
 
 The trainer runs the base like the teacher (hidden rows at the same response rows), passed as
 batch["base_hidden"] (split over batch shards like the rows) and overlap["base_lm_head"]
-(replicated, build.add_teacher_base); the centring expectations are computed chunk by
+(replicated, teacher.add_teacher_base); the centring expectations are computed chunk by
 chunk from the three models' hidden rows (kernels.full_rows.topk_centres).
 """
 from __future__ import annotations

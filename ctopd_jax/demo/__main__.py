@@ -147,7 +147,7 @@ def run(argv=None) -> dict:
     from ctopd_jax.evaluation import evaluate_model
     from ctopd_jax.models.weights import load_hf_checkpoint
     from ctopd_jax.plot import plot_run
-    from ctopd_jax.preflight import preflight
+    from ctopd_jax.preflight import preflight, start_served_teachers
 
     max_new = config.rollout.generate_max_len
     dataset = load_dataset("demo")
@@ -172,6 +172,7 @@ def run(argv=None) -> dict:
     # the checks of `python -m ctopd_jax.train` first; `with`: a teacher server the config
     # starts itself (teacher.launch) stops when training ends, also on an error or Ctrl-C
     with preflight(config, device_count=jax.device_count()) as pre:
+        start_served_teachers(pre)
         trainer = Trainer(config, preflight=pre)
         teacher_parts = trainer.default_parts   # the demo's one teacher
         in_shared = strict_targets_in_shared_vocab(teacher_parts.tokenizer, trainer.s_tok, teacher_parts.overlap,

@@ -100,7 +100,7 @@ NAME_TABLE: tuple[Rule, ...] = (
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def _rule_for_nnx(path: str) -> tuple[Rule, str]:
+def rule_for_nnx(path: str) -> tuple[Rule, str]:
     for rule in NAME_TABLE:
         hf = rule.match_nnx(path)
         if hf is not None:
@@ -127,7 +127,7 @@ def from_hf(rule: Rule, value: np.ndarray, nnx_shape: tuple[int, ...]) -> np.nda
     return np.ascontiguousarray(value.T).reshape(nnx_shape)
 
 
-def _flat_params(state) -> list[tuple[str, nnx.Variable]]:
+def flat_params(state) -> list[tuple[str, nnx.Variable]]:
     return [(".".join(str(k) for k in path), var) for path, var in nnx.to_flat_state(state)]
 
 
@@ -198,10 +198,10 @@ def load_hf_checkpoint(path, mesh=None, dtype: str | None = None,
     files = _tensor_index(ckpt)
 
     graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
-    params = _flat_params(abstract_state)
+    params = flat_params(abstract_state)
     plan = []  # (nnx path, variable, rule, hf name)
     for path, var in params:
-        rule, hf_name = _rule_for_nnx(path)
+        rule, hf_name = rule_for_nnx(path)
         if hf_name not in files:
             raise CheckpointError(
                 f"checkpoint {ckpt} is missing tensor {hf_name!r} (for parameter {path}); "
@@ -271,8 +271,8 @@ def hf_named_tensors(model: Decoder, include_tied_lm_head: bool = True,
     ``include_tied_lm_head`` is False (what an HF checkpoint file wants).
     """
     model = merged(model)
-    for path, var in _flat_params(nnx.state(model, nnx.Param)):
-        rule, hf_name = _rule_for_nnx(path)
+    for path, var in flat_params(nnx.state(model, nnx.Param)):
+        rule, hf_name = rule_for_nnx(path)
         value = _host(var[...], dtype)
         yield hf_name, to_hf(rule, value)
         if path == "embed" and model.cfg.tie_word_embeddings and include_tied_lm_head:
@@ -294,11 +294,11 @@ def export_hf_checkpoint(model: Decoder, cfg: ModelConfig, out_dir,
         raise ModelConfigError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    params = _flat_params(nnx.state(merged(model), nnx.Param))
+    params = flat_params(nnx.state(merged(model), nnx.Param))
     shards: list[list[tuple[str, Rule, nnx.Variable]]] = [[]]
     size = 0
     for path, var in params:  # plan shards from shapes, before gathering anything
-        rule, hf_name = _rule_for_nnx(path)
+        rule, hf_name = rule_for_nnx(path)
         item = np.dtype(DTYPES[dtype] if dtype else var[...].dtype).itemsize
         nbytes = math.prod(var.shape) * item
         if shards[-1] and size + nbytes > max_shard_bytes:

@@ -45,7 +45,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
-import dataclasses
 import itertools
 import shutil
 import tempfile
@@ -55,12 +54,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ctopd_jax.config.served import check_settings, server_urls, settings_for
 from ctopd_jax.rollout.base import (RolloutConfigError, RolloutResult, SamplingParams,
                                     check_prompts, finish_sample, normalize_eos_ids)
 from ctopd_jax.teacher_service import sglang_protocol, vllm_protocol
 from ctopd_jax.teacher_service.client import TeacherServiceError, failure_line
 from ctopd_jax.teacher_service.scores import ProtocolError
-from ctopd_jax.teacher_service.settings import TeacherServiceSettings, TeacherSettingError
 from ctopd_jax.teacher_service.transport import ServerError, Transport
 
 PROTOCOLS = {"vllm_server": vllm_protocol, "sglang_server": sglang_protocol}
@@ -71,48 +70,6 @@ PROBE_LEN = 16
 class ServedRolloutError(TeacherServiceError):
     """A rollout server failed mid-run, or a weight push did not take: one line. (A
     TeacherServiceError, so the trainer names the step and the last checkpoint, exit 2.)"""
-
-
-def server_urls(rollout) -> tuple[str, ...]:
-    return (rollout.url,) if isinstance(rollout.url, str) else tuple(rollout.url)
-
-
-def check_settings(rollout) -> None:
-    """One TeacherSettingError line for the first bad rollout-server field (config.validate)."""
-    served = rollout.engine in PROTOCOLS
-    fields = ("url", "launch", "launch_python")
-    # numbers in range whatever the engine: a wrong value is wrong before it is used
-    dataclasses.replace(settings_for(rollout, ""), engine="local", launch=False,
-                        launch_python="").validate("rollout")
-    if not 1 <= rollout.logprob_check_rows <= 64:
-        raise TeacherSettingError(f"rollout.logprob_check_rows: {rollout.logprob_check_rows} is "
-                                  "outside [1, 64]; set a value in that range")
-    if rollout.weight_sync not in ("auto", "disk", "adapter"):
-        raise TeacherSettingError(f"rollout.weight_sync: {rollout.weight_sync!r} is not one of "
-                                  "auto, disk, adapter")
-    if not served:
-        for name in fields:
-            if getattr(rollout, name):
-                raise TeacherSettingError(
-                    f"rollout.{name}: is set but rollout.engine is {rollout.engine}; set "
-                    f"rollout.engine: vllm_server or sglang_server, or remove rollout.{name}")
-        return
-    urls = server_urls(rollout)
-    if rollout.launch and len(urls) > 1:
-        raise TeacherSettingError("rollout.launch: starts one server, but rollout.url lists "
-                                  f"{len(urls)}; remove rollout.url or set rollout.launch: false")
-    if not urls:
-        raise TeacherSettingError("rollout.url: is an empty list; give one server or several")
-    for url in urls:
-        settings_for(rollout, url).validate("rollout")
-
-
-def settings_for(rollout, url: str) -> TeacherServiceSettings:
-    """The served teacher's settings for one rollout server: the same fields, the same checks."""
-    return TeacherServiceSettings(engine=rollout.engine, url=url, timeout_s=rollout.timeout_s,
-                                  max_concurrency=rollout.max_concurrency,
-                                  retries=rollout.retries, backoff_s=rollout.backoff_s,
-                                  launch=rollout.launch, launch_python=rollout.launch_python)
 
 
 class ServedRolloutEngine:

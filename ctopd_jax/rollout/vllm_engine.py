@@ -184,12 +184,12 @@ def device_hf_arrays(model, dtype: str, device=None) -> list[tuple[str, jax.Arra
     """
     from flax import nnx
 
-    from ctopd_jax.models.weights import _flat_params, _rule_for_nnx, hf_shape
+    from ctopd_jax.models.weights import flat_params, rule_for_nnx, hf_shape
 
     jdtype = jnp.dtype(_TORCH_DTYPES.get(dtype, dtype))
     out = []
-    for path, var in _flat_params(nnx.state(model, nnx.Param)):
-        rule, name = _rule_for_nnx(path)
+    for path, var in flat_params(nnx.state(model, nnx.Param)):
+        rule, name = rule_for_nnx(path)
         value = var[...]
         if device is None:
             device = next(iter(value.devices()))

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ctopd_jax import build
+from ctopd_jax.mesh_arrays import replicated, to_global
 from ctopd_jax.step.grad import objective_sums, scalar
 from ctopd_jax.algorithms.span import SpanLoss, SpanSettings
 from ctopd_jax.config import ConfigError
@@ -103,11 +103,11 @@ class Diagnostics:
             split = np.random.default_rng([self.config.seed, 7, unit]).permutation(int(weight.sum()))
             half_a = np.zeros_like(weight)
             half_a[split[: len(split) // 2]] = 1.0
-            batch = build.to_global(arrays, mesh)
+            batch = to_global(arrays, mesh)
             t_hidden = teacher_hidden_rows(t_graphdef, t_state, batch["teacher_ids"],
                                            batch["teacher_mask"], batch["teacher_rows"])
             stats = unit_statistics(params, rest, batch, t_hidden, t_lm_head, overlap,
-                                    build.replicated(half_a, mesh), graphdef=graphdef,
+                                    replicated(half_a, mesh), graphdef=graphdef,
                                     objective=self.objective)
             rows.append([scalar(v) for v in stats])
         med = np.median(np.asarray(rows), axis=0)

@@ -7,8 +7,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ctopd_jax.algorithms.base import batch_shard_axes
+from ctopd_jax.mesh import BATCH_AXES
 
-BATCH_AXES = ("data", "fsdp")
 
 
 def per_shard(fn, mesh, n_sharded: int, n_replicated: int):

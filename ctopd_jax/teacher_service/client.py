@@ -25,7 +25,7 @@ from typing import Sequence
 
 from ctopd_jax.teacher_service import sglang_protocol, vllm_protocol
 from ctopd_jax.teacher_service.scores import ProtocolError, ScoredSequence, ServerInfo
-from ctopd_jax.teacher_service.settings import TeacherServiceSettings
+from ctopd_jax.config.served import TeacherServiceSettings
 from ctopd_jax.teacher_service.transport import ServerError, Transport
 
 PROTOCOLS = {"vllm_server": vllm_protocol, "sglang_server": sglang_protocol}

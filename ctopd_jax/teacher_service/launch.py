@@ -31,7 +31,7 @@ import sys
 import time
 
 from ctopd_jax.teacher_service.local_server import local_vllm_server
-from ctopd_jax.teacher_service.settings import TeacherSettingError
+from ctopd_jax.config.served import TeacherSettingError
 
 HAS_VLLM = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
 VLLM_VENV_FIX = ("make .venv-vllm/.installed and set teacher.launch_python=.venv-vllm/bin/python, "

@@ -54,12 +54,12 @@ class HardLabel(Objective):
 @pytest.fixture(autouse=True)
 def registered():
     """Registered for this module's tests only: other tests enumerate the registry."""
-    from ctopd_jax import config
     from ctopd_jax.algorithms import base
+    from ctopd_jax.config import algorithm_settings
 
     register("hard_label")(HardLabel)
     yield
-    del base._REGISTRY["hard_label"], config._ALGORITHM_SETTINGS["hard_label"]
+    del base._REGISTRY["hard_label"], algorithm_settings._ALGORITHM_SETTINGS["hard_label"]
 
 
 def test_a_toy_objective_trains_through_the_real_loop(write_config):

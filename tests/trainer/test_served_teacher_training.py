@@ -102,10 +102,11 @@ def losses_of(run_dir: Path, key: str) -> np.ndarray:
 
 
 def train(config, served: bool):
-    from ctopd_jax.preflight import preflight
+    from ctopd_jax.preflight import preflight, start_served_teachers
     from ctopd_jax.trainer import Trainer
 
-    pre = preflight(config)   # the CLI's path: the server's start-up check runs here
+    pre = preflight(config)   # the CLI's path: the checks, then the server's start-up check
+    start_served_teachers(pre)
     assert (pre.teacher.served is not None) == served
     trainer = Trainer(config, preflight=pre)
     assert (trainer.default_parts.model is None) == served   # a served teacher's weights never load
@@ -421,7 +422,7 @@ def test_resuming_a_launched_run_against_a_server_of_ones_own_is_harmless():
 def test_a_launched_server_that_dies_at_start_is_one_line_naming_its_log(tmp_path):
     """The server's own failure (here a stand-in Python that passes the vLLM check, then exits
     as vLLM does on a bad model) reaches the user as one line with its last log lines."""
-    from ctopd_jax.preflight import PreflightError, preflight
+    from ctopd_jax.preflight import PreflightError, preflight, start_served_teachers
 
     python = tmp_path / "python"
     python.write_text("#!/bin/sh\ncase \"$2\" in *find_spec*) exit 0;; esac\n"
@@ -429,8 +430,9 @@ def test_a_launched_server_that_dies_at_start_is_one_line_naming_its_log(tmp_pat
     python.chmod(0o755)
     config = small_run(tmp_path / "run", "opd", "teacher.engine=vllm_server", "teacher.launch=true",
                        f"teacher.launch_python={python}")
+    pre = preflight(config)   # the checks pass; starting the server fails
     with pytest.raises(PreflightError) as err:
-        preflight(config)
+        start_served_teachers(pre)
     line = str(err.value)
     assert "\n" not in line
     assert line.startswith("teacher.launch: the vLLM server exited with 1 before answering: "

@@ -56,11 +56,12 @@ def is_running(pid: int) -> bool:
 
 
 def train(config):
-    """The CLI's path in-process: preflight (which starts a launched server) around the run."""
-    from ctopd_jax.preflight import preflight
+    """The CLI's path in-process: preflight, then the launched server's start, around the run."""
+    from ctopd_jax.preflight import preflight, start_served_teachers
     from ctopd_jax.trainer import Trainer
 
     with preflight(config) as pre:
+        start_served_teachers(pre)
         Trainer(config, preflight=pre).train()
 
 

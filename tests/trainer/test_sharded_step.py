@@ -19,7 +19,7 @@ from flax import nnx
 from ctopd_jax.algorithms import get_objective
 from ctopd_jax.step.grad import micro_grad, zero_grads
 from ctopd_jax.step.shards import stack_shards
-from ctopd_jax.build import to_global
+from ctopd_jax.mesh_arrays import to_global
 from ctopd_jax.config import from_dict
 from ctopd_jax.mesh import make_mesh, shard_module
 from ctopd_jax.models import tiny_llama, tiny_qwen2

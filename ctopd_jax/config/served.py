@@ -1,5 +1,8 @@
 """Settings of a teacher behind an inference server (`teacher.engine: vllm_server | sglang_server`).
 
+They live with the configuration (the `teacher:` section extends them) and the client
+(teacher_service/) imports them, so the settings import nothing of the rollout side.
+
 A frozen dataclass with one `validate()` that raises `TeacherSettingError` (a ValueError) whose
 message is one line: the field's full name (`teacher.url`), what is wrong, and the fix. The
 config integration (the `teacher:` section, and `teachers:` entries named `teachers[math]`) passes
@@ -117,3 +120,51 @@ def _check_number(bad, field, value, low, high, unit, open_low=False):
     if (value <= low if open_low else value < low) or value > high:
         side = "(" if open_low else "["
         bad(field, f"{value} is outside {side}{low:g}, {high:g}] {unit}; set a value in that range")
+
+
+# ----------------------------------------------------------------------------- rollout servers
+# The student on a server of its own (rollout.engine vllm_server | sglang_server) shares the
+# served teacher's fields and checks: one place for both.
+
+
+def server_urls(rollout) -> tuple[str, ...]:
+    return (rollout.url,) if isinstance(rollout.url, str) else tuple(rollout.url)
+
+
+def check_settings(rollout) -> None:
+    """One TeacherSettingError line for the first bad rollout-server field (config.validate,
+    and the rollout engine on a server: rollout/served.py)."""
+    served = rollout.engine in SERVED_ENGINES
+    fields = ("url", "launch", "launch_python")
+    # numbers in range whatever the engine: a wrong value is wrong before it is used
+    dataclasses.replace(settings_for(rollout, ""), engine="local", launch=False,
+                        launch_python="").validate("rollout")
+    if not 1 <= rollout.logprob_check_rows <= 64:
+        raise TeacherSettingError(f"rollout.logprob_check_rows: {rollout.logprob_check_rows} is "
+                                  "outside [1, 64]; set a value in that range")
+    if rollout.weight_sync not in ("auto", "disk", "adapter"):
+        raise TeacherSettingError(f"rollout.weight_sync: {rollout.weight_sync!r} is not one of "
+                                  "auto, disk, adapter")
+    if not served:
+        for name in fields:
+            if getattr(rollout, name):
+                raise TeacherSettingError(
+                    f"rollout.{name}: is set but rollout.engine is {rollout.engine}; set "
+                    f"rollout.engine: vllm_server or sglang_server, or remove rollout.{name}")
+        return
+    urls = server_urls(rollout)
+    if rollout.launch and len(urls) > 1:
+        raise TeacherSettingError("rollout.launch: starts one server, but rollout.url lists "
+                                  f"{len(urls)}; remove rollout.url or set rollout.launch: false")
+    if not urls:
+        raise TeacherSettingError("rollout.url: is an empty list; give one server or several")
+    for url in urls:
+        settings_for(rollout, url).validate("rollout")
+
+
+def settings_for(rollout, url: str) -> TeacherServiceSettings:
+    """The served teacher's settings for one rollout server: the same fields, the same checks."""
+    return TeacherServiceSettings(engine=rollout.engine, url=url, timeout_s=rollout.timeout_s,
+                                  max_concurrency=rollout.max_concurrency,
+                                  retries=rollout.retries, backoff_s=rollout.backoff_s,
+                                  launch=rollout.launch, launch_python=rollout.launch_python)
