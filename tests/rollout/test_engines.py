@@ -8,7 +8,7 @@ from flax import nnx
 from ctopd_jax.models import Decoder, tiny_llama, tiny_qwen2
 from ctopd_jax.rollout import RolloutConfigError, RolloutEngine, make_rollout_engine
 from ctopd_jax.rollout.jax_sampler import JaxSampler
-from ctopd_jax.rollout.vllm_engine import VllmNotInstalledError
+from ctopd_jax.rollout.vllm_support import VllmNotInstalledError
 
 
 def tiny(cfg):

@@ -19,7 +19,8 @@ from ctopd_jax.models import lora  # noqa: E402
 from ctopd_jax.models.weights import export_hf_checkpoint  # noqa: E402
 from ctopd_jax.rollout import SamplingParams  # noqa: E402
 from ctopd_jax.rollout.logprob_gap import logprob_gap, response_logprobs  # noqa: E402
-from ctopd_jax.rollout.vllm_engine import VllmEngine, lora_sync_support  # noqa: E402
+from ctopd_jax.rollout.vllm_engine import VllmEngine  # noqa: E402
+from ctopd_jax.rollout.vllm_support import lora_sync_support  # noqa: E402
 
 MAX_NEW = 10
 LOGGER = "ctopd_jax.rollout.vllm_engine"

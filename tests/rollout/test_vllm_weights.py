@@ -8,8 +8,8 @@ import jax.numpy as jnp
 from _hf_tiny import load_pair
 from ctopd_jax.models.weights import hf_named_tensors
 from ctopd_jax.rollout.base import RolloutConfigError
-from ctopd_jax.rollout.vllm_engine import (check_memory_split, device_named_tensors,
-                                           platform_defaults)
+from ctopd_jax.rollout.vllm_support import check_memory_split, platform_defaults
+from ctopd_jax.rollout.vllm_weights import device_named_tensors
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])  # qwen2 is the tied-embedding case
@@ -42,7 +42,7 @@ def test_device_tensors_alias_jax_buffers_without_a_copy(tmp_path):
     no host round trip, no copy): checked pointer by pointer."""
     import torch
 
-    from ctopd_jax.rollout.vllm_engine import device_hf_arrays
+    from ctopd_jax.rollout.vllm_weights import device_hf_arrays
 
     hf, model, cfg = load_pair("qwen2", tmp_path)
     arrays = device_hf_arrays(model, "float32")
