@@ -31,7 +31,7 @@ import numpy as np
 from ctopd_jax import host_offload
 from ctopd_jax.models import PRESETS
 from ctopd_jax.models.kv_cache import page_pool_token_bytes
-from ctopd_jax.plan import param_count
+from ctopd_jax.plan_model import param_count
 from ctopd_jax.rollout.paged_decode import lower_decode
 
 PAGE = 16

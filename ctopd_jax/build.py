@@ -11,10 +11,10 @@ Decisions where SPEC is silent:
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import json
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,10 +22,30 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ctopd_jax import mesh as mesh_lib
-from ctopd_jax import sources
+from ctopd_jax import mesh as mesh_lib, sources
+from ctopd_jax.checkpoint import export_student_hf
+from ctopd_jax.config import teacher_views
+from ctopd_jax.data import PromptStream, load_prompts, resolve_named_source
+from ctopd_jax.envs import make_environment
+from ctopd_jax.host import Collector, SameTokenizerCollector, load_response_prompts, render
+from ctopd_jax.host_episodes import EpisodeCollector
 from ctopd_jax.mesh_arrays import allgather_objects, local_copy, replicated
+from ctopd_jax.models import PRESETS, lora
+from ctopd_jax.models.config import ModelConfig
+from ctopd_jax.models.init import init_decoder
+from ctopd_jax.models.lora import save_adapter
+from ctopd_jax.models import weights   # weights.load_hf_checkpoint read at call time (tests trip on it)
+from ctopd_jax.optimizer import make_optimizer
+from ctopd_jax.rollout.base import RolloutResult
+from ctopd_jax.rollout.jax_sampler import JaxSampler
+from ctopd_jax.rollout.served import ServedRolloutEngine
+from ctopd_jax.rollout.vllm_engine import VllmEngine
 from ctopd_jax.setup_errors import TrainerSetupError
+from ctopd_jax.step.grad import make_apply_update
+from ctopd_jax.teacher import lm_head_of
+from ctopd_jax.teacher_service import ServedTeacher
+from ctopd_jax.tokenization.overlap import overlap_map
+from ctopd_jax.tokenization.side import load_tokenizer_side
 
 
 def model_dir(spec: str) -> Path | None:
@@ -38,8 +58,6 @@ def model_dir(spec: str) -> Path | None:
 
 def tokenizer_side(spec: str, tokenizer_spec: str, role: str):
     """The TokenizerSide of `model.<role>`: `model.<role>_tokenizer`, else the model's folder."""
-    from ctopd_jax.tokenization.side import load_tokenizer_side
-
     directory = model_dir(spec)
     tok_spec = tokenizer_spec or (str(directory) if directory is not None else "")
     if not tok_spec:
@@ -51,9 +69,6 @@ def tokenizer_side(spec: str, tokenizer_spec: str, role: str):
 def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, role: str, tokenizer=None):
     """(Decoder on the mesh, TokenizerSide) for `model.student` / `model.teacher` (`tokenizer`:
     an already loaded side, e.g. from preflight)."""
-    from ctopd_jax.models import PRESETS
-    from ctopd_jax.models.init import init_decoder
-
     directory = model_dir(spec)
     name = spec.split(":", 1)[1] if spec.startswith("preset:") else spec
     if directory is None and name not in PRESETS:
@@ -69,8 +84,7 @@ def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, ro
     kwargs = dict(dtype=model_section.dtype, param_dtype=param_dtype,
                   **model_section.execution_options(role))
     if directory is not None:
-        from ctopd_jax.models.weights import load_hf_checkpoint
-        model, _ = load_hf_checkpoint(directory, mesh=mesh, **kwargs)  # placed on its shardings
+        model, _ = weights.load_hf_checkpoint(directory, mesh=mesh, **kwargs)  # placed on its shardings
     else:
         cfg = PRESETS[name](vocab_size=tokenizer.vocab_size, **kwargs)
         model = init_decoder(cfg, seed, mesh)  # drawn on its shardings
@@ -85,8 +99,6 @@ def served_teacher_model_config(config):
     """The teacher's ModelConfig read from model.teacher's config.json, for a teacher behind a
     server (`teacher.engine` vllm_server / sglang_server): the trainer then needs the teacher's
     folder for its config.json and tokenizer only, never its weights."""
-    from ctopd_jax.models.config import ModelConfig
-
     engine, spec = config.teacher.engine, config.model.teacher
     directory = model_dir(spec)
     config_file = directory / "config.json" if directory is not None else None
@@ -106,8 +118,6 @@ def start_served_teacher(config, vocab_size: int, url: str | None = None):
     after its start-up check (up, right engine, model and vocabulary; one line naming
     teacher.url and the fix otherwise: TeacherServerCheckError). `url`: the address of the
     server the run started itself (`teacher.launch`, which preflight does)."""
-    from ctopd_jax.teacher_service import ServedTeacher
-
     settings = config.teacher
     if settings.launch:
         if url is None:
@@ -151,9 +161,6 @@ def assemble(config, objective, preflight=None, startup=lambda phase: None) -> P
     """Everything a run of `objective` (built and checked: preflight.check_objective) needs,
     built in order (`startup(phase)` as each phase begins); what `preflight`
     (preflight.Preflight) already loaded is reused, not built again."""
-    from ctopd_jax.config import teacher_views
-    from ctopd_jax.models import lora
-
     c, pre = config, preflight
     mesh = mesh_lib.make_mesh(dict(vars(c.mesh)))
     startup("student model")
@@ -179,8 +186,6 @@ def load_teacher(view, name: str, objective, s_tok, mesh, seed: int, checked=Non
     """One teacher from `view` (the run's config as it sees it: config.teacher_views): its
     model on the mesh or its started server, its tokenizer and overlap map (`checked`:
     preflight.TeacherChecks, reused); the collector is added once the engine exists."""
-    from ctopd_jax.tokenization.overlap import overlap_map
-
     model = served = None
     if view.teacher.served:   # its weights stay on the server: only its tokenizer is needed here
         served = checked.served if checked is not None and checked.served is not None else \
@@ -197,7 +202,6 @@ def load_teacher(view, name: str, objective, s_tok, mesh, seed: int, checked=Non
               "t_ids": replicated(overlap.t_ids.astype(np.int32), mesh)}
     scoring = (None, None, None)
     if model is not None:
-        from ctopd_jax.teacher import lm_head_of
         graphdef, state = nnx.split(model)
         scoring = (graphdef, state, lm_head_of(graphdef, state))
     return TeacherParts(name, model, served, t_tok, overlap, arrays, None, scoring)
@@ -216,8 +220,6 @@ class ProcessShardedEngine:
         self.eos_ids = getattr(self.engine, "eos_ids", ())
 
     def generate(self, prompts, params):
-        from ctopd_jax.rollout.base import RolloutResult
-
         count, index = jax.process_count(), jax.process_index()
         per = -(-len(prompts) // count)
         first = min(index * per, len(prompts))
@@ -253,14 +255,11 @@ def make_engine(student, s_tok, rollout, mesh, extra_context: int = 0, log_as=No
 
     def make(model):
         if rollout.engine in ("vllm_server", "sglang_server"):
-            from ctopd_jax.rollout.served import ServedRolloutEngine
             return ServedRolloutEngine(
                 model, s_tok.eos_id, s_tok.pad_id, rollout, dtype=model.cfg.dtype,
                 max_model_len=rollout.max_prompt_len + rollout.generate_max_len, log_as=log_as)
         if rollout.engine == "vllm":
-            from ctopd_jax.rollout.vllm_engine import VllmEngine
             return VllmEngine.from_config(model, s_tok, rollout)
-        from ctopd_jax.rollout.jax_sampler import JaxSampler
         return JaxSampler.from_config(model, s_tok, rollout,
                                       mesh=mesh if jax.process_count() == 1 else None)
 
@@ -270,9 +269,6 @@ def make_engine(student, s_tok, rollout, mesh, extra_context: int = 0, log_as=No
 def prompt_stream(config, s_tok, objective, prompts=None):
     """The training prompts (data.path, or `prompts` already read; with their dataset responses
     when the objective trains on them) that fit rollout.max_prompt_len, as a resumable stream."""
-    from ctopd_jax.data import PromptStream, load_prompts, resolve_named_source
-    from ctopd_jax.host import render
-
     d, r = config.data, config.rollout
     path = resolve_named_source(d.path) if sources.is_named(d.path) else d.path
     if prompts is None:
@@ -295,9 +291,6 @@ def prompt_stream(config, s_tok, objective, prompts=None):
 def update_fns(section, total_steps: int, donate: bool):
     """(tx, schedule, jitted update) of an `optimizer:` section over `total_steps` updates,
     cached so equal runs share the compile."""
-    from ctopd_jax.optimizer import make_optimizer
-    from ctopd_jax.step.grad import make_apply_update
-
     tx, schedule = make_optimizer(section, total_steps)
     return tx, schedule, make_apply_update(tx, schedule, donate=donate)
 
@@ -306,8 +299,6 @@ def write_adapter(student, config, run_dir: Path, is_writer: bool) -> Path | Non
     """LoRA (`lora.rank` > 0): the student's PEFT adapter in <run_dir>/adapter/, rewritten at each
     checkpoint and at the end (atomically: models.lora.save_adapter). Every process calls it (the
     adapter is gathered from the mesh); the writer writes. None without LoRA or off the writer."""
-    from ctopd_jax.models.lora import save_adapter
-
     if config.lora.rank == 0:
         return None
     model = student if jax.process_count() == 1 else local_copy(student)
@@ -321,8 +312,6 @@ def export_student(student, s_tok, out_dir: Path, is_writer: bool, config=None) 
     """The trained student as an HF checkpoint (written by the first process only).  With LoRA
     (`lora.rank` > 0): the PEFT adapter in <out_dir>/../adapter, and the merged HF model only
     with `checkpoint.export_merged` (then its folder is returned, else the adapter's)."""
-    from ctopd_jax.checkpoint import export_student_hf
-
     if config is not None and config.lora.rank > 0:
         adapter = write_adapter(student, config, Path(out_dir).parent, is_writer)
         if not config.checkpoint.export_merged:
@@ -342,9 +331,6 @@ def uses_dataset_responses(objective) -> bool:
 
 def response_prompts(config):
     """The prompt rows with their dataset responses (host.load_response_prompts)."""
-    from ctopd_jax.data import resolve_named_source
-    from ctopd_jax.host import load_response_prompts
-
     d = config.data
     path = resolve_named_source(d.path) if sources.is_named(d.path) else d.path
     return load_response_prompts(path, d.prompt_key, d.system_prompt)
@@ -352,8 +338,6 @@ def response_prompts(config):
 
 def load_teacher_base(config, mesh):
     """(graphdef, state, lm_head) of model.teacher_base, or None when it is not set."""
-    from ctopd_jax.teacher import lm_head_of
-
     m = config.model
     if not m.teacher_base:
         return None
@@ -365,8 +349,6 @@ def load_teacher_base(config, mesh):
 def make_collector(config, objective, s_tok, t_tok, engine, teacher, mesh):
     """host.Collector (cross-tokenizer) or host.SameTokenizerCollector (`needs.reuse_sampled_ids`),
     with a second engine over the teacher when the objective may need teacher responses."""
-    from ctopd_jax.host import Collector, SameTokenizerCollector
-
     if not objective.needs.reuse_sampled_ids:
         return Collector(s_tok, t_tok, engine, config.rollout)
     teacher_engine = None
@@ -375,10 +357,6 @@ def make_collector(config, objective, s_tok, t_tok, engine, teacher, mesh):
         teacher_engine = make_engine(teacher, t_tok, config.rollout, mesh,
                                      context_room(objective, config.rollout, t_tok))
     if objective.needs.turns or config.rollout.environment:
-        from functools import partial
-
-        from ctopd_jax.envs import make_environment
-        from ctopd_jax.host_episodes import EpisodeCollector
         env = config.rollout.environment
         return EpisodeCollector(s_tok, engine, config.rollout, objective, teacher_engine=teacher_engine,
                                 environment=partial(make_environment, env) if env else None)

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ctopd_jax.models.weights import export_hf_checkpoint
 from ctopd_jax.run_dir import DISK_ERRNOS, disk_errno
 
 log = logging.getLogger(__name__)
@@ -385,8 +386,6 @@ class Checkpointer:
 def export_student_hf(model: Any, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
                       extra_config: dict | None = None) -> Path:
     """Write the student as an HF safetensors directory (config.json + weights [+ tokenizer])."""
-    from ctopd_jax.models.weights import export_hf_checkpoint
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     export_hf_checkpoint(model, model.cfg, out, extra_config=extra_config)

@@ -24,6 +24,9 @@ import os
 import sys
 from typing import Callable, NoReturn, Sequence
 
+from ctopd_jax.run_dir import disk_errno
+from ctopd_jax.run_guard import Interrupted, Stopped, raising, received
+
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
@@ -69,7 +72,6 @@ OS_USER_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, Perm
 def is_user_error(err: BaseException) -> bool:
     if isinstance(err, OS_USER_ERRORS):
         return True
-    from ctopd_jax.run_dir import disk_errno   # a refused write: no space, read-only, quota
     if disk_errno(err) is not None:
         return True
     for module, name in USER_ERRORS:
@@ -196,8 +198,6 @@ def fail(prog: str, message: str) -> int:
 
 def run(inner: Callable[[list[str]], int | None], argv: Sequence[str] | None, prog: str) -> int:
     """Call `inner(argv)` and map what it raises to an exit status (see the module doc)."""
-    from ctopd_jax.run_guard import Interrupted, Stopped, raising, received
-
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_requested(argv)
     try:

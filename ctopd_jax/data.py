@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import grain
 
+from ctopd_jax import sources
 from ctopd_jax.records import RecordError, chat_messages, read_jsonl, read_parquet
 
 
@@ -113,8 +114,6 @@ class PromptStream:
 
 def resolve_named_source(name: str) -> Path:
     """`owner:split` prompt files (e.g. `demo:train`), written by the module that owns them."""
-    from ctopd_jax import sources
-
     try:
         return Path(sources.resolve("prompts", name, "data.path"))
     except (sources.SourceError, ValueError) as err:

@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ctopd_jax import sources
+from ctopd_jax.grading.normalize import normalize_answer
 from ctopd_jax.grading.numeric import parse_number
 from ctopd_jax.records import RecordError, chat_messages, read_jsonl, read_parquet
-from ctopd_jax.grading.normalize import normalize_answer
 
 MATH_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -164,7 +165,7 @@ def _load_parquet(path: Path) -> EvalDataset:
 
 
 def _load_gsm_symbolic(size: int, seed: int) -> EvalDataset:
-    import reasoning_gym
+    import reasoning_gym   # a heavy import, needed for this evaluation set only
 
     generated = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
     problems = [EvalProblem(f"gsm_symbolic:{seed}:{i}", item["question"], str(item["answer"]),
@@ -176,7 +177,7 @@ def _load_gsm_symbolic(size: int, seed: int) -> EvalDataset:
 @functools.lru_cache(maxsize=1)
 def _champ_problems() -> tuple[EvalProblem, ...]:
     """CHAMP's file also holds every model conversation (tens of MB): parse it once."""
-    import champ_dataset
+    import champ_dataset   # a heavy import, needed for this evaluation set only
 
     data = champ_dataset.load("v0")
     return tuple(EvalProblem(pid, p.text, p.answer, None, f"champ_dataset v0 {pid}")
@@ -191,8 +192,6 @@ def _load_champ(numeric_only: bool) -> EvalDataset:
 
 def _load_named(name: str) -> EvalDataset:
     """A set registered by its owner (ctopd_jax.sources), e.g. `demo` (the demo's held-out split)."""
-    from ctopd_jax import sources
-
     try:
         return sources.resolve("dataset", f"{name}:held_out", "--dataset")
     except (sources.SourceError, ValueError) as err:

@@ -17,17 +17,23 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+import jax
+
+from ctopd_jax.cli import Parser, UserError, at_least, positive, run, seed
+from ctopd_jax.config import load_config, validate
 from ctopd_jax.datasets import build_prompt, load_dataset
-from ctopd_jax.evaluation import EvalReport, REPORT_FILES, evaluate_model, grade_file, write_report
+from ctopd_jax.evaluation import REPORT_FILES, EvalReport, evaluate_model, grade_file, write_report
 from ctopd_jax.grading import MathGrader
+from ctopd_jax.mesh import make_mesh, parse_mesh
+from ctopd_jax.models import weights   # weights.load_hf_checkpoint read at call time (tests trip on it)
+from ctopd_jax.preflight import check_hf_checkpoint
+from ctopd_jax.run_dir import RunDirError, RunLock, check_writable
+from ctopd_jax.tokenization.side import load_tokenizer_side
 
 
 def check_out(out: str | Path) -> None:
     """Before any work: `--out` is a new or empty-of-reports folder we may write (a finished
     evaluation is never lost to a target that cannot take it, nor replaces an earlier one)."""
-    from ctopd_jax.cli import UserError
-    from ctopd_jax.run_dir import RunDirError, check_writable
-
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: is a file; give a folder for {', '.join(REPORT_FILES)}")
@@ -46,8 +52,6 @@ PROG = "python -m ctopd_jax.evaluate"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ctopd_jax.cli import Parser, at_least, positive, seed
-
     p = Parser(prog=PROG, description=__doc__)
     p.add_argument("--config", help="run YAML (rollout sampling settings, model dtype, tokenizer)")
     p.add_argument("--set", action="append", default=[], metavar="A.B=C", help="config override")
@@ -84,8 +88,6 @@ def main(argv: Sequence[str] | None = None) -> EvalReport:
     args = _parser().parse_args(argv)
     with contextlib.ExitStack() as held:
         if args.out:   # one writer per --out: a second evaluation into it is refused at once
-            from ctopd_jax.run_dir import RunLock
-
             args.out = str(Path(args.out).expanduser())
             check_out(args.out)
             held.enter_context(RunLock(args.out, "--out"))
@@ -98,7 +100,6 @@ def _evaluate(args) -> EvalReport:
         if args.grade_only:
             grade_fn = None
             if args.task_grader == "demo":  # the grader the demo registered with its data set
-                from ctopd_jax.datasets import load_dataset
                 grade_fn = load_dataset("demo").grade_fn
             report = grade_file(args.grade_only, answer_fallbacks=args.answer_fallbacks,
                                 grade_fn=grade_fn, k=args.samples, grader=grader)
@@ -113,8 +114,6 @@ def _evaluate(args) -> EvalReport:
 
 
 def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
-    from ctopd_jax.config import load_config
-
     cfg = load_config(args.config, args.set, mesh=args.mesh)
     dataset_name = args.dataset or cfg.evaluation.dataset
     if not args.checkpoint:
@@ -128,17 +127,9 @@ def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
     if not (checkpoint / "config.json").is_file():
         raise SystemExit(f"--checkpoint {checkpoint}: no config.json; pass an HF safetensors "
                          "directory (the trainer's export)")
-    from ctopd_jax.preflight import check_hf_checkpoint
-
     model_cfg = check_hf_checkpoint(checkpoint, "--checkpoint")   # shard headers, before any weight
     if args.mesh:
-        import jax
-
-        from ctopd_jax.config import validate
         validate(cfg, device_count=jax.device_count())
-
-    from ctopd_jax.models.weights import load_hf_checkpoint
-    from ctopd_jax.tokenization.side import load_tokenizer_side
 
     tokenizer = load_tokenizer_side(args.tokenizer or cfg.model.student_tokenizer or checkpoint,
                                     eos_token=args.eos_token)
@@ -154,10 +145,8 @@ def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
                          f"{flag} to <= {model_cfg.max_position_embeddings - longest}")
     mesh = None
     if args.mesh:
-        from ctopd_jax.mesh import make_mesh, parse_mesh
-
         mesh = make_mesh(parse_mesh(args.mesh))
-    model, _ = load_hf_checkpoint(checkpoint, mesh=mesh, dtype=cfg.model.dtype,
+    model, _ = weights.load_hf_checkpoint(checkpoint, mesh=mesh, dtype=cfg.model.dtype,
                                   param_dtype=cfg.model.param_dtype)
     # --greedy / --no-greedy win; otherwise the config's evaluation.greedy, but only for K == 1
     # (K greedy samples would be K copies of one response).
@@ -172,10 +161,7 @@ def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
 def cli_main(argv: Sequence[str] | None = None) -> int:
     """Entry point: bad input ends with one line naming the problem and exit status 2
     (`ctopd_jax.cli`; --debug shows the traceback)."""
-    from ctopd_jax.cli import run
-
     return run(lambda a: (main(a), 0)[1], argv, PROG)
-
 
 
 if __name__ == "__main__":

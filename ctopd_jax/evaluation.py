@@ -34,9 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ctopd_jax.datasets import EvalDataset, EvalProblem, build_prompt
+from ctopd_jax.datasets import EvalDataset, EvalProblem, build_prompt, load_dataset
 from ctopd_jax.grading import MathGrader
 from ctopd_jax.records import RecordError, read_jsonl
+from ctopd_jax.rollout import make_rollout_engine
+from ctopd_jax.rollout.base import SamplingParams
 
 
 @dataclass
@@ -140,8 +142,6 @@ def evaluate_model(model, tokenizer_side, problems: EvalDataset | Sequence[EvalP
     ``model``, stopping at ``stop_ids``), grade them and return the report; the trainer calls
     this at a step with its own engine (weights already synced). Writes the report files when
     ``out_dir`` is given."""
-    from ctopd_jax.rollout.base import SamplingParams
-
     if k < 1:
         raise ValueError(f"samples per problem must be >= 1, got {k}")
     dataset = problems if isinstance(problems, EvalDataset) else EvalDataset("problems", list(problems))
@@ -150,8 +150,6 @@ def evaluate_model(model, tokenizer_side, problems: EvalDataset | Sequence[EvalP
     prompts = [tokenizer_side.encode(build_prompt(tokenizer_side, p, dataset.system_prompt))
                for p in dataset.problems]
     if engine is None:
-        from ctopd_jax.rollout import make_rollout_engine
-
         extra = ({"max_model_len": max(map(len, prompts)) + max_new_tokens}
                  if engine_name == "vllm" else {})
         engine = make_rollout_engine(engine_name, model, stop_ids(tokenizer_side),
@@ -231,8 +229,6 @@ def evaluate_during_training(config, step: int, student, s_tok, engine, run_dir)
     e = config.evaluation
     if not e.dataset or not (step == config.steps or (e.every and step % e.every == 0)):
         return {}
-    from ctopd_jax.datasets import load_dataset
-
     dataset = load_dataset(e.dataset, limit=e.max_problems or None)
     r = config.rollout
     report = evaluate_model(student, s_tok, dataset, engine=engine, k=e.samples, greedy=e.greedy,

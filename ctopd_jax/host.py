@@ -8,12 +8,17 @@ equals them. Objectives cut micro-batches out of it (`Objective.prepare`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path as _Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from ctopd_jax import data
+from ctopd_jax.align import strict_align
+from ctopd_jax.align.strict import StrictAlignment
+from ctopd_jax.records import RecordError, chat_messages, read_jsonl, read_parquet
 from ctopd_jax.rollout.base import SamplingParams
-
+from ctopd_jax.tokenization.retokenize import IGNORE_INDEX, RetokenizedBatch, retokenize_pair
 
 if TYPE_CHECKING:
     from ctopd_jax.align.strict import StrictAlignment
@@ -121,9 +126,6 @@ class Collector:
         self.group = group
 
     def collect(self, prompts, seed: int, timer, rollout_index: int = 0) -> HostBatch:
-        from ctopd_jax.align import strict_align
-        from ctopd_jax.tokenization.retokenize import retokenize_pair
-
         s_texts = [render(self.s_tok, p) for p in prompts]
         t_texts = [render(self.t_tok, p) for p in prompts]
         with timer("rollout"):
@@ -193,8 +195,6 @@ def check_same_tokenizer(teacher, student, objective_name: str, what: str = "mod
 def response_text(prompt) -> str:
     """The dataset response of a prompt row (`response` or `completion` column, or the assistant
     turn that ended its chat messages); one line naming file:line when it has none."""
-    from ctopd_jax.records import RecordError
-
     for key in SOURCE_FIELDS:
         value = prompt.extra.get(key)
         if isinstance(value, str) and value:
@@ -207,10 +207,6 @@ def response_text(prompt) -> str:
 def load_response_prompts(path, prompt_key: str = "prompt", system_prompt: str = ""):
     """Prompt rows that carry a dataset response; chat messages ending in an assistant turn are
     split into the prompt (the turns before) and the response (that turn's content)."""
-    from pathlib import Path as _Path
-
-    from ctopd_jax import data
-    from ctopd_jax.records import RecordError, chat_messages, read_jsonl, read_parquet
 
     path = _Path(path)
     if not path.is_file():
@@ -264,8 +260,6 @@ def token_batch(side, prompt_ids, responses, trained, pad_to_multiple: int = 64)
     """A RetokenizedBatch of prompt + response ids whose loss covers the response tokens where
     `trained` is True (the rest, e.g. environment observations, is context only). Each response
     ends with its trained EOS; `resp_*` describe the trained tokens before it."""
-    from ctopd_jax.tokenization.retokenize import IGNORE_INDEX, RetokenizedBatch
-
     seqs = [list(p) + list(r) for p, r in zip(prompt_ids, responses)]
     lengths = np.array([len(s) for s in seqs])
     seq_len = -(-int(lengths.max()) // pad_to_multiple) * pad_to_multiple
@@ -296,8 +290,6 @@ def token_batch(side, prompt_ids, responses, trained, pad_to_multiple: int = 64)
 def identity_alignment(batch):
     """The alignment of a same-tokenizer batch with itself: every trained row pairs with
     itself (the same ids on both sides), in loss-mask order, the last row of a sample its EOS."""
-    from ctopd_jax.align.strict import StrictAlignment
-
     rows = np.flatnonzero(batch.loss_mask.reshape(-1)).astype(np.int32)
     sample = (rows // batch.seq_len).astype(np.int32)
     is_eos = np.r_[sample[1:] != sample[:-1], True] if len(rows) else np.zeros(0, bool)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ctopd_jax.grading.grader import MathGrader
 from ctopd_jax.host import HostBatch, identity_alignment, render, sampling_params, token_batch
 from ctopd_jax.rollout.episodes import play
 from ctopd_jax.turns import STUDENT, TurnRows, episode_arrays, group_advantage
@@ -74,8 +75,6 @@ class EpisodeCollector:
     def rewards(self, samples, episodes) -> np.ndarray:
         if self.environment is not None:
             return np.array([ep.reward for ep in episodes], np.float32)
-        from ctopd_jax.grading.grader import MathGrader
-
         texts = [self.side.decode([t for s in ep.segments if s.role == STUDENT for t in s.ids]) for ep in episodes]
         golds = [str(p.extra.get("answer", "")) for p in samples]
         with MathGrader() as grader:

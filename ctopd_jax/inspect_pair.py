@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ctopd_jax.align import strict_align
 from ctopd_jax.align.strict import describe_byte_mismatch
-from ctopd_jax.cli import UserError, at_least
+from ctopd_jax.cli import Parser, UserError, at_least, run
 from ctopd_jax.tokenization import load_tokenizer_side, overlap_map, retokenize_pair
 
 GREEN, YELLOW, RESET = "\x1b[32m", "\x1b[33m", "\x1b[0m"
@@ -129,14 +129,10 @@ PROG = "python -m ctopd_jax.inspect_pair"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ctopd_jax.cli import run
-
     return run(_main, argv, PROG)
 
 
 def _main(argv: list[str]) -> int:
-    from ctopd_jax.cli import Parser
-
     parser = Parser(prog=PROG, description=__doc__)
     parser.add_argument("--teacher", required=True,
                         help="tokenizer directory or tiny_bpe / tiny_unigram / qwen2.5 / llama3")

@@ -13,6 +13,7 @@ import os
 from typing import Mapping, Sequence
 
 import jax
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -134,8 +135,6 @@ def variable_logical_axes(variable) -> tuple[str | None, ...] | None:
 
 def module_shardings(module, mesh: Mesh):
     """NamedSharding per parameter of an NNX module (replicated when not annotated)."""
-    from flax import nnx
-
     def sharding_of(variable):
         axes = variable_logical_axes(variable)
         value = variable.get_value() if hasattr(variable, "get_value") else variable.value
@@ -149,8 +148,6 @@ def module_shardings(module, mesh: Mesh):
 
 def shard_module(module, mesh: Mesh):
     """Place every parameter of an NNX module on its logical sharding (in place); returns it."""
-    from flax import nnx
-
     state = nnx.state(module)
     shardings = module_shardings(module, mesh)
     nnx.update(module, jax.device_put(state, shardings))

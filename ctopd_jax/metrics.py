@@ -30,13 +30,18 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import os
 import queue
 import sys
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+import jax
+from tqdm import tqdm
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
@@ -69,8 +74,6 @@ def compile_seconds() -> float:
     """XLA compile seconds of this process so far (from jax.monitoring; counted from the first
     call, which registers the listener)."""
     if not _compiled["listening"]:
-        import jax
-
         def listen(event, duration, **_):
             if event == _COMPILE_EVENT:
                 _compiled["seconds"] += duration
@@ -116,8 +119,6 @@ class StepTimer:
         self._pending.put((phase, since, output))
 
     def _watch(self) -> None:
-        import jax
-
         while (item := self._pending.get()) is not None:
             phase, since, output = item
             jax.block_until_ready(output)
@@ -276,11 +277,11 @@ class MetricsLogger:
             self._jsonl = (self.run_dir / METRICS_FILE).open("a", encoding="utf-8")
             self._samples = (self.run_dir / SAMPLES_FILE).open("a", encoding="utf-8")
         if tensorboard:
+            # a heavy import (protobuf), only when logging.tensorboard is on
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
         if progress:
             if getattr(self.stream, "isatty", lambda: False)():
-                from tqdm import tqdm
                 self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                                  dynamic_ncols=True, file=self.stream)
             else:
@@ -355,11 +356,8 @@ WANDB_ID_FILE = "wandb_run_id"
 
 def _start_wandb(run_dir: Path, config, start_step: int):
     """The wandb run of this training run (resumed runs continue the id kept in run_dir)."""
-    import os
-    import uuid
-
     try:
-        import wandb
+        import wandb   # optional dependency (logging.wandb: true)
     except ImportError:
         raise MetricsError("logging.wandb: true needs the wandb package: pip install wandb") from None
     lg = config.logging

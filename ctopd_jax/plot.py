@@ -14,7 +14,9 @@ import sys
 import warnings
 from pathlib import Path
 
+from ctopd_jax.cli import Parser, run
 from ctopd_jax.metrics import MetricsError, read_metrics
+
 
 # group -> (series keys, y-axis label)
 GROUPS = {
@@ -49,14 +51,14 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     if not records:
         raise PlotError(f"{Path(run_dir) / 'metrics.jsonl'}: the log has no rows yet; plot "
                         "after the run has logged a step")
-    import matplotlib
+    import matplotlib   # heavy: imported only when a plot is drawn
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # (as above)
 
     out_dir = Path(run_dir) / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator   # (as above)
 
     # objectives log their own named sums (strict_loss, span_loss, ...): they join the loss plot
     named = sorted({k for r in records for k in r if k.endswith("_loss")} - set(GROUPS["loss"][0]))
@@ -102,8 +104,6 @@ def plot_after_training(run_dir: str | Path) -> list[Path]:
 
 
 def _main(argv: list[str]) -> int:
-    from ctopd_jax.cli import Parser
-
     parser = Parser(prog="python -m ctopd_jax.plot", description=__doc__)
     parser.add_argument("run_dir", help="a run's output_dir (holds metrics.jsonl)")
     args = parser.parse_args(argv)
@@ -113,7 +113,6 @@ def _main(argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    from ctopd_jax.cli import run
     return run(_main, argv, "python -m ctopd_jax.plot")
 
 

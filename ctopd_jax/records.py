@@ -47,7 +47,7 @@ def read_jsonl(path: Path) -> Rows:
 
 
 def read_parquet(path: Path) -> Rows:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq   # heavy import: only for parquet files
 
     try:
         table = pq.read_table(path)

@@ -32,6 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from ctopd_jax.checkpoint import checkpoint_metas
+from ctopd_jax.config import TrainConfig
+
 HARMLESS_PREFIXES = ("logging.", "evaluation.", "guard.", "mesh.")
 HARMLESS_FIELDS = frozenset({
     "output_dir", "checkpoint.dir", "run_name", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
@@ -71,7 +74,6 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _defaults() -> dict[str, Any]:
-    from ctopd_jax.config import TrainConfig
     return flatten(dataclasses.asdict(TrainConfig()))
 
 
@@ -123,7 +125,6 @@ def read_saved_config(run_dir: str | Path, checkpoint_dir: str | Path | None = N
             raise ConfigChangeError(f"{path}: not valid JSON; repair it or remove it to resume "
                                     "against the checkpoint's own config") from None
     if checkpoint_dir is not None:
-        from ctopd_jax.checkpoint import checkpoint_metas
         for step, meta in reversed(checkpoint_metas(Path(checkpoint_dir))):
             if meta and isinstance(meta.get("config"), dict):
                 return meta["config"], f"{checkpoint_dir}/{step}"

@@ -18,17 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from ctopd_jax.teacher_service.batch_rows import score_teacher_batch
+from ctopd_jax.config import default_teacher
 from ctopd_jax.routing import route_rows
 from ctopd_jax.step.grad import host_floats
+from ctopd_jax.teacher_service.batch_rows import score_teacher_batch
 
 
 def collect(teachers: dict, config, objective, prompts, seed: int, timer, rollout_index: int) -> dict[str, Any]:
     """name -> the HostBatch of the prompts routed to that teacher (build.TeacherParts; a row's
     data.teacher_key field or data.default_teacher, else every prompt to the one teacher), with
     its overlap map and a served teacher's token log-probs (and top-k when the objective reads it)."""
-    from ctopd_jax.config import default_teacher
-
     default = default_teacher(config)
     routed = (route_rows([p.extra for p in prompts], list(teachers), default, config.data.teacher_key)
               if config.teachers else {default: range(len(prompts))})

@@ -31,7 +31,18 @@ import contextlib
 import json
 import sys
 
+import jax
+
+from ctopd_jax.checkpoint import CheckpointWriteError
 from ctopd_jax.cli import EXIT_DIVERGED, Parser, one_line, run
+from ctopd_jax.config import load_config
+from ctopd_jax.mesh import initialize_distributed
+from ctopd_jax.preflight import preflight, start_served_teachers
+from ctopd_jax.resume_config import record_config_changes
+from ctopd_jax.run_dir import RunLock, write_error
+from ctopd_jax.run_guard import SIGNAL_NAMES, SignalGuard
+from ctopd_jax import trainer as trainer_module   # Trainer read at call time: tests stand it in
+from ctopd_jax.trainer import TrainingDiverged
 
 PROG = "python -m ctopd_jax.train"
 
@@ -55,13 +66,7 @@ def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.allow_config_change and not args.resume:
         raise SystemExit("--allow-config-change only applies with --resume")
-    from ctopd_jax.mesh import initialize_distributed
-
     initialize_distributed()
-    import jax
-
-    from ctopd_jax.config import load_config
-    from ctopd_jax.preflight import preflight, start_served_teachers
 
     config = load_config(args.config, args.overrides, args.mesh)
     # `with`: a teacher server the run starts itself (teacher.launch) stops whenever the run ends
@@ -69,8 +74,6 @@ def _main(argv: list[str]) -> int:
                    device_count=jax.device_count()) as pre:
         start_served_teachers(pre)   # after every cheap check: the one that talks to a server
         writer = jax.process_index() == 0
-        from ctopd_jax.run_dir import RunLock, write_error
-
         # one writer per output: the writing process holds <output_dir>/.run.lock and
         # <checkpoint.dir>/.run.lock throughout (another run may share either folder alone)
         try:
@@ -80,8 +83,6 @@ def _main(argv: list[str]) -> int:
                     locks.enter_context(RunLock(pre.checkpoint_dir, "checkpoint.dir"))
                 return _train(config, pre, args, writer)
         except Exception as err:   # a refused write (no space, read-only, permission): one line
-            from ctopd_jax.checkpoint import CheckpointWriteError
-
             line = None if isinstance(err, CheckpointWriteError) else write_error(   # already one
                 err, {"output_dir": config.output_dir, "checkpoint.dir": pre.checkpoint_dir})
             if line is None:
@@ -93,16 +94,11 @@ def _train(config, pre, args, writer: bool) -> int:
     def log_config_changes(step: int) -> None:
         """After the restore: a checkpoint refused as another model's leaves the run as it was."""
         if pre.config_changes and writer:
-            from ctopd_jax.resume_config import record_config_changes
-
             path = record_config_changes(config.output_dir, pre.config_changes, resumed_step=step)
             print(f"resume: config changed ({', '.join(c.field for c in pre.config_changes)}); "
                   f"logged to {path}", file=sys.stderr, flush=True)
 
-    from ctopd_jax.run_guard import SIGNAL_NAMES, SignalGuard
-    from ctopd_jax.trainer import Trainer, TrainingDiverged
-
-    trainer = Trainer(config, preflight=pre)
+    trainer = trainer_module.Trainer(config, preflight=pre)
     try:
         # a signal in the loop finishes the step, checkpoints it and stops (run_guard.Stopped:
         # cli.run prints its line); one after it lets the export and the plots finish
@@ -110,8 +106,6 @@ def _train(config, pre, args, writer: bool) -> int:
         with SignalGuard() as stop:
             result = trainer.train(resume=args.resume, stop=stop, on_resumed=log_config_changes)
             if writer:
-                from ctopd_jax.plot import plot_after_training
-
                 plot_after_training(result.run_dir)   # <run_dir>/plots/*.png; warns, never fails
     except TrainingDiverged as err:
         print(f"{PROG}: training stopped: {one_line(err)}", file=sys.stderr)

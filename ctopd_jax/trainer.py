@@ -38,8 +38,8 @@ import numpy as np
 from flax import nnx
 
 from ctopd_jax import build, host_offload, teacher_batches
-from ctopd_jax.setup_errors import TrainerSetupError  # noqa: F401  (re-exported for callers)
 from ctopd_jax.algorithms.packing import host_micro_ranges, pack_rows
+from ctopd_jax.align import CoverageMeter
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig, default_teacher
 from ctopd_jax.evaluation import evaluate_during_training
@@ -47,11 +47,13 @@ from ctopd_jax.mesh_arrays import on_mesh, to_global
 from ctopd_jax.metrics import MetricsLogger, StartupClock, StepTimer
 from ctopd_jax.models import lora
 from ctopd_jax.objective_factory import check_objective
+from ctopd_jax.run_guard import DivergenceGuard, Stopped
+from ctopd_jax.setup_errors import TrainerSetupError  # (also re-exported for callers)
+from ctopd_jax.step.diagnostics import Diagnostics
 from ctopd_jax.step.grad import micro_grad, zero_grads
 from ctopd_jax.step.shards import stack_shards
 from ctopd_jax.teacher import add_teacher_base, teacher_hidden_rows
 from ctopd_jax.teacher_service import TeacherServiceError
-
 
 COVERAGE_FIELDS = ("pairs", "student_tokens", "teacher_tokens", "mismatched", "samples")
 
@@ -75,9 +77,6 @@ class Trainer:
     def __init__(self, config: TrainConfig, preflight=None):
         """`preflight` (preflight.Preflight): reuse the objective and what the cheap checks
         already loaded (tokenizers, overlap map, prompts) instead of building them again."""
-        from ctopd_jax.align import CoverageMeter
-        from ctopd_jax.run_guard import DivergenceGuard
-
         c = self.config = config
         self.run_dir = Path(c.output_dir)
         self.is_writer = jax.process_index() == 0
@@ -104,7 +103,6 @@ class Trainer:
         self.update_count = 0
         self.diagnostics = None
         if c.algorithm.diagnostics_every:
-            from ctopd_jax.step.diagnostics import Diagnostics
             self.diagnostics = Diagnostics(c, self.objective, self.stream.prompts)
         startup("ready")
 
@@ -246,8 +244,6 @@ class Trainer:
         """Run to `steps`. `stop` (run_guard.SignalGuard): at each step boundary a requested stop
         checkpoints the finished step and raises run_guard.Stopped. `on_resumed(step)` runs once
         a checkpoint was restored (a refused restore writes nothing into the run)."""
-        from ctopd_jax.run_guard import Stopped
-
         c = self.config
         ck_dir = Path(c.checkpoint.dir) if c.checkpoint.dir else self.run_dir / "checkpoints"
         checkpointer = Checkpointer(ck_dir, every=c.checkpoint.every, keep=c.checkpoint.keep,

@@ -454,7 +454,7 @@ def stage_compile_memory(report: Report) -> None:
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from ctopd_jax import plan
+    from ctopd_jax import plan_model
     from ctopd_jax.models import PRESETS
     limit = _bytes_limit()
     if report.dry:
@@ -489,8 +489,8 @@ def stage_compile_memory(report: Report) -> None:
             targets = jnp.take(ids.reshape(-1), rows)
             return _chunked_nll(flat, model.lm_head_weight(), rows, targets, chunk)
         res = _compile_only(jax.jit(jax.value_and_grad(loss)).lower(state, ids, mask, rows), limit)
-        attention = plan.attention_kind(s_cfg, gpu=jax.default_backend() == "gpu")
-        res["planner_activation_bytes"] = plan.activation_bytes(
+        attention = plan_model.attention_kind(s_cfg, gpu=jax.default_backend() == "gpu")
+        res["planner_activation_bytes"] = plan_model.activation_bytes(
             s_cfg, batch, seq, remat=True, attention=attention)
         res["planner_attention"] = attention
         return res
@@ -517,7 +517,7 @@ def stage_train_step(report: Report) -> None:
     import jax.numpy as jnp
     import optax
     from flax import nnx
-    from ctopd_jax import plan
+    from ctopd_jax import plan_model
     from ctopd_jax.models import PRESETS
     from ctopd_jax.models.init import init_decoder
     name, batch, seq = ("tiny_llama", 2, 64) if report.dry else ("llama3_2_3b", 2, 4096)
@@ -562,9 +562,9 @@ def stage_train_step(report: Report) -> None:
             return value
         value, t = _compile_run(stepper, repeat=2 if report.dry else 3)
         tokens = batch * seq
-        n_params = plan.param_count(cfg)
+        n_params = plan_model.param_count(cfg)
         flops = 8 * (n_params - cfg.vocab_size * cfg.hidden_size) * tokens + 8 * batch * (
-            plan._attention_flops(cfg, seq, "causal")) + 6 * cfg.hidden_size * cfg.vocab_size * tokens
+            plan_model.attention_flops(cfg, seq, "causal")) + 6 * cfg.hidden_size * cfg.vocab_size * tokens
         peak = _env_rate(report.out, "matmul", "tflops")
         tflops = flops / t["run_s"] / 1e12
         return {**t, "model": name, "batch": batch, "seq": seq, "tokens_per_s": tokens / t["run_s"],
@@ -586,7 +586,7 @@ def stage_sampler(report: Report) -> None:
     from ctopd_jax.models import PRESETS
     from ctopd_jax.models.init import init_decoder
     from ctopd_jax.models.kv_cache import page_pool_token_bytes
-    from ctopd_jax.plan import param_count
+    from ctopd_jax.plan_model import param_count
     from ctopd_jax.rollout.base import SamplingParams
     from ctopd_jax.rollout.jax_sampler import JaxSampler
     # the issue-31 shape: 64 and 128 concurrent samples of 2,048-token prompts + 2,048 new

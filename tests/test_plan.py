@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from ctopd_jax import plan
+from ctopd_jax import plan, plan_model
 from ctopd_jax.cli import run
 from ctopd_jax.models import PRESETS, ModelConfig
 
@@ -28,8 +28,8 @@ def _cli(argv):
 
 def test_param_counts_match_the_published_models():
     # Published totals of meta-llama/Llama-3.2-3B (tied) and Qwen/Qwen2.5-7B (untied).
-    assert plan.param_count(PRESETS["llama3_2_3b"]()) == 3_212_749_824
-    assert plan.param_count(PRESETS["qwen2_5_7b"]()) == 7_615_616_512
+    assert plan_model.param_count(PRESETS["llama3_2_3b"]()) == 3_212_749_824
+    assert plan_model.param_count(PRESETS["qwen2_5_7b"]()) == 7_615_616_512
 
 
 @pytest.mark.parametrize("spec,preset", [
@@ -40,14 +40,14 @@ def test_param_counts_match_the_published_models():
     ("checkpoints/Mistral-7B", None),
 ])
 def test_presets_are_matched_by_directory_name(spec, preset):
-    assert plan.preset_for_name(spec) == preset
+    assert plan_model.preset_for_name(spec) == preset
 
 
 def test_an_hf_config_json_wins_over_the_name(tmp_path):
     model_dir = tmp_path / "Llama-3.2-3B-Instruct"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(PRESETS["tiny_llama"]().to_hf_dict()))
-    cfg, source = plan.resolve_model(str(model_dir), None, "student", "bfloat16", "float32")
+    cfg, source = plan_model.resolve_model(str(model_dir), None, "student", "bfloat16", "float32")
     assert cfg.hidden_size == 128 and cfg.num_layers == 2
     assert source.endswith("config.json")
 
@@ -55,8 +55,8 @@ def test_an_hf_config_json_wins_over_the_name(tmp_path):
 def test_einsum_attention_grows_quadratically_and_blockwise_linearly():
     cfg = PRESETS["llama3_2_3b"]()
     for kind, expected in (("einsum", 3.5), ("blockwise", 2.0)):
-        short = plan.activation_bytes(cfg, 1, 5120, remat=True, attention=kind)
-        long = plan.activation_bytes(cfg, 1, 10240, remat=True, attention=kind)
+        short = plan_model.activation_bytes(cfg, 1, 5120, remat=True, attention=kind)
+        long = plan_model.activation_bytes(cfg, 1, 10240, remat=True, attention=kind)
         assert long / short == pytest.approx(expected, rel=0.15), kind
 
 
@@ -213,8 +213,8 @@ def _tiny(layers, attention):
 def test_activation_estimate_matches_compile_only_memory_analysis(attention, layers, batch, seq):
     cfg = _tiny(layers, attention)
     measured = _decoder_temp(cfg, batch, seq)
-    estimate = plan.activation_bytes(cfg, batch, seq, remat=False,
-                                     attention=plan.attention_kind(cfg))
+    estimate = plan_model.activation_bytes(cfg, batch, seq, remat=False,
+                                     attention=plan_model.attention_kind(cfg))
     assert 0.8 <= estimate / measured <= 1.25, (estimate, measured)
 
 
@@ -254,10 +254,10 @@ def test_remat_estimate_matches_a_scanned_layer_stack(layers):
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(stacked, x).compile()
     measured = compiled.memory_analysis().temp_size_in_bytes
     stack_cfg = cfg.replace(num_layers=layers)
-    estimate = plan.layer_stack_bytes(stack_cfg, batch, seq, remat=True,
-                                      attention=plan.attention_kind(stack_cfg))
+    estimate = plan_model.layer_stack_bytes(stack_cfg, batch, seq, remat=True,
+                                      attention=plan_model.attention_kind(stack_cfg))
     assert 0.8 <= estimate / measured <= 1.25, (estimate, measured)
-    without = plan.layer_stack_bytes(stack_cfg, batch, seq, remat=False, attention="einsum")
+    without = plan_model.layer_stack_bytes(stack_cfg, batch, seq, remat=False, attention="einsum")
     if layers == 8:
         assert measured < 0.5 * without  # remat really is honoured in this probe
 

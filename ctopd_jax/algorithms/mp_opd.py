@@ -56,6 +56,7 @@ from jax.experimental import io_callback
 
 from ctopd_jax.algorithms import pack
 from ctopd_jax.algorithms.base import BASE_ROWS, Needs, Objective, register, shard_gather
+from ctopd_jax.align.atoms import FAIL_REASONS, mpopd_atoms
 from ctopd_jax.config import AlgorithmSection, require
 from ctopd_jax.kernels.token_rows import token_rows
 
@@ -227,15 +228,12 @@ def align_sample(b, w, chunks, grams):
 # -- host arrays ------------------------------------------------------------------------------------
 def host_atoms(host, eos_atom: bool = False):
     """MP-OPD atoms of the whole collected batch (computed once per batch)."""
-    from ctopd_jax.align.atoms import mpopd_atoms
     return host.once(f"mp_opd_atoms_eos{int(eos_atom)}",
                      lambda h: mpopd_atoms(h.teacher, h.student, eos_atom=eos_atom))
 
 
 def atom_arrays(settings, host, start: int, stop: int, student_len: int, teacher_len: int,
                 response_rows: np.ndarray, response_weight: np.ndarray, min_rows: int = 64) -> dict:
-    from ctopd_jax.align.atoms import FAIL_REASONS
-
     s = settings
     atoms = host_atoms(host, s.mp_opd_eos_atom)
     sel = (atoms.atoms[:, 0] >= start) & (atoms.atoms[:, 0] < stop)

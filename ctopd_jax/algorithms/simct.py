@@ -44,6 +44,7 @@ import numpy as np
 from ctopd_jax import losses
 from ctopd_jax.algorithms import pack
 from ctopd_jax.algorithms.base import BASE_ROWS, Objective, register
+from ctopd_jax.align.simct import simct_segments
 from ctopd_jax.config import AlgorithmSection
 from ctopd_jax.kernels.token_rows import token_rows
 
@@ -58,7 +59,6 @@ class SimCTSettings(AlgorithmSection):
 
 def host_segments(host):
     """SimCT segments of the whole collected batch (computed once per batch)."""
-    from ctopd_jax.align.simct import simct_segments
     return host.once("simct_segments", lambda h: simct_segments(h.teacher, h.student))
 
 

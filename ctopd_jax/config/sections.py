@@ -300,7 +300,6 @@ class TrainConfig:
     guard: GuardSection = field(default_factory=GuardSection)
     lora: LoraSection = field(default_factory=LoraSection)
 
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -23,11 +23,30 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
+
 import ctopd_jax
-from ctopd_jax.demo.compare import gap_closed
+from ctopd_jax import cli
+from ctopd_jax.algorithms import registry
+from ctopd_jax.align import strict_align
+from ctopd_jax.build import model_dir
+from ctopd_jax.cli import Parser, at_least
+from ctopd_jax.config import load_config
+from ctopd_jax.datasets import load_dataset
+from ctopd_jax.demo import task
+from ctopd_jax.demo.compare import algorithm_config, compare, episode_accuracy, gap_closed
+from ctopd_jax.evaluation import evaluate_model
+from ctopd_jax.models.weights import load_hf_checkpoint
+from ctopd_jax.plot import plot_run
+from ctopd_jax.preflight import preflight, start_served_teachers
+from ctopd_jax.run_guard import SignalGuard
+from ctopd_jax.tokenization import retokenize_pair
+from ctopd_jax.trainer import Trainer
 
 STRICT_DEMO_OBJECTIVE = "topk_strict"  # the objective of DEFAULT_CONFIG, whose target is 50%
 DEFAULT_CONFIG = Path(ctopd_jax.__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
@@ -52,10 +71,6 @@ def strict_targets_in_shared_vocab(t_tok, s_tok, overlap, problems) -> float:
     """Share of the student tokens at strict pairs of reference solutions that have a column in
     the shared vocabulary V∩. The strict objectives only see V∩ columns, so a token outside it
     cannot be taught even where the alignment is perfect (a pre-flight check of the pair)."""
-    import numpy as np
-
-    from ctopd_jax.align import strict_align
-    from ctopd_jax.tokenization import retokenize_pair
 
     t_rt, s_rt = retokenize_pair(t_tok, s_tok, [t_tok.render_prompt(p.prompt) for p in problems],
                                  [s_tok.render_prompt(p.prompt) for p in problems],
@@ -69,8 +84,6 @@ PROG = "python -m ctopd_jax.demo"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ctopd_jax.cli import Parser, at_least
-
     p = Parser(prog=PROG, description=__doc__)
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML run config")
     p.add_argument("--out", type=lambda s: Path(s).expanduser(), default=Path("runs/demo"),
@@ -95,8 +108,6 @@ def _parser() -> argparse.ArgumentParser:
 def _parse(argv) -> argparse.Namespace:
     """The arguments, with --algorithm / --only names checked against the registered
     objectives (a usage error, one line, before anything is written)."""
-    from ctopd_jax.algorithms import registry
-
     parser = _parser()
     args = parser.parse_args(argv)
     for flag, names in (("--algorithm", [args.algorithm] if args.algorithm else []),
@@ -112,15 +123,11 @@ def _config(args, out: Path):
     """The run's config. With --algorithm, that objective's pair, config and demo recipe
     (ctopd_jax/demo/compare.py), written to a temporary folder that is gone once it is read
     (the run folder gets the trainer's config.json)."""
-    import tempfile
-
-    from ctopd_jax.config import load_config
 
     overrides = [*args.overrides, *([f"steps={args.steps}"] if args.steps else []),
                  f"output_dir={out}", "evaluation.dataset=''"]
     if not args.algorithm:
         return load_config(args.config, overrides)
-    from ctopd_jax.demo.compare import algorithm_config
     with tempfile.TemporaryDirectory(prefix="ctopd_demo_") as folder:
         path, recipe = algorithm_config(args.algorithm, Path(folder),
                                         None if args.config == DEFAULT_CONFIG else args.config)
@@ -131,7 +138,6 @@ def run(argv=None) -> dict:
     args = _parse(argv)
     started = time.perf_counter()
     if args.compare:   # every objective, one table (ctopd_jax/demo/compare.py)
-        from ctopd_jax.demo.compare import compare
         out = fresh_output_dir(args.out if args.out != Path("runs/demo") else Path("runs/compare"))
         return {"rows": compare(out, args.steps or 20, names=args.only, problems=args.problems,
                                 overrides=tuple(args.overrides), seeds=tuple(range(args.seeds)))}
@@ -141,20 +147,11 @@ def run(argv=None) -> dict:
     out = fresh_output_dir(args.out)
     config = _config(args, out)
 
-    import jax
-
-    from ctopd_jax.datasets import load_dataset
-    from ctopd_jax.evaluation import evaluate_model
-    from ctopd_jax.models.weights import load_hf_checkpoint
-    from ctopd_jax.plot import plot_run
-    from ctopd_jax.preflight import preflight, start_served_teachers
-
     max_new = config.rollout.generate_max_len
     dataset = load_dataset("demo")
 
     def accuracy(model, side, who, engine=None) -> float:
         if config.rollout.environment:   # a tool task: the reward of greedy episodes
-            from ctopd_jax.demo.compare import episode_accuracy
             value = episode_accuracy(model, side, config, engine=engine)
             print(f"[demo] {who:15s} held-out accuracy {value:.3f} (greedy {config.rollout.environment} "
                   "episodes)", flush=True)
@@ -166,9 +163,6 @@ def run(argv=None) -> dict:
         return report.mean_at_k
 
     print(f"[demo] run directory {out}", flush=True)
-    from ctopd_jax.demo import task
-    from ctopd_jax.trainer import Trainer
-
     # the checks of `python -m ctopd_jax.train` first; `with`: a teacher server the config
     # starts itself (teacher.launch) stops when training ends, also on an error or Ctrl-C
     with preflight(config, device_count=jax.device_count()) as pre:
@@ -184,13 +178,10 @@ def run(argv=None) -> dict:
                   "V∩; expect little or no improvement (see tokenization.overlap_map)", flush=True)
         teacher = teacher_parts.model
         if teacher is None:   # served (teacher.engine): the demo grades the same checkpoint here
-            from ctopd_jax.build import model_dir
             teacher, _ = load_hf_checkpoint(model_dir(config.model.teacher), dtype=config.model.dtype)
         teacher_acc = accuracy(teacher, teacher_parts.tokenizer, "teacher")
         before = accuracy(trainer.student, trainer.s_tok, "student_before", engine=trainer.engine)
         train_started = time.perf_counter()
-        from ctopd_jax.run_guard import SignalGuard
-
         with SignalGuard() as stop:   # a signal: the step finishes, is checkpointed, one line
             result = trainer.train(stop=stop)
         train_s = time.perf_counter() - train_started
@@ -248,8 +239,6 @@ def _print_summary(s: dict) -> None:
 
 def main(argv=None) -> int:
     """Bad input: one line and exit status 2 (`ctopd_jax.cli`; --debug for the traceback)."""
-    from ctopd_jax import cli
-
     return cli.run(lambda a: (run(a), 0)[1], argv, PROG)
 
 

@@ -44,12 +44,25 @@ not know (e.g. `ctkd_topk` for opd) are dropped from its algorithm section.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
 from pathlib import Path
 
+import numpy as np
+import yaml
+
 import ctopd_jax
+from ctopd_jax.algorithms import default_objective, objectives_that, registry
+from ctopd_jax.config import load_config, load_yaml
+from ctopd_jax.data import load_prompts, resolve_named_source
+from ctopd_jax.datasets import load_dataset
+from ctopd_jax.envs import make_environment
+from ctopd_jax.evaluation import evaluate_model
+from ctopd_jax.rollout import make_rollout_engine
+from ctopd_jax.rollout.episodes import greedy_reward
+from ctopd_jax.trainer import Trainer
 
 CONFIGS = Path(ctopd_jax.__file__).resolve().parent.parent / "configs"
 CROSS_CONFIG = CONFIGS / "tiny_cpu.yaml"
@@ -68,15 +81,12 @@ SAME_REFERENCE = "opd"
 BASE_PAIR = {"char_lora": "char"}
 
 
-
 def gap_closed(before: float, after: float, teacher: float) -> float | None:
     """Share of the teacher-student gap closed; None when the student did not start behind."""
     gap = teacher - before
     return None if gap <= 0 else (after - before) / gap
 
 def _needs(name: str):
-    from ctopd_jax.algorithms import default_objective, registry
-
     if name not in registry():
         raise ValueError(f"--algorithm {name!r} is not registered; choose one of {', '.join(sorted(registry()))}")
     return default_objective(name).needs
@@ -95,10 +105,6 @@ def pair_of(name: str) -> str:
 def config_tree(name: str, base: Path | None = None, pair: str | None = None) -> dict:
     """The demo config of objective `name` as a tree: its pair's YAML, algorithm.name = name,
     algorithm keys the objective does not know dropped."""
-    import dataclasses
-
-    from ctopd_jax.algorithms import registry
-    from ctopd_jax.config import load_yaml
 
     pair = pair or pair_of(name)
     path = base or PAIRS[pair][0]
@@ -116,8 +122,6 @@ def config_tree(name: str, base: Path | None = None, pair: str | None = None) ->
 
 def write_config(name: str, out_dir: Path, base: Path | None = None, pair: str | None = None) -> Path:
     """`config_tree(name)` written as YAML under out_dir (what --algorithm runs)."""
-    import yaml
-
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"config_{name}{'_' + pair if pair else ''}.yaml"
     path.write_text(yaml.safe_dump(config_tree(name, base, pair), sort_keys=False))
@@ -132,8 +136,6 @@ def iteration_seconds(run_dir: Path) -> float | None:
 
 
 def _accuracy(model, side, problems, max_new, out_dir, engine=None) -> float:
-    from ctopd_jax.evaluation import evaluate_model
-
     return evaluate_model(model, side, problems, engine=engine, greedy=True, max_new_tokens=max_new,
                           out_dir=out_dir).mean_at_k
 
@@ -141,11 +143,6 @@ def _accuracy(model, side, problems, max_new, out_dir, engine=None) -> float:
 def episode_accuracy(model, side, config, limit: int = 0, engine=None) -> float:
     """Mean reward of greedy episodes with the config's environment on the tool task's
     held-out prompts (the first `limit` of them when set)."""
-    from ctopd_jax.data import load_prompts, resolve_named_source
-    from ctopd_jax.envs import make_environment
-    from ctopd_jax.rollout import make_rollout_engine
-    from ctopd_jax.rollout.episodes import greedy_reward
-
     r = config.rollout
     prompts = load_prompts(resolve_named_source("demo:tools_held_out"))
     prompts = prompts[:limit] if limit else prompts
@@ -160,8 +157,6 @@ def jobs(names: list[str]) -> list[tuple[str, str]]:
     """(objective, pair) runs: each objective on its pair; `strict` first as the reference, and
     `opd` on the tool task too when a turn objective runs (their time reference), and `opd`
     with a LoRA student (`char_lora`) right after `opd` on the char pair."""
-    from ctopd_jax.algorithms import registry
-
     runs = [(n, pair_of(n)) for n in names]
     if REFERENCE in registry() and (REFERENCE, "cross") not in runs:
         runs.insert(0, (REFERENCE, "cross"))
@@ -177,8 +172,6 @@ def recipe_overrides(name: str, pair: str, recipe: str = "demo") -> list[str]:
     """`--set` overrides of objective `name` on `pair`: `recipe="demo"` its demo recipe
     (configs/demo_recipes.yaml, on its own pair only: the LoRA and time-reference rows keep
     their pair's config), `"strict"` the strict family's recipe (tiny_cpu.yaml's optimizer lr)."""
-    from ctopd_jax.config import load_yaml
-
     if recipe == "strict":
         lr = (load_yaml(CROSS_CONFIG.read_text(encoding="utf-8")) or {})["optimizer"]["lr"]
         return [f"optimizer.lr={lr}"]
@@ -199,8 +192,6 @@ def algorithm_config(name: str, out_dir: Path, base: Path | None = None) -> tupl
 
 def recipes_differ(name: str, pair: str, config_dir: Path) -> bool:
     """Whether the demo recipe and the strict recipe give different configs (else one run)."""
-    from ctopd_jax.config import load_config
-
     path = write_config(name, config_dir, pair=pair)
     return (load_config(path, recipe_overrides(name, pair, "demo")).to_dict()
             != load_config(path, recipe_overrides(name, pair, "strict")).to_dict())
@@ -224,10 +215,6 @@ def train_and_grade(name: str, pair: str, run_dir: Path, steps: int, seed: int =
     student; then greedy held-out accuracy (the first `problems`, 0 = all). `baselines` caches
     (teacher, before) accuracies per base pair across calls. The row: accuracies, gap closed,
     seconds per iteration, final loss and the curves."""
-    from ctopd_jax.config import load_config
-    from ctopd_jax.datasets import load_dataset
-    from ctopd_jax.trainer import Trainer
-
     baselines = {} if baselines is None else baselines
     cfg_path = write_config(name, run_dir.parent / "configs", pair=pair)
     applied = [*recipe_overrides(name, pair, recipe), *overrides]
@@ -275,8 +262,6 @@ def compare(out: Path, steps: int, names: list[str] | None = None, problems: int
     recipe, once per seed, and (`strict_recipe`) once more, seed 0, in the strict recipe where
     that differs; write the table, plot and json under `out`; return one row per (objective,
     pair) with the mean and standard deviation over seeds."""
-    from ctopd_jax.algorithms import objectives_that
-
     names = names or objectives_that(lambda o: o.needs.teacher_scores != "topk")
     baselines: dict[str, tuple[float, float]] = {}
     rows = []
@@ -342,11 +327,9 @@ def markdown_table(rows: list[dict], steps: int) -> str:
 def plot(rows: list[dict], path: Path) -> Path | None:
     """Accuracy before / after (mean ± std over seeds, the teacher marked), the time ratio to
     strict, and each row's loss curve (mean over seeds, ± std shaded)."""
-    import matplotlib
+    import matplotlib   # heavy: imported only when the comparison is plotted
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
+    import matplotlib.pyplot as plt   # (as above)
     ok = [r for r in rows if "error" not in r]
     if not ok:
         return None

@@ -20,7 +20,7 @@ DEMO_TEACHER = Path(ctopd_jax.__file__).parent / "assets" / "demo" / "teacher"
 
 def demo_teacher_inputs(count: int, seed: int = 0, corrupt: float = 0.5,
                         teacher_dir=DEMO_TEACHER) -> tuple[list[list[int]], list[int]]:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer   # optional dependency (the test extras)
 
     tokenizer = AutoTokenizer.from_pretrained(str(teacher_dir))
     rng = np.random.default_rng(seed)

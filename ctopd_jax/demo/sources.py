@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ctopd_jax import sources
+from ctopd_jax.datasets import EvalDataset, EvalProblem
 from ctopd_jax.demo import data, task, tools_task
-
 
 TOOLS_PREFIX = "tools_"
 
@@ -19,8 +19,6 @@ TOOLS_PREFIX = "tools_"
 def evaluation_set(split: str):
     """The demo's split as an evaluation set, graded by the task's own grader (`tools_held_out`:
     the tool-use task's held-out split, whose responses are full transcripts)."""
-    from ctopd_jax.datasets import EvalDataset, EvalProblem
-
     if split.startswith(TOOLS_PREFIX):
         name = split[len(TOOLS_PREFIX):]
         problems = [EvalProblem(f"demo_tools:{i}", p.prompt, str(p.answer), None,

@@ -41,6 +41,7 @@ import re
 from pathlib import Path
 
 from ctopd_jax.demo import task
+from ctopd_jax.demo.data import cached_jsonl
 
 OPERATORS = ("*", "+", "-")
 OPERANDS = range(10, 100)
@@ -155,8 +156,6 @@ write_jsonl = task.write_jsonl   # one row (`Problem.to_row()`) per line
 def prompt_file(split_name: str) -> Path:
     """The jsonl of ``split_name`` in the demo cache (``demo:tools_train`` / ``demo:tools_held_out``),
     rewritten only when its content would change (as demo.data.prompt_file)."""
-    from ctopd_jax.demo.data import cached_jsonl
-
     if split_name not in SPLITS:
         raise ValueError(f"demo tools split {split_name!r} is unknown; use demo:tools_train or "
                          "demo:tools_held_out")

@@ -20,13 +20,13 @@ import math
 import resource
 import sys
 
+from ctopd_jax.grading.equivalence import compare
+from ctopd_jax.grading.symbolic import symbolic_equal
+
 
 def main() -> None:
     memory_bytes = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     cpu_seconds = int(sys.argv[2]) if len(sys.argv) > 2 else 0
-    from ctopd_jax.grading.equivalence import compare
-    from ctopd_jax.grading.symbolic import symbolic_equal
-
     if memory_bytes > 0:
         # A runaway power like 10**10**10 then fails fast with MemoryError instead of
         # swapping the machine until the parent's deadline kills it.

@@ -82,7 +82,7 @@ def pallas_lowering_failure(divergence: str, topk: int | None, chunk_shape: tupl
     if interpret:
         return None
     rows, cols = max(1, int(chunk_shape[0])), int(chunk_shape[1])
-    from ctopd_jax.kernels.pallas_common import gpu_backend
+    from ctopd_jax.kernels.pallas_common import gpu_backend   # Pallas: only on a GPU, when lowering
     return _pallas_lowering_error(divergence, topk, rows, cols,
                                   f"{jax.default_backend()}/{gpu_backend()}")
 
@@ -164,9 +164,10 @@ def _validate(student, teacher, s_ids, row_weight, topk, t_ids, s_rows, t_rows):
 def _chunk_fn(implementation, divergence, topk, temperature, div_items, interpret):
     if implementation == "pallas":
         if topk is None:
+            # the Pallas kernels load only when chosen (implementation: pallas / auto)
             from ctopd_jax.kernels.strict_full import pallas as full_pallas
             return full_pallas.make_chunk_fn(divergence, temperature, div_items, interpret)
-        from ctopd_jax.kernels.strict_topk import pallas as topk_pallas
+        from ctopd_jax.kernels.strict_topk import pallas as topk_pallas   # (as above)
         return topk_pallas.make_chunk_fn(divergence, topk, temperature, div_items, interpret)
     if topk is None:
         return full_xla.make_chunk_fn(divergence, temperature, div_items)

@@ -124,7 +124,7 @@ class Tiles:
         return (self.block_rows, self.tile)
 
     def _layouts(self):
-        from jax.experimental.pallas import mosaic_gpu as plgpu
+        from jax.experimental.pallas import mosaic_gpu as plgpu   # GPU-only backend: loaded when used
         return plgpu, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
 
     def row_vec(self, value, dtype=jnp.float32):
@@ -180,7 +180,7 @@ class Tiles:
         """
         i = self.block_index()
         if self.gpu:
-            from jax.experimental.pallas import mosaic_gpu as plgpu
+            from jax.experimental.pallas import mosaic_gpu as plgpu   # GPU-only backend: loaded when used
             spec = pl.BlockSpec(self.shape, lambda j: (i, j))
             steps = min(PIPELINE_STAGES, self.n_tiles)
             if init is None:
@@ -394,7 +394,7 @@ def strict_pallas_call(kernel, zs, zt, wp, *, tiles: Tiles, name: str):
 
 
 def _triton_params():
-    from jax.experimental.pallas import triton as pltriton
+    from jax.experimental.pallas import triton as pltriton   # GPU-only backend: loaded when used
     return pltriton.CompilerParams(num_warps=4, num_stages=1)
 
 
@@ -404,7 +404,7 @@ def _mosaic_gpu_call(kernel, zs, zt, wp, *, tiles: Tiles, out_shape):
     Every operand stays in global memory; the block's row weights come in and its per-row
     losses go out through [block_rows] shared-memory buffers (one TMA copy each way).
     """
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas import mosaic_gpu as plgpu   # GPU-only backend: loaded when used
 
     def body(zs_ref, zt_ref, w_gmem, loss_gmem, grad_ref, w_smem, loss_smem, barrier):
         rows = pl.ds(tiles.block_index() * tiles.block_rows, tiles.block_rows)

@@ -5,33 +5,32 @@ scaling), optional q/k/v bias (Qwen2), tied or untied embeddings.
 
 Decisions:
 - Parameters are stored in ``cfg.param_dtype`` and cast to ``cfg.dtype`` where they are used;
-  RMSNorm statistics, RoPE angles and the attention softmax are computed in float32.
-  Logits are returned in float32 (the lm_head matmul accumulates in float32).
+  RMSNorm statistics, RoPE angles and the attention softmax are computed in float32. Logits are
+  returned in float32 (the lm_head matmul accumulates in float32).
 - Every parameter carries its logical axis names in the flax ``out_sharding`` metadata
-  (``eager_sharding=False`` so creation never needs a mesh); ``ctopd_jax.mesh.shard_module``
-  or ``nnx.get_partition_spec`` under ``nnx.logical_axis_rules`` turn them into shardings.
+  (``eager_sharding=False`` so creation never needs a mesh); ``ctopd_jax.mesh.shard_module`` or
+  ``nnx.get_partition_spec`` under ``nnx.logical_axis_rules`` turn them into shardings.
 - Kernels keep the head structure ([H, heads, head_dim]) so heads can be sharded on "tensor"
   without reshapes; weights.py owns the mapping to HF's flat [out, in] matrices.
-- Activation sharding: under ``jax.set_mesh(mesh)`` (a mesh with the ctopd_jax axis names)
-  the residual stream, q/k/v, the MLP hidden and the logits are constrained to their logical
-  shardings (batch over data+fsdp, heads / mlp / vocab over tensor).  Without a mesh context
-  nothing is constrained and the compiler propagates from the parameter shardings, which for
-  FSDP may choose to gather the batch instead of the weights.
-- Attention never sees a [T, S] mask: an ``AttentionMask`` (query slots + valid key slots)
-  goes to the implementation chosen by ``cfg.attention`` (attention.py).  Rows with nothing
-  to attend to (left pads) give finite values, never NaN; those rows are never used.
-- Remat: ``cfg.layer_remat_policy`` wraps each layer in ``jax.checkpoint``.  XLA CPU ignores
-  that on unrolled layers (measured: same temporaries with and without) but honours it inside
-  ``lax.scan``, so the memory path is ``scan_layers=True``.  The stored parameter tree stays
-  one module per layer (weights.py, checkpoints, optimizer state and sharding rules all key
-  on ``layers.{i}``); the scan stacks the layer parameters at call time instead, which costs
-  one extra copy of the layer weights (and of their gradient) per step.  The KV-cache path
-  always runs unrolled: decoding is not memory bound on activations.
-- ``mlp_chunk``: with blockwise attention and remat, the largest term of one layer's backward
-  is the MLP's [B, T, intermediate] set; running the MLP over sequence chunks, each
-  rematerialised, bounds it (measured numbers: benchmarks/RESULTS.md, "Attention").
+- Activation sharding: under ``jax.set_mesh(mesh)`` (a mesh with the ctopd_jax axis names) the
+  residual stream, q/k/v, the MLP hidden and the logits are constrained to their logical shardings
+  (batch over data+fsdp, heads / mlp / vocab over tensor). Without a mesh context nothing is
+  constrained and the compiler propagates from the parameter shardings, which for FSDP may choose
+  to gather the batch instead of the weights.
+- Attention never sees a [T, S] mask: an ``AttentionMask`` (query slots + valid key slots) goes to
+  the implementation chosen by ``cfg.attention`` (attention.py). Rows with nothing to attend to
+  (left pads) give finite values, never NaN; those rows are never used.
+- Remat: ``cfg.layer_remat_policy`` wraps each layer in ``jax.checkpoint``. XLA CPU ignores that on
+  unrolled layers (measured: same temporaries with and without) but honours it inside ``lax.scan``,
+  so the memory path is ``scan_layers=True``. The stored parameter tree stays one module per layer
+  (weights.py, checkpoints, optimizer state and sharding rules all key on ``layers.{i}``); the scan
+  stacks the layer parameters at call time instead, which costs one extra copy of the layer weights
+  (and of their gradient) per step. The KV-cache path always runs unrolled: decoding is not memory
+  bound on activations.
+- ``mlp_chunk``: with blockwise attention and remat, the largest term of one layer's backward is
+  the MLP's [B, T, intermediate] set; running the MLP over sequence chunks, each rematerialised,
+  bounds it (measured numbers: benchmarks/RESULTS.md, "Attention").
 """
-
 from __future__ import annotations
 
 import math
@@ -172,7 +171,6 @@ class Attention(nnx.Module):
         out = attend(q, k, v, mask, implementation, self.block, self.block)
         o = jnp.einsum("btnd,ndh->bth", out, lora_weight(self, "o_proj", dt, dr))
         return add_lora_path(self, "o_proj", out, o, dr), cache
-
 
     def _paged(self, q, k, v, mask: AttentionMask, cache: PagedKVCache, layer: int):
         """Write the new tokens into their pages (kv_cache.py, PagedKVCache), then attend: a

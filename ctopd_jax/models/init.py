@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ctopd_jax.mesh import logical_sharding, variable_logical_axes
 from ctopd_jax.models.config import ModelConfig
 from ctopd_jax.models.decoder import INIT_STD, Decoder
 
@@ -51,8 +52,6 @@ def tensor_id(path: str) -> int:
 def draw_plan(cfg: ModelConfig, mesh=None):
     """(graphdef, [(path, abstract variable, jitted draw, tensor id)]): what init_decoder runs,
     one entry per parameter (benchmarks/init_compile.py compiles it without running it)."""
-    from ctopd_jax.mesh import logical_sharding, variable_logical_axes
-
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
     entries = []
     for path, var in nnx.to_flat_state(abstract):

@@ -34,14 +34,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
+from ctopd_jax.mesh import logical_sharding, variable_logical_axes
 from ctopd_jax.models.config import ModelConfigError
+
 
 # projection name -> (sub-module of DecoderLayer, number of leading input dims of the kernel)
 TARGETS = {"q_proj": ("attn", 1), "k_proj": ("attn", 1), "v_proj": ("attn", 1),
@@ -153,16 +159,12 @@ def has_adapters(model) -> bool:
 def _place_like(value: np.ndarray, base: jax.Array, axes):
     sharding = getattr(base, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):
-        from ctopd_jax.mesh import logical_sharding
-
         return jax.device_put(value, logical_sharding(sharding.mesh, axes, value.shape))
     return jax.device_put(value)
 
 
 def attach(model, rank: int, alpha: float, target_modules, seed: int = 0):
     """Add fresh adapters (PEFT's init) to `model` in place and return it."""
-    from ctopd_jax.mesh import variable_logical_axes
-
     if has_adapters(model):
         raise LoraError("the model already has LoRA adapters")
     key = jax.random.key(seed)
@@ -224,10 +226,6 @@ def save_adapter(model, out_dir, base_model: str = "", dropout: float = 0.0) -> 
     sibling temporary folder and renamed into place, so `out_dir` never holds half an adapter
     (a crash between moving an older `out_dir` aside and the rename leaves that older one
     complete as ``.<name>.old``; the next save clears it)."""
-    import os
-    import shutil
-    import tempfile
-
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -246,8 +244,6 @@ def save_adapter(model, out_dir, base_model: str = "", dropout: float = 0.0) -> 
 
 
 def _write_adapter(model, out: Path, base_model: str, dropout: float) -> None:
-    from safetensors.numpy import save_file
-
     s = adapter_settings(model)
     tensors = {}
     for i, module, name, in_dims in _sites(model):
@@ -273,8 +269,6 @@ def load_adapter(model, folder, expect=None):
     """Load a PEFT LoRA adapter folder into `model`, whose adapters must already be attached
     with the same rank, alpha and target modules (`expect`: the `lora:` section to check the
     folder against, errors naming its field)."""
-    from safetensors.numpy import load_file
-
     folder = Path(folder)
     config_file = folder / ADAPTER_CONFIG
     if not config_file.exists():

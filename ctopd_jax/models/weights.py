@@ -28,10 +28,10 @@ from typing import Iterator
 import jax
 import numpy as np
 from flax import nnx
-from safetensors import SafetensorError
-from safetensors import safe_open as _safe_open
+from safetensors import SafetensorError, safe_open as _safe_open
 from safetensors.numpy import save_file
 
+from ctopd_jax.mesh import logical_sharding, variable_logical_axes
 from ctopd_jax.models.config import DTYPES, ModelConfig, ModelConfigError
 from ctopd_jax.models.decoder import Decoder
 from ctopd_jax.models.lora import merged
@@ -247,8 +247,6 @@ def load_hf_checkpoint(path, mesh=None, dtype: str | None = None,
 def _place(value: np.ndarray, var: nnx.Variable, mesh):
     if mesh is None:
         return jax.device_put(value)
-    from ctopd_jax.mesh import logical_sharding, variable_logical_axes
-
     axes = variable_logical_axes(var) or (None,) * value.ndim
     sharding = logical_sharding(mesh, axes, value.shape)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])

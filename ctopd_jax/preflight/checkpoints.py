@@ -20,7 +20,6 @@ def checkpoint_dir_of(config: TrainConfig) -> Path:
 
 def check_output_dirs(config: TrainConfig) -> None:
 
-
     inputs = _input_folders(config)
     try:
         check_writable(config.output_dir, "output_dir")

@@ -58,7 +58,6 @@ def check_init_adapter(config: TrainConfig) -> None:
     weights file is whole; models/lora.load_adapter applies the same rules once the student has
     loaded (with the tensors themselves), this finds them before any model loads."""
 
-
     lo = config.lora
     if not lo.init_adapter:
         return

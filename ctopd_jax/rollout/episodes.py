@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ctopd_jax.envs import run_step
-from ctopd_jax.rollout.base import FINISH_LENGTH, FINISH_STOP
+from ctopd_jax.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
 from ctopd_jax.turns import CONTEXT, STUDENT, Episode, paragraph_turns
 
 FINISH_TURNS = "turns"      # the turn cap ended the episode
@@ -144,8 +144,6 @@ def greedy_reward(engine, side, prompts, environment, *, max_new_tokens: int, ma
                   step_timeout_s: float = 10.0) -> tuple[float, list[Episode]]:
     """Mean environment reward of greedy episodes over `prompts` (data.Prompt rows): the
     held-out accuracy of a tool task whose environment rewards a correct final answer."""
-    from ctopd_jax.rollout.base import SamplingParams
-
     encoded = [side.encode(side.render_chat(list(p.messages), add_generation_prompt=True)) for p in prompts]
     episodes = play(engine, side, prompts, encoded, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
                     environment=environment, max_turns=max_turns, step_timeout_s=step_timeout_s)

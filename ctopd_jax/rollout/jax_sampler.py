@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ctopd_jax.mesh import batch_sharding, logical_sharding
 from ctopd_jax.models.kv_cache import page_pool_token_bytes
 from ctopd_jax.rollout.base import (RolloutConfigError, RolloutResult, SamplingParams,
                                     check_prompts, finish_sample, normalize_eos_ids)
@@ -209,8 +210,6 @@ class JaxSampler:
     def _put(self, array):
         if self.mesh is None:
             return array
-        from ctopd_jax.mesh import batch_sharding
-
         return jax.device_put(array, batch_sharding(self.mesh, array.ndim))
 
     def _run(self, graphdef, state, prompts, prompt_index, params: SamplingParams, plan):
@@ -219,8 +218,6 @@ class JaxSampler:
         max_new_bucket, width = plan["max_new_bucket"], plan["table_width"]
         sharding = None
         if self.mesh is not None:
-            from ctopd_jax.mesh import logical_sharding
-
             shape = (cfg.num_kv_heads, plan["pages"], page, cfg.head_dim)
             sharding = logical_sharding(self.mesh, ("kv_heads", None, None, None), shape)
         k, v = new_pool(cfg=cfg, pages=plan["pages"], page_size=page, sharding=sharding)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ctopd_jax.models.decoder import Decoder
 from ctopd_jax.models.kv_cache import PagedKVCache, init_page_pool, prefill_positions
 from ctopd_jax.rollout import sampling
 
@@ -104,8 +105,6 @@ def decode_until_refill(state, k, v, logits, tokens, logprobs, table, lengths, s
 def lower_decode(cfg, slots: int, pages: int, page_size: int, prompt_len: int, max_new: int):
     """`decode_until_refill` lowered for abstract inputs of these sizes (nothing allocated),
     for compile-only memory (benchmarks/sampler_memory.py, scripts/gpu_check.py)."""
-    from ctopd_jax.models.decoder import Decoder
-
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
     S = jax.ShapeDtypeStruct
     width = -(-(prompt_len + max_new) // page_size) + 1

@@ -55,10 +55,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from ctopd_jax.config.served import check_settings, server_urls, settings_for
+from ctopd_jax.models import lora
+from ctopd_jax.models.weights import export_hf_checkpoint
 from ctopd_jax.rollout.base import (RolloutConfigError, RolloutResult, SamplingParams,
                                     check_prompts, finish_sample, normalize_eos_ids)
+from ctopd_jax.rollout.logprob_gap import response_logprobs
 from ctopd_jax.teacher_service import sglang_protocol, vllm_protocol
 from ctopd_jax.teacher_service.client import TeacherServiceError, failure_line
+from ctopd_jax.teacher_service.launch import check_launch_python, launched_server
 from ctopd_jax.teacher_service.scores import ProtocolError
 from ctopd_jax.teacher_service.transport import ServerError, Transport
 
@@ -75,8 +79,6 @@ class ServedRolloutError(TeacherServiceError):
 class ServedRolloutEngine:
     def __init__(self, model, eos_ids, pad_id: int | None, rollout, *, dtype: str,
                  max_model_len: int, log_as=None, sleep=time.sleep):
-        from ctopd_jax.models import lora
-
         check_settings(rollout)
         self.rollout, self.dtype, self.max_model_len = rollout, dtype, int(max_model_len)
         self.protocol = PROTOCOLS[rollout.engine]
@@ -133,9 +135,6 @@ class ServedRolloutEngine:
                              "logprob_gap": gap}
 
     def _export_full(self, model) -> Path:
-        from ctopd_jax.models import lora
-        from ctopd_jax.models.weights import export_hf_checkpoint
-
         folder = self.sync_dir / f"weights-{next(self._pushes)}"
         export_hf_checkpoint(lora.merged(model), model.cfg, folder, dtype=self.dtype,
                              extra_config={"eos_token_id": list(self.eos_ids) or None,
@@ -150,8 +149,6 @@ class ServedRolloutEngine:
         self._folder = folder
 
     def _push_adapter(self, model) -> int:
-        from ctopd_jax.models import lora
-
         name = f"student-{next(self._pushes)}"
         folder = lora.save_adapter(model, self.sync_dir / "adapters" / name)
         self._each("adapter push", self.protocol.LOAD_ADAPTER_PATH,
@@ -165,8 +162,6 @@ class ServedRolloutEngine:
 
     def _check_logprobs(self, model) -> float:
         """max |server − JAX| log-prob over the check rows; one line when above tolerance."""
-        from ctopd_jax.rollout.logprob_gap import response_logprobs
-
         prompts, responses = self._check_rows or self._probe()
         expected = response_logprobs(model, prompts, responses, pad_id=self.pad_id)
         batch = [(list(p) + list(r), len(p)) for p, r in zip(prompts, responses)]
@@ -249,8 +244,6 @@ class ServedRolloutEngine:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _launch(self, folder: Path) -> str:
-        from ctopd_jax.teacher_service.launch import check_launch_python, launched_server
-
         settings = settings_for(self.rollout, "")
         check_launch_python(settings, "rollout")
         # prompts are ids; sampling settings are the request's alone (no generation_config.json

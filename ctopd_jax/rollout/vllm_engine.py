@@ -79,7 +79,6 @@ from ctopd_jax.rollout.vllm_support import (MIN_CPU_HEAD_DIM, VllmNotInstalledEr
                                             platform_defaults, vllm_on_cpu)
 from ctopd_jax.rollout.vllm_weights import device_named_tensors
 
-
 _log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
@@ -146,7 +145,6 @@ class VllmEngine:
                 "engine; unset it or set it to 0")
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
 
         self.adapter_sync, max_lora_rank = False, None
         if lora.has_adapters(model):
@@ -222,7 +220,6 @@ class VllmEngine:
         """Adapter sync: the adapter as PEFT files in a fresh folder, registered with vLLM
         under a new LoRARequest id; the previous one removed (module docstring)."""
         from vllm.lora.request import LoRARequest   # vLLM: an optional, heavy dependency
-
 
         previous = self._lora_request
         lora_id = 1 if previous is None else previous.lora_int_id + 1

@@ -14,7 +14,6 @@ from flax import nnx
 from ctopd_jax.models import lora
 from ctopd_jax.models.weights import flat_params, hf_shape, rule_for_nnx
 
-
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                  "half": "float16", "float": "float32"}
 
@@ -58,7 +57,6 @@ def device_named_tensors(model, dtype: str, device=None) -> list[tuple[str, Any]
     has copied the values: the tensors alias JAX buffers. A LoRA model is merged first
     (`lora.merged`, computed on the device)."""
     import torch   # vLLM's torch: an optional, heavy dependency
-
 
     arrays = device_hf_arrays(lora.merged(model), dtype, device)
     for _, value in arrays:

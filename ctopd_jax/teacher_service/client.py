@@ -23,9 +23,10 @@ import concurrent.futures
 import time
 from typing import Sequence
 
+from ctopd_jax.config.served import TeacherServiceSettings
 from ctopd_jax.teacher_service import sglang_protocol, vllm_protocol
 from ctopd_jax.teacher_service.scores import ProtocolError, ScoredSequence, ServerInfo
-from ctopd_jax.config.served import TeacherServiceSettings
+from ctopd_jax.teacher_service.startup import check_server
 from ctopd_jax.teacher_service.transport import ServerError, Transport
 
 PROTOCOLS = {"vllm_server": vllm_protocol, "sglang_server": sglang_protocol}
@@ -65,8 +66,6 @@ class ServedTeacher:
 
     def start(self, vocab_size: int) -> ServerInfo:
         """The start-up check (server up, right engine, right model and vocabulary)."""
-        from ctopd_jax.teacher_service.startup import check_server
-
         self.info = check_server(self, vocab_size)
         return self.info
 

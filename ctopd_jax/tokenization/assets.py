@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ctopd_jax.cache import cache_dir
+
 PACKAGED_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizers"
 PACKAGED_NAMES = ("tiny_bpe", "tiny_unigram")
 CACHED_NAMES = ("qwen2.5", "llama3")
@@ -11,8 +13,6 @@ CACHED_NAMES = ("qwen2.5", "llama3")
 
 def cache_root() -> Path:
     """``$CTOPD_JAX_CACHE/tokenizers`` or ``~/.cache/ctopd_jax/tokenizers``."""
-    from ctopd_jax.cache import cache_dir
-
     return cache_dir("tokenizers")
 
 

@@ -32,7 +32,11 @@ import json
 import sys
 from pathlib import Path
 
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from ctopd_jax.cli import Parser
 from ctopd_jax.tokenization.assets import PACKAGED_DIR
+from ctopd_jax.tokenization.byte_view import gpt2_printable_table
 
 NAME = "char"
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<unk>")
@@ -48,9 +52,6 @@ def tokenizer_dir() -> Path:
 
 def build_tokenizer():
     """The `tokenizers.Tokenizer` of the table in the module docstring."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    from ctopd_jax.tokenization.byte_view import gpt2_printable_table
 
     table = gpt2_printable_table()
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
@@ -78,8 +79,6 @@ def write(out_dir: Path | None = None) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    from ctopd_jax.cli import Parser
-
     parser = Parser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?", type=Path, default=None,
                         help="default: ctopd_jax/assets/tokenizers/char/")

