@@ -9,6 +9,7 @@ most predictions repeat.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -36,7 +37,7 @@ def reference_answer(gold: str) -> str:
     return boxed if boxed is not None else gold
 
 
-class MathGrader:
+class MathGrader(contextlib.AbstractContextManager):   # `with MathGrader() as g`: closed on exit
     def __init__(self, timeout_s: float = 5.0, workers: int = 1):
         self.pool = SymbolicPool(workers=workers, timeout_s=timeout_s)
         self._cache: dict[tuple[str, str], tuple[bool, str]] = {}
@@ -95,9 +96,6 @@ class MathGrader:
 
     def close(self) -> None:
         self.pool.close()
-
-    def __enter__(self) -> "MathGrader":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -19,7 +19,7 @@ from ctopd_jax.preflight.tokenizers import (check_eval_prompts, check_objective_
 
 
 @dataclass
-class Preflight:
+class Preflight(contextlib.AbstractContextManager):   # `with preflight(...) as pre`
     """What the checks loaded (cheap things only), for the trainer to reuse."""
     config: TrainConfig
     prompts: list                       # data.Prompt, validated
@@ -40,9 +40,6 @@ class Preflight:
 
     def close(self) -> None:
         self.owned.close()
-
-    def __enter__(self) -> "Preflight":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
