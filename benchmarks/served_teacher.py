@@ -84,7 +84,7 @@ def main():
         from ctopd_jax.teacher_service import vllm_protocol
         import json
         batch = list(zip(sequences, starts))
-        raw = json.dumps(teacher.transport.post(vllm_protocol.SCORE_PATH,
+        raw = json.dumps(teacher.transport.post(vllm_protocol.ENDPOINTS.score,
                                                 vllm_protocol.score_request(batch, args.top_k,
                                                                             "demo-teacher")))
         parse = best_seconds(lambda: vllm_protocol.parse_scores(json.loads(raw), batch,

@@ -107,7 +107,7 @@ class ServedRolloutEngine:
             self.urls = urls
             self._transports = [Transport(url.rstrip("/"), rollout.timeout_s, rollout.retries,
                                           rollout.backoff_s, sleep=sleep,
-                                          health_path=self.protocol.HEALTH_PATH)
+                                          health_path=self.protocol.ENDPOINTS.health)
                                 for url in urls]
             self.update_weights(model, folder=None if self.adapter_sync else base)
         except BaseException:
@@ -166,7 +166,7 @@ class ServedRolloutEngine:
         expected = response_logprobs(model, prompts, responses, pad_id=self.pad_id)
         batch = [(list(p) + list(r), len(p)) for p, r in zip(prompts, responses)]
         payload = self.protocol.score_request(batch, 0, self._served_name)
-        answers = self._each("log-prob check", self.protocol.SCORE_PATH, payload)
+        answers = self._each("log-prob check", self.protocol.ENDPOINTS.score, payload)
         gap = 0.0
         for url, answer in zip(self.urls, answers):
             try:

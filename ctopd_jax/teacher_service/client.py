@@ -47,7 +47,7 @@ class ServedTeacher:
         self.protocol = PROTOCOLS[settings.engine]
         self.transport = Transport(settings.base_url, settings.timeout_s, settings.retries,
                                    settings.backoff_s, sleep=sleep,
-                                   health_path=self.protocol.HEALTH_PATH)
+                                   health_path=self.protocol.ENDPOINTS.health)
         self.info: ServerInfo | None = None
         self._background: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -98,7 +98,7 @@ class ServedTeacher:
         payload = self.protocol.score_request(batch, top_k, self.info.model if self.info else
                                               self.settings.model)
         try:
-            answer = self.transport.post(self.protocol.SCORE_PATH, payload)
+            answer = self.transport.post(self.protocol.ENDPOINTS.score, payload)
             return self.protocol.parse_scores(answer, batch, top_k)
         except ServerError as err:
             raise TeacherServiceError(self._failure_line(err)) from None

@@ -19,6 +19,17 @@ import numpy as np
 NEG_INF_SENTINEL = -9999.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Endpoints:
+    """The scoring side of one engine's server, which every protocol module states the same way
+    (`vllm_protocol.ENDPOINTS`, `sglang_protocol.ENDPOINTS`)."""
+    score: str           # POST: the log-probs and top-k of a batch of sequences
+    health: str          # GET: 200 while the server (and its engine) lives
+    info: str            # GET: the served model's facts (`server_info`)
+    start_command: str   # how a user starts one (named when none answers)
+    top_k_fix: str       # the fix when teacher.top_k is above the server's limit
+
+
 class ProtocolError(RuntimeError):
     """The server answered, but not in the shape its engine's protocol promises."""
 
@@ -31,6 +42,15 @@ class ScoredSequence:
 
     def __len__(self) -> int:
         return int(self.token_logprobs.shape[0])
+
+
+def answer_items(items, count: int, noun: str) -> list:
+    """`items` when it is a list of `count` answers (one per request row), else ProtocolError
+    "expected <noun with the count>, got ..." (`noun`: e.g. "{} choices")."""
+    if not isinstance(items, list) or len(items) != count:
+        raise ProtocolError(f"expected {noun.format(count)}, got "
+                            f"{len(items) if isinstance(items, list) else type(items)}")
+    return items
 
 
 def logprob_value(value) -> float:

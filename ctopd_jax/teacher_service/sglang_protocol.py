@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ctopd_jax.teacher_service.scores import (ProtocolError, ScoredSequence, ServerInfo,
-                                              logprob_value, top_k_rows)
+from ctopd_jax.teacher_service.scores import (Endpoints, ProtocolError, ScoredSequence,
+                                              ServerInfo, answer_items, logprob_value, top_k_rows)
 from ctopd_jax.teacher_service.transport import ServerError
 
-SCORE_PATH = "/generate"
-HEALTH_PATH = "/health"  # 200 while the server (and its engine) lives
-INFO_PATH = "/get_model_info"
-START_COMMAND = "python -m sglang.launch_server --model-path <teacher> --port <port>"
-TOP_K_FIX = "lower {prefix}.top_k"
+ENDPOINTS = Endpoints("/generate", "/health", "/get_model_info",
+                      "python -m sglang.launch_server --model-path <teacher> --port <port>",
+                      "lower {prefix}.top_k")
 
 
 def score_request(batch: list[tuple[list[int], int]], top_k: int, model: str) -> dict:
@@ -49,9 +47,7 @@ def score_request(batch: list[tuple[list[int], int]], top_k: int, model: str) ->
 def parse_scores(answer, batch: list[tuple[list[int], int]], top_k: int):
     if isinstance(answer, dict) and len(batch) == 1:
         answer = [answer]
-    if not isinstance(answer, list) or len(answer) != len(batch):
-        raise ProtocolError(f"expected a list of {len(batch)} results, got "
-                            f"{len(answer) if isinstance(answer, list) else type(answer)}")
+    answer = answer_items(answer, len(batch), "a list of {} results")
     return [_one(item, ids, start, top_k) for item, (ids, start) in zip(answer, batch)]
 
 
@@ -86,7 +82,7 @@ def _one(item: dict, ids: list[int], start: int, top_k: int) -> ScoredSequence:
 
 def server_info(get) -> ServerInfo:
     """The served model from GET /get_model_info (+ /get_server_info where it exists)."""
-    info = get(INFO_PATH)
+    info = get(ENDPOINTS.info)
     if not isinstance(info, dict) or "model_path" not in info:
         raise ProtocolError("GET /get_model_info has no model_path")
     names = [str(info["model_path"])]
@@ -148,9 +144,7 @@ def generate_request(prompts: list[list[int]], params, model: str, eos_ids, seed
 def parse_generation(answer, n_prompts: int, n: int) -> list[tuple[list[int], list[float]]]:
     if isinstance(answer, dict) and n_prompts * n == 1:
         answer = [answer]
-    if not isinstance(answer, list) or len(answer) != n_prompts * n:
-        raise ProtocolError(f"expected a list of {n_prompts * n} results, got "
-                            f"{len(answer) if isinstance(answer, list) else type(answer)}")
+    answer = answer_items(answer, n_prompts * n, "a list of {} results")
     out = []
     for item in answer:
         meta = item.get("meta_info") if isinstance(item, dict) else None

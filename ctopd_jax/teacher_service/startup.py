@@ -38,7 +38,7 @@ def check_server(teacher, vocab_size: int) -> ServerInfo:
         info = protocol.server_info(teacher.transport.get)
     except ServerError as err:
         if err.status is None:
-            fail(f"no server answers ({err}); start the teacher server ({protocol.START_COMMAND})"
+            fail(f"no server answers ({err}); start the teacher server ({protocol.ENDPOINTS.start_command})"
                  f" or correct {prefix}.url")
         if err.status >= 500:  # it is the engine's server, but failing: not a wrong engine
             fail(f"the server answers but fails ({err}); it is up and broken (still loading, "
@@ -52,7 +52,7 @@ def check_server(teacher, vocab_size: int) -> ServerInfo:
              f"at the server of {settings.model!r} or correct {prefix}.model")
     teacher.info = info
 
-    top_fix = protocol.TOP_K_FIX.format(k=settings.top_k, prefix=prefix)
+    top_fix = protocol.ENDPOINTS.top_k_fix.format(k=settings.top_k, prefix=prefix)
     try:
         probe = teacher.score([[0, vocab_size - 1]], [1])[0]
     except Exception as err:  # noqa: BLE001 - each cause is turned into its own line below

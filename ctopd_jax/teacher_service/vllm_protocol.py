@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ctopd_jax.teacher_service.scores import (ProtocolError, ScoredSequence, ServerInfo,
-                                              logprob_value, top_k_rows)
+from ctopd_jax.teacher_service.scores import (Endpoints, ProtocolError, ScoredSequence,
+                                              ServerInfo, answer_items, logprob_value, top_k_rows)
 
-SCORE_PATH = "/v1/completions"
-HEALTH_PATH = "/health"  # 200 while the server (and its engine) lives
-INFO_PATH = "/v1/models"
-START_COMMAND = "python -m vllm.entrypoints.openai.api_server --model <teacher> --port <port>"
-TOP_K_FIX = "restart the server with --max-logprobs {k} or lower {prefix}.top_k"
+ENDPOINTS = Endpoints(
+    "/v1/completions", "/health", "/v1/models",
+    "python -m vllm.entrypoints.openai.api_server --model <teacher> --port <port>",
+    "restart the server with --max-logprobs {k} or lower {prefix}.top_k")
 
 
 def score_request(batch: list[tuple[list[int], int]], top_k: int, model: str) -> dict:
@@ -39,10 +38,8 @@ def score_request(batch: list[tuple[list[int], int]], top_k: int, model: str) ->
 
 
 def parse_scores(answer: dict, batch: list[tuple[list[int], int]], top_k: int):
-    choices = answer.get("choices") if isinstance(answer, dict) else None
-    if not isinstance(choices, list) or len(choices) != len(batch):
-        raise ProtocolError(f"expected {len(batch)} choices, got "
-                            f"{len(choices) if isinstance(choices, list) else type(choices)}")
+    choices = answer_items(answer.get("choices") if isinstance(answer, dict) else None,
+                           len(batch), "{} choices")
     by_index = sorted(choices, key=lambda choice: choice.get("index", 0))
     return [_one(choice, ids, start, top_k) for choice, (ids, start) in zip(by_index, batch)]
 
@@ -69,7 +66,7 @@ def _one(choice: dict, ids: list[int], start: int, top_k: int) -> ScoredSequence
 
 def server_info(get) -> ServerInfo:
     """The served model from GET /v1/models (`get(path)` returns the JSON answer)."""
-    answer = get(INFO_PATH)
+    answer = get(ENDPOINTS.info)
     data = answer.get("data") if isinstance(answer, dict) else None
     if not isinstance(data, list) or not data or not isinstance(data[0], dict):
         raise ProtocolError("GET /v1/models lists no model")
@@ -120,10 +117,8 @@ def generate_request(prompts: list[list[int]], params, model: str, eos_ids, seed
 
 def parse_generation(answer: dict, n_prompts: int, n: int) -> list[tuple[list[int], list[float]]]:
     """(token ids, their log-probs) per sample, prompt-major."""
-    choices = answer.get("choices") if isinstance(answer, dict) else None
-    if not isinstance(choices, list) or len(choices) != n_prompts * n:
-        raise ProtocolError(f"expected {n_prompts * n} choices, got "
-                            f"{len(choices) if isinstance(choices, list) else type(choices)}")
+    choices = answer_items(answer.get("choices") if isinstance(answer, dict) else None,
+                           n_prompts * n, "{} choices")
     out = []
     for choice in sorted(choices, key=lambda c: c.get("index", 0)):
         ids, logprobs = choice.get("token_ids"), (choice.get("logprobs") or {})
