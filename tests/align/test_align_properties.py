@@ -39,7 +39,7 @@ def sample(draw, allow_empty=False):
 
 @SETTINGS
 @given(st.lists(sample(allow_empty=True), min_size=1, max_size=5))
-def test_strict_alignment_equals_oracle(samples):
+def test_strict_alignment_equals_oracle_and_partitions_each_sample(samples):
     teacher, student = make_batch(samples)
     got = strict_align(teacher, student)
     for b, (t, s, tp, sp) in enumerate(samples):
@@ -60,32 +60,28 @@ def test_strict_alignment_equals_oracle(samples):
                      list(range(local_index(student, b, g[3]), local_index(student, b, g[4]))))
                     for g in groups]
         assert got_rest == rest
-
-
-@SETTINGS
-@given(st.lists(sample(allow_empty=True), min_size=1, max_size=5))
-def test_strict_pairs_are_exact_increasing_and_partition(samples):
-    teacher, student = make_batch(samples)
-    got = strict_align(teacher, student)
-    for b, (t, s, _, _) in enumerate(samples):
-        if got.byte_mismatch[b]:
-            continue
-        sel = (got.pair_sample == b) & ~got.pair_is_eos
-        ti = [local_index(teacher, b, r) for r in got.teacher_rows[sel]]
-        si = [local_index(student, b, r) for r in got.student_rows[sel]]
-        assert all(np.diff(ti) > 0) and all(np.diff(si) > 0)
-        for i, j in zip(ti, si):  # equal non-empty bytes ending at a common boundary
-            assert t[i] == s[j] and t[i]
-            assert len(b"".join(t[:i + 1])) == len(b"".join(s[:j + 1]))
-        cover_t, cover_s = list(ti), list(si)
-        for g in got.mismatch_groups[got.mismatch_groups[:, 0] == b]:
-            cover_t += range(local_index(teacher, b, g[1]), local_index(teacher, b, g[2]))
-            cover_s += range(local_index(student, b, g[3]), local_index(student, b, g[4]))
-        assert sorted(cover_t) == list(range(len(t)))
-        assert sorted(cover_s) == list(range(len(s)))
+        _assert_exact_increasing_partition(teacher, student, got, b, t, s)
     want_pairs = sum(len(strict_oracle(*x)[0]) + 1 for x in samples if strict_oracle(*x))
     assert got.num_pairs == want_pairs
     assert got.num_student_response_tokens == sum(len(x[1]) + 1 for x in samples)
+
+
+def _assert_exact_increasing_partition(teacher, student, got, b, t, s):
+    """Sample b's pairs are increasing on both sides, each pair equal non-empty bytes ending at a
+    common boundary, and pairs plus mismatch groups cover every token of both sides once."""
+    sel = (got.pair_sample == b) & ~got.pair_is_eos
+    ti = [local_index(teacher, b, r) for r in got.teacher_rows[sel]]
+    si = [local_index(student, b, r) for r in got.student_rows[sel]]
+    assert all(np.diff(ti) > 0) and all(np.diff(si) > 0)
+    for i, j in zip(ti, si):
+        assert t[i] == s[j] and t[i]
+        assert len(b"".join(t[:i + 1])) == len(b"".join(s[:j + 1]))
+    cover_t, cover_s = list(ti), list(si)
+    for g in got.mismatch_groups[got.mismatch_groups[:, 0] == b]:
+        cover_t += range(local_index(teacher, b, g[1]), local_index(teacher, b, g[2]))
+        cover_s += range(local_index(student, b, g[3]), local_index(student, b, g[4]))
+    assert sorted(cover_t) == list(range(len(t)))
+    assert sorted(cover_s) == list(range(len(s)))
 
 
 @SETTINGS
