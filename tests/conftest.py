@@ -25,23 +25,15 @@ def _real_side(name):
     return cached_tokenizer_side(name)
 
 
-@pytest.fixture(scope="session")
-def qwen():
-    return _real_side("qwen2.5")
+def _side_fixture(fixture: str, name: str, real: bool = False):
+    """The session fixture `fixture`: the tokenizer side `name` (a real one built on first use)."""
+    def side():
+        from ctopd_jax.tokenization.side import cached_tokenizer_side
+        return _real_side(name) if real else cached_tokenizer_side(name)
+    return pytest.fixture(scope="session", name=fixture)(side)
 
 
-@pytest.fixture(scope="session")
-def llama():
-    return _real_side("llama3")
-
-
-@pytest.fixture(scope="session")
-def tiny_bpe():
-    from ctopd_jax.tokenization.side import cached_tokenizer_side
-    return cached_tokenizer_side("tiny_bpe")
-
-
-@pytest.fixture(scope="session")
-def tiny_unigram():
-    from ctopd_jax.tokenization.side import cached_tokenizer_side
-    return cached_tokenizer_side("tiny_unigram")
+qwen = _side_fixture("qwen", "qwen2.5", real=True)
+llama = _side_fixture("llama", "llama3", real=True)
+tiny_bpe = _side_fixture("tiny_bpe", "tiny_bpe")
+tiny_unigram = _side_fixture("tiny_unigram", "tiny_unigram")
