@@ -8,6 +8,7 @@ why it is there (a comment on its line or the line above); no module is over 400
 ALLOWED_OVER_400 names it with the reason; nothing probes an objective with getattr/hasattr
 (its hooks are declared in algorithms/base.py)."""
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -36,9 +37,14 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def _import_nodes(path: Path):
     """(node, inside a function) for every import statement of the file."""
-    tree = ast.parse(path.read_text())
+    tree = _tree(path)
     inside = set()
     for fn in ast.walk(tree):
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -67,6 +73,7 @@ def _imported(name: str, path: Path, modules) -> list[tuple[str, list[str]]]:
     return [(m, names) for m, names in found if m in modules and m != name]
 
 
+@functools.lru_cache(maxsize=1)
 def _graph():
     modules = _modules()
     return {name: {m for m, _ in _imported(name, path, modules)} for name, path in modules.items()}
@@ -200,7 +207,7 @@ def _private_reads(name: str, path: Path, modules, table) -> list[str]:
                 else a.name
             if full in modules:
                 aliases[a.asname or a.name.split(".")[-1]] = full
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
                 and node.attr.startswith("_") and not node.attr.startswith("__") \
                 and node.value.id in aliases and _layer_of(aliases[node.value.id], table) != here:
