@@ -49,9 +49,6 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import numpy as np
-from jax.experimental import multihost_utils
-
 SIGNAL_NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
 _STARTUP: dict[str, Any] = {"signum": None, "raising": False, "prog": "ctopd_jax"}
 
@@ -145,6 +142,11 @@ class SignalGuard:
         jax = sys.modules.get("jax")
         if jax is None or jax.process_count() == 1:
             return self.requested
+        # start-up time: this module installs the signal handlers before jax loads (the
+        # package's first instruction), so jax and numpy come in only here
+        import numpy as np
+        from jax.experimental import multihost_utils  # (as above)
+
         flags = multihost_utils.process_allgather(np.asarray([int(self.requested)], np.int32))
         agreed = bool(np.asarray(flags).any())
         if agreed and self.signum is None:
