@@ -3,8 +3,8 @@
 Implementations, tried in this order from the one asked for (ordered fallback); "auto" first
 picks one per kernel (strict full / top-k) and device from the kernel folder's table of measured
 choices (kernels/choices.py):
-  "pallas"    -> fused Pallas chunk kernels (interpret mode on CPU, compiled on GPU); akl and
-                 top-k with k > PALLAS_MAX_TOPK are not supported there and fall back to xla.
+  "pallas"    -> fused Pallas chunk kernels (interpret mode on CPU, compiled on GPU); akl is
+                 not supported there and falls back to xla.
   "xla"       -> row-chunked custom-VJP driver (kernels.row_chunks) with jnp chunk functions.
   "reference" -> plain jnp autodiff over the whole batch (the oracle; most memory).
 All return the same numbers: the per-row values row_weight[r] · D_r [R] and their sum (float32
@@ -32,7 +32,6 @@ IMPLEMENTATIONS = ("pallas", "xla", "reference")
 # column): for them the chunked paths visit the columns in student-id order, which turns the
 # random column gathers (student projection and the scatter back) into near-sequential ones.
 ORDER_FREE = ("kl", "rkl", "jsd", "skl", "srkl", "tvd")
-PALLAS_MAX_TOPK = 256
 _log = logging.getLogger(__name__)
 
 
@@ -42,8 +41,6 @@ def _unsupported_reason(implementation: str, divergence: str, topk: int | None,
     if implementation == "pallas":
         if divergence == "akl":
             return "akl needs a full sort of p_T per row"
-        if topk is not None and topk > PALLAS_MAX_TOPK:
-            return f"top-k selection in the kernel is limited to k <= {PALLAS_MAX_TOPK}"
         if chunk_shape is not None:
             return pallas_lowering_failure(divergence, topk, chunk_shape, interpret)
     return None

@@ -8,7 +8,7 @@ teacher's argmax column). Its gradient w.r.t. the student logits z is
 
 so a kernel needs the two log-sum-exps (pass 1, online), Σ f and Σ f_a (pass 2) and then writes
 the gradient (pass 3), streaming over vocabulary tiles: no [rows, V] temporaries besides the
-output. The top-k kernel runs the same three passes under a per-element selection mask.
+output. The top-k kernel runs the same three passes over its k selected columns (XLA selects).
 
 Tiling (fits shared memory at any vocabulary width): one program per block of BLOCK_ROWS = 64
 rows (the row tile of Mosaic GPU's WGMMA register layout); the inputs and the gradient stay in
@@ -16,7 +16,7 @@ global memory and every pass streams [64, tile] blocks through shared memory wit
 `plgpu.emit_pipeline` (TMA copies, two stages in flight). A program's shared memory is then
 2 stages × (2 inputs + 1 output) × 64 × 128 × 4 B = 192 KiB at the default 128-column tile
 (plus 512 B for the block's row weights and losses), independent of V∩ (H100/H200 allow
-227 KiB). Row vectors (max, sums, selection thresholds) live in registers in the reduced-WGMMA
+227 KiB). Row vectors (max, sums, argmax) live in registers in the reduced-WGMMA
 ("row") layout.
 
 Interpret mode (CPU tests) streams the same tiles with a fori_loop over views of the whole
@@ -52,7 +52,6 @@ BLOCK_ROWS = 64     # rows per program: the WGMMA layout's row tile on Hopper
 BLOCK_COLS = 128    # vocabulary columns per streamed tile
 PIPELINE_STAGES = 2
 ROW_AXIS = "row_blocks"  # the grid axis name of the Mosaic GPU kernel
-INT32_MIN = -(2 ** 31)
 INT32_MAX = 2 ** 31 - 1
 
 
@@ -276,53 +275,39 @@ def finish_lse(m, s):
     return jnp.where(m == -jnp.inf, -jnp.inf, m + jnp.log(s))
 
 
-def float_keys(x):
-    """int32 keys ordered like the float32 values (−0.0 and +0.0 share the key of +0.0)."""
-    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)
-    return jnp.where(bits < 0, bits ^ INT32_MAX, bits)
-
-
 def divergence_passes(tiles: Tiles, zs_ref, zt_ref, w_ref, loss_ref, grad_ref, *, name: str,
-                      temperature: float, kw: dict, select=None):
+                      temperature: float, kw: dict):
     """Per-row weighted loss and dense gradient of one row block, in three streaming passes.
 
-    `select(j, s_raw)` (top-k) gives the bool mask of the entries taking part in tile j; both
-    rows are then renormalised over the selected entries (everything else acts as -inf), and
-    top1_ce's teacher argmax breaks ties by the student's top-k order (student logit
-    descending, column ascending) as lax.top_k does. Without `select` every column takes part
-    and top1_ce's ties go to the lowest column.
+    Every column of the rows takes part (the top-k kernel hands over its k selected columns
+    only); top1_ce's teacher argmax takes the lowest column among ties.
     """
     inv_t = 1.0 / temperature
     top1 = name == "top1_ce"
     neg_inf = -jnp.inf
 
-    def scaled(j, s_ref, t_ref):
-        s_raw, t = tiles.load(s_ref), tiles.load(t_ref) * inv_t
-        s = s_raw * inv_t
-        if select is None:
-            return s_raw, s, t, None
-        sel = select(j, s_raw)
-        return s_raw, jnp.where(sel, s, neg_inf), jnp.where(sel, t, neg_inf), sel
+    def scaled(s_ref, t_ref):
+        return tiles.load(s_ref) * inv_t, tiles.load(t_ref) * inv_t
 
     # pass 1: log-sum-exp of both rows (+ the teacher argmax column for top1_ce)
     def stats(j, s_ref, t_ref, carry):
         ms, ss, mt, st, best = carry
-        s_raw, s, t, sel = scaled(j, s_ref, t_ref)
+        s, t = scaled(s_ref, t_ref)
         ms, ss = online_lse_update(tiles, ms, ss, s)
         mt, st = online_lse_update(tiles, mt, st, t)
         if top1:
-            best = _argmax_update(tiles, j, best, s_raw, t, sel)
+            best = _argmax_update(tiles, j, best, t)
         return ms, ss, mt, st, best
 
     neg, zero = tiles.row_vec(neg_inf), tiles.row_vec(0.0)
-    best0 = (neg, tiles.row_vec(INT32_MIN, jnp.int32), tiles.row_vec(INT32_MAX, jnp.int32))
+    best0 = (neg, tiles.row_vec(INT32_MAX, jnp.int32))
     ms, ss, mt, st, best = tiles.stream(stats, (zs_ref, zt_ref),
                                         init=(neg, zero, neg, zero, best0))
     lse_s, lse_t = finish_lse(ms, ss), finish_lse(mt, st)
-    top_col = best[2]
+    top_col = best[1]
 
     def tile_terms(j, s_ref, t_ref):
-        _, s, t, _ = scaled(j, s_ref, t_ref)
+        s, t = scaled(s_ref, t_ref)
         a = s - tiles.bcast(lse_s)
         b = t - tiles.bcast(lse_t)
         is_top = tiles.cols(j) == tiles.bcast(top_col) if top1 else None
@@ -351,24 +336,13 @@ def divergence_passes(tiles: Tiles, zs_ref, zt_ref, w_ref, loss_ref, grad_ref, *
     tiles.stream(write, (zs_ref, zt_ref), (grad_ref,), init=zero)
 
 
-def _argmax_update(tiles: Tiles, j, best, s_raw, t, sel):
-    """Running teacher argmax: (value, tie key, column); lowest column, or top-k order, first."""
-    best_v, best_k, best_c = best
-    cols = tiles.cols(j)
+def _argmax_update(tiles: Tiles, j, best, t):
+    """Running teacher argmax (value, column), the lowest column first among ties."""
+    best_v, best_c = best
     t_max = jnp.max(t, axis=1)
-    hit = t == tiles.bcast(t_max)
-    if sel is None:
-        key = tiles.row_vec(INT32_MIN, jnp.int32)  # no tie key: columns decide
-    else:
-        hit = hit & sel
-        keys = float_keys(s_raw)
-        key = jnp.max(jnp.where(hit, keys, INT32_MIN), axis=1)
-        hit = hit & (keys == tiles.bcast(key))
-    col = jnp.min(jnp.where(hit, cols, INT32_MAX), axis=1)
-    better = (t_max > best_v) | ((t_max == best_v) & (
-        (key > best_k) | ((key == best_k) & (col < best_c))))
-    return (jnp.where(better, t_max, best_v), jnp.where(better, key, best_k),
-            jnp.where(better, col, best_c))
+    col = jnp.min(jnp.where(t == tiles.bcast(t_max), tiles.cols(j), INT32_MAX), axis=1)
+    better = (t_max > best_v) | ((t_max == best_v) & (col < best_c))
+    return jnp.where(better, t_max, best_v), jnp.where(better, col, best_c)
 
 
 def strict_pallas_call(kernel, zs, zt, wp, *, tiles: Tiles, name: str):
