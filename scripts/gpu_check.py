@@ -48,7 +48,7 @@ Stages (results keys):
                   iteration 1's loss against e2e's (xla, same rollouts; fails above
                   E2E_LOSS_RTOL), time_student / time_compile / time_total of each path
   strict_kernels  strict full and top-16 (rkl) at V_S 128,256, V_T 151,665, V∩ 109,567, 2,048 rows
-                  via kernels.api.strict_kd_sum: per implementation compile / run seconds, GB/s
+                  via kernels.strict_kd_sum: per implementation compile / run seconds, GB/s
                   and its fraction of copy_gbps, and for pallas the value and gradient error
                   against xla; `table`: the row each kernel's measured.json gets from it
                   (`python -m ctopd_jax.kernels $OUT/strict_kernels.json` writes them)
@@ -377,7 +377,8 @@ def stage_strict_kernels(report: Report) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from ctopd_jax.kernels import api, choices
+    from ctopd_jax.kernels import choices
+from ctopd_jax.kernels.strict import api
     dry = report.dry
     vs, vt, vx, rows = (500, 600, 400, 32) if dry else (V_S, V_T, V_SHARED, ROWS)
     rng = np.random.default_rng(0)

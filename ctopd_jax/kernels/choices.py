@@ -1,7 +1,9 @@
-"""`implementation: auto`: the path each kernel takes on this device, from a table of measured
-choices kept in the kernel's folder (`<kernel>/measured.json`).
+"""`implementation: auto`: the path each kernel takes on this device, and the kernel's tuned
+sizes, from the table kept in the kernel's folder (`<kernel>/measured.json`).
 
-Each table lists rows {"backend", "device_kind", "choice", ...}; the first row whose backend
+`sizes` holds the tile sizes the kernel's Pallas code uses, each with why it is that size.
+
+Its `choices` list rows {"backend", "device_kind", "choice", ...}; the first row whose backend
 equals jax.default_backend() and whose device_kind is "*" or equals the first device's
 `device_kind` ("NVIDIA H200", ...) gives the choice. Measured rows carry their figures (ms per
 call at a shape) and where they were taken, so a new measurement is one more row; unmeasured
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import jax
 
-KERNELS = ("strict_full", "strict_topk")
+KERNELS = ("strict_full", "strict_topk", "token_rows", "full_rows", "paged_attention")
 # A Pallas kernel is chosen only where it computed what XLA did (relative error of the loss
 # value and of the gradient, float32) and ran faster.
 AGREEMENT = 1e-4
@@ -33,13 +35,23 @@ AGREEMENT = 1e-4
 
 def _path(kernel: str, root: Path | None = None) -> Path:
     if kernel not in KERNELS:
-        raise ValueError(f"kernel {kernel!r} has no table of measured choices; one of {KERNELS}")
+        raise ValueError(f"kernel {kernel!r} has no table (measured.json); one of {KERNELS}")
     return (root or Path(__file__).parent) / kernel / "measured.json"
 
 
 @functools.lru_cache(maxsize=None)
+def _document(kernel: str) -> dict:
+    return json.loads(_path(kernel).read_text())
+
+
 def table(kernel: str) -> tuple[dict, ...]:
-    return tuple(json.loads(_path(kernel).read_text())["choices"])
+    """The kernel's rows of measured (or reasoned) choices, in the order `choose` reads them."""
+    return tuple(_document(kernel)["choices"])
+
+
+def sizes(kernel: str) -> dict:
+    """The kernel's tuned sizes (block_rows, block_cols, ...) and why they are what they are."""
+    return dict(_document(kernel)["sizes"])
 
 
 def choose(kernel: str, backend: str | None = None, device_kind: str | None = None) -> str:
@@ -74,7 +86,7 @@ def record(kernel: str, row: dict, root: Path | None = None) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(path)
-    table.cache_clear()
+    _document.cache_clear()
 
 
 def main(argv=None) -> int:

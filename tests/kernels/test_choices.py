@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from ctopd_jax.config import from_dict
-from ctopd_jax.kernels import api, choices
+from ctopd_jax.kernels import choices
+from ctopd_jax.kernels.strict import api
 from ctopd_jax.kernels.token_rows import token_rows
 
 
@@ -77,3 +78,15 @@ def test_the_command_refuses_a_dry_run(tmp_path, capsys):
     assert choices.main([str(result)]) == 2
     assert "dry run" in capsys.readouterr().err
     assert choices.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_every_kernel_has_its_folder_and_table():
+    # the per-kernel layout: kernels/<name>/ with its api, reference, xla and measured.json
+    # (pallas.py where it has a Pallas kernel); only the package files sit flat in kernels/
+    root = Path(choices.__file__).parent
+    flat = sorted(p.name for p in root.glob("*.py"))
+    assert flat == ["__init__.py", "__main__.py", "choices.py"], flat
+    for kernel in choices.KERNELS:
+        assert (root / kernel / "measured.json").is_file(), kernel
+        assert set(choices.sizes(kernel)) >= {"why"}, kernel
+    assert choices.sizes("strict_full")["block_cols"] == 128

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ctopd_jax.kernels import api, pallas_common
+from ctopd_jax.kernels.pallas_shared import passes
+from ctopd_jax.kernels.strict import api
 from ctopd_jax.kernels.strict_full import pallas as full_pallas
 from ctopd_jax.kernels.strict_topk import pallas as topk_pallas
 
@@ -27,7 +28,7 @@ from gpu_target import abstract_gpu
 
 ROWS, SHARED = 2048, 109_567
 DIV_ITEMS = (("akl_alpha", 0.5), ("jsd_beta", 0.5), ("skl_lambda", 0.1))
-DIVS = list(pallas_common.PALLAS_DIVERGENCES)
+DIVS = list(passes.PALLAS_DIVERGENCES)
 
 
 def _export_cuda(fn, rows=ROWS, cols=SHARED):
@@ -98,7 +99,7 @@ def test_compiled_pallas_that_cannot_lower_is_resolved_to_xla(caplog):
     for topk in (None, 5):
         caplog.clear()
         api._pallas_lowering_error.cache_clear()
-        with caplog.at_level(logging.WARNING, logger="ctopd_jax.kernels.api"):
+        with caplog.at_level(logging.WARNING, logger="ctopd_jax.kernels.strict.api"):
             assert api.resolve_implementation("pallas", "rkl", topk, chunk_shape=(6, 40),
                                               interpret=False) == "xla"
         assert any("does not lower on cpu" in r.getMessage() and

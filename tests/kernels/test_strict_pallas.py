@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 
 from _strict_case import Case, assert_close, make_case, torch_value_and_grad
-from ctopd_jax.kernels import pallas_common
+from ctopd_jax.kernels.pallas_shared import passes
 from ctopd_jax.kernels.strict_full import pallas as full_pallas
 from ctopd_jax.kernels.strict_full import reference as full_reference
 from ctopd_jax.kernels.strict_topk import pallas as topk_pallas
 from ctopd_jax.kernels.strict_topk import reference as topk_reference
 from test_strict_kd import check_against_torch, ours
 
-PALLAS_DIVS = list(pallas_common.PALLAS_DIVERGENCES)
+PALLAS_DIVS = list(passes.PALLAS_DIVERGENCES)
 DIV_ITEMS = (("akl_alpha", 0.5), ("jsd_beta", 0.5), ("skl_lambda", 0.1))
 # scripts/gpu_check.sh sets CTOPD_PALLAS_INTERPRET=0 to compile the kernel-level tests on GPU;
 # the api-level tests pick interpret mode from the backend by themselves.
@@ -148,8 +148,8 @@ def test_kernel_terms_match_row_terms():
         out = {}
         for name in PALLAS_DIVS:
             top = is_top if name == "top1_ce" else None
-            out[name] = (pallas_common.kernel_terms_and_partials(name, a, b, top, **kw),
-                         pallas_common.terms_and_partials(name, a, b, top, **kw))
+            out[name] = (passes.kernel_terms_and_partials(name, a, b, top, **kw),
+                         passes.terms_and_partials(name, a, b, top, **kw))
         return out
 
     for name, (got, want) in both(a, b).items():

@@ -4,10 +4,10 @@ Selection is `lax.top_k` (strict_topk.reference.select_topk, the exact selection
 reference and of the xla path: logit descending, lower column first among ties, -0.0 as +0.0).
 Its values ARE the student's k selected logits, so the student needs no gather; the teacher's k
 logits at the same columns are one small XLA gather (k values per row). The kernel then runs
-the three streaming passes of kernels/pallas_common.divergence_passes over the [c, k] rows: both
+the three streaming passes of kernels/pallas_shared/passes.py over the [c, k] rows: both
 sides renormalised on the k entries, the per-row weighted divergence and its gradient into the
 k logits. The gradient goes back to its columns of the chunk's [c, V∩] layout with one scatter
-(what the xla path does too); the row-chunk driver (kernels/row_chunks.py) owns the custom VJP.
+(what the xla path does too); the row-chunk driver (kernels/strict/row_chunks.py) owns the custom VJP.
 
 Why this split (the radix selection it replaces streamed the whole row 8 + 5 + 3 times per
 chunk and took 75 ms against XLA's 7.8 ms at 2,048 × 109,567 on an H200): selection is the
@@ -28,15 +28,17 @@ import functools
 
 import jax.numpy as jnp
 
-from ctopd_jax.kernels import pallas_common as pc
+from ctopd_jax.kernels.choices import sizes
+from ctopd_jax.kernels.pallas_shared import passes
+from ctopd_jax.kernels.pallas_shared import tiles as pt
 from ctopd_jax.kernels.strict_topk.reference import select_topk
 
-BLOCK_ROWS = pc.BLOCK_ROWS
-BLOCK_COLS = pc.BLOCK_COLS
+BLOCK_ROWS = sizes("strict_topk")["block_rows"]   # the table's tuned sizes (measured.json)
+BLOCK_COLS = sizes("strict_topk")["block_cols"]
 
 
 def _kernel(zs_ref, zt_ref, w_ref, loss_ref, grad_ref, *, tiles, name, temperature, kw):
-    pc.divergence_passes(tiles, zs_ref, zt_ref, w_ref, loss_ref, grad_ref, name=name,
+    passes.divergence_passes(tiles, zs_ref, zt_ref, w_ref, loss_ref, grad_ref, name=name,
                          temperature=temperature, kw=kw)
 
 
@@ -44,19 +46,19 @@ def strict_topk_rows(zs_bar, zt_bar, w, *, divergence, topk, temperature=1.0, js
                      skl_lambda=0.1, interpret=True, block_rows=BLOCK_ROWS,
                      block_cols=BLOCK_COLS, mode=None):
     """(per-row weighted loss [c], dense gradient [c, V∩], zero off the k selected columns)."""
-    if divergence not in pc.PALLAS_DIVERGENCES:
+    if divergence not in passes.PALLAS_DIVERGENCES:
         raise ValueError(f"divergence {divergence!r} has no Pallas kernel")
     rows, cols = zs_bar.shape
     if not 1 <= topk <= cols:
         raise ValueError(f"topk={topk} must be in [1, {cols}]")
     zs_k, idx = select_topk(zs_bar.astype(jnp.float32), topk)
     zt_k = jnp.take_along_axis(zt_bar, idx, axis=1)
-    zs, zt, wp, tile = pc.pad_blocks(zs_k, zt_k, w, block_rows, block_cols)
-    tiles = pc.Tiles(block_rows, tile, zs.shape[1] // tile, mode or pc.kernel_mode(interpret))
+    zs, zt, wp, tile = pt.pad_blocks(zs_k, zt_k, w, block_rows, block_cols)
+    tiles = pt.Tiles(block_rows, tile, zs.shape[1] // tile, mode or pt.kernel_mode(interpret))
     kernel = functools.partial(_kernel, tiles=tiles, name=divergence,
                                temperature=float(temperature),
                                kw=dict(jsd_beta=jsd_beta, skl_lambda=skl_lambda))
-    loss, grad_k = pc.strict_pallas_call(kernel, zs, zt, wp, tiles=tiles,
+    loss, grad_k = pt.strict_pallas_call(kernel, zs, zt, wp, tiles=tiles,
                                          name=f"strict_topk{topk}_{divergence}")
     row_ids = jnp.arange(rows)[:, None]
     grad = jnp.zeros((rows, cols), jnp.float32).at[row_ids, idx].set(
@@ -70,7 +72,7 @@ def make_chunk_fn(divergence: str, topk: int, temperature: float, div_items: tup
 
     One function object per kernel mode (see strict_full.pallas.make_chunk_fn).
     """
-    return _make_chunk_fn(divergence, topk, temperature, div_items, pc.kernel_mode(interpret),
+    return _make_chunk_fn(divergence, topk, temperature, div_items, pt.kernel_mode(interpret),
                           block_cols)
 
 

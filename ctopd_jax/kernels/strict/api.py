@@ -5,7 +5,7 @@ picks one per kernel (strict full / top-k) and device from the kernel folder's t
 choices (kernels/choices.py):
   "pallas"    -> fused Pallas chunk kernels (interpret mode on CPU, compiled on GPU); akl is
                  not supported there and falls back to xla.
-  "xla"       -> row-chunked custom-VJP driver (kernels.row_chunks) with jnp chunk functions.
+  "xla"       -> row-chunked custom-VJP driver (kernels/strict/row_chunks.py) with jnp chunk functions.
   "reference" -> plain jnp autodiff over the whole batch (the oracle; most memory).
 All return the same numbers: the per-row values row_weight[r] · D_r [R] and their sum (float32
 scalar), the sum differentiable w.r.t. the student logits (or hidden states and lm_head); the
@@ -20,10 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from ctopd_jax import losses
-from ctopd_jax.kernels import row_chunks
 from ctopd_jax.kernels.choices import choose
+from ctopd_jax.kernels.pallas_shared.tiles import gpu_backend
+from ctopd_jax.kernels.strict import row_chunks
+from ctopd_jax.kernels.strict_full import pallas as full_pallas
 from ctopd_jax.kernels.strict_full import reference as full_reference
 from ctopd_jax.kernels.strict_full import xla as full_xla
+from ctopd_jax.kernels.strict_topk import pallas as topk_pallas
 from ctopd_jax.kernels.strict_topk import reference as topk_reference
 from ctopd_jax.kernels.strict_topk import xla as topk_xla
 
@@ -79,7 +82,6 @@ def pallas_lowering_failure(divergence: str, topk: int | None, chunk_shape: tupl
     if interpret:
         return None
     rows, cols = max(1, int(chunk_shape[0])), int(chunk_shape[1])
-    from ctopd_jax.kernels.pallas_common import gpu_backend
     return _pallas_lowering_error(divergence, topk, rows, cols,
                                   f"{jax.default_backend()}/{gpu_backend()}")
 
@@ -161,9 +163,7 @@ def _validate(student, teacher, s_ids, row_weight, topk, t_ids, s_rows, t_rows):
 def _chunk_fn(implementation, divergence, topk, temperature, div_items, interpret):
     if implementation == "pallas":
         if topk is None:
-            from ctopd_jax.kernels.strict_full import pallas as full_pallas
             return full_pallas.make_chunk_fn(divergence, temperature, div_items, interpret)
-        from ctopd_jax.kernels.strict_topk import pallas as topk_pallas
         return topk_pallas.make_chunk_fn(divergence, topk, temperature, div_items, interpret)
     if topk is None:
         return full_xla.make_chunk_fn(divergence, temperature, div_items)
