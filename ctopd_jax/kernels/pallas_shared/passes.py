@@ -1,14 +1,15 @@
 """The loss and gradient passes shared by the Pallas strict kernels (strict_full, strict_topk).
 
-Row math (kernels/strict/row_terms.py). With a = log p_S and b = log p_T (τ applied), every divergence
-except akl is a sum of elementwise terms f(a_v, b_v) (top1_ce: f is nonzero only at the
-teacher's argmax column). Its gradient w.r.t. the student logits z is
+Row math (kernels/strict/row_terms.py). With a = log p_S and b = log p_T (τ applied), every
+divergence except akl is a sum of elementwise terms f(a_v, b_v) (top1_ce: f is nonzero only at
+the teacher's argmax column). Its gradient w.r.t. the student logits z is
 
     dL/dz_u = (1/τ) · (f_a(u) − p_S(u) · Σ_v f_a(v)),     f_a = ∂f/∂a elementwise,
 
 so a kernel needs the two log-sum-exps (pass 1, online), Σ f and Σ f_a (pass 2) and then writes
 the gradient (pass 3), streaming over vocabulary tiles: no [rows, V] temporaries besides the
-output. The top-k kernel runs the same three passes over its k selected columns (XLA selects).
+output. kl and rkl skip pass 2 (ONLINE_SUM). The top-k kernel runs the same passes over its
+k selected columns (XLA selects).
 """
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from ctopd_jax.kernels.pallas_shared.tiles import Tiles
 from ctopd_jax.kernels.strict.row_terms import ELEMENTWISE_DIVERGENCES, terms_and_partials
 
 PALLAS_DIVERGENCES = ELEMENTWISE_DIVERGENCES
+# Divergences whose Σ f is an expectation pass 1 accumulates online (E_p[x − y] minus the
+# difference of the log-sum-exps), so their rows are streamed twice, not three times: every
+# row is read 4 times and written once instead of read 6 times (the bytes bound the kernel).
+ONLINE_SUM = ("kl", "rkl")
 INT32_MAX = 2 ** 31 - 1
 
 
@@ -78,9 +83,31 @@ def kernel_terms_and_partials(name: str, a, b, is_top, **kw):
 def online_lse_update(tiles: Tiles, m, s, x):
     """One step of a streaming log-sum-exp over the columns: (max, Σ exp(x − max))."""
     m_new = jnp.maximum(m, jnp.max(x, axis=1))
-    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all -inf so far: avoid -inf - -inf
+    shift = _finite(m_new)  # all -inf so far: avoid -inf - -inf
     s_new = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - tiles.bcast(shift)), axis=1)
     return m_new, s_new
+
+
+def _finite(m):
+    return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def online_expectation_update(tiles: Tiles, acc, x, y, mx, sx, mx_new, my, my_new):
+    """One step of acc = Σ exp(x − mx) · ((x − mx) − (y − my)) over the columns seen, mx and my
+    the running maxima of the two rows (sx = Σ exp(x − mx) before this tile).
+
+    A new maximum shifts every term seen so far by a constant, so acc first moves by
+    −sx · (Δmx − Δmy), then rescales like sx. Measuring both rows from their own maxima keeps
+    the terms at the size of the logits' spread, not of their offsets, so float32 keeps a small
+    divergence between far-apart logits. A term whose exp(x − mx) is 0 counts 0 (0 · log 0).
+    """
+    hx, hy, hx_new, hy_new = _finite(mx), _finite(my), _finite(mx_new), _finite(my_new)
+    rescale = jnp.exp(mx - hx_new)
+    seen = jnp.where(rescale > 0, (acc - sx * ((hx_new - hx) - (hy_new - hy))) * rescale, 0.0)
+    x_rel = x - tiles.bcast(hx_new)
+    e = jnp.exp(x_rel)
+    terms = jnp.where(e > 0, e * (x_rel - (y - tiles.bcast(hy_new))), 0.0)
+    return seen + jnp.sum(terms, axis=1)
 
 
 def finish_lse(m, s):
@@ -89,7 +116,8 @@ def finish_lse(m, s):
 
 def divergence_passes(tiles: Tiles, zs_ref, zt_ref, w_ref, loss_ref, grad_ref, *, name: str,
                       temperature: float, kw: dict):
-    """Per-row weighted loss and dense gradient of one row block, in three streaming passes.
+    """Per-row weighted loss and dense gradient of one row block, in three streaming passes
+    (two for kl and rkl, see ONLINE_SUM).
 
     Every column of the rows takes part (the top-k kernel hands over its k selected columns
     only); top1_ce's teacher argmax takes the lowest column among ties.
@@ -101,20 +129,25 @@ def divergence_passes(tiles: Tiles, zs_ref, zt_ref, w_ref, loss_ref, grad_ref, *
     def scaled(s_ref, t_ref):
         return tiles.load(s_ref) * inv_t, tiles.load(t_ref) * inv_t
 
-    # pass 1: log-sum-exp of both rows (+ the teacher argmax column for top1_ce)
+    # pass 1: log-sum-exp of both rows (+ the teacher argmax column for top1_ce; + for kl and
+    # rkl the running Σ exp(x − max)·(x − y) of the side their expectation is over)
     def stats(j, s_ref, t_ref, carry):
-        ms, ss, mt, st, best = carry
+        ms, ss, mt, st, best, acc = carry
         s, t = scaled(s_ref, t_ref)
-        ms, ss = online_lse_update(tiles, ms, ss, s)
-        mt, st = online_lse_update(tiles, mt, st, t)
+        ms_new, ss_new = online_lse_update(tiles, ms, ss, s)
+        mt_new, st_new = online_lse_update(tiles, mt, st, t)
+        if name == "rkl":     # E_pS[(s − ms) − (t − mt)]
+            acc = online_expectation_update(tiles, acc, s, t, ms, ss, ms_new, mt, mt_new)
+        elif name == "kl":    # E_pT[(t − mt) − (s − ms)]
+            acc = online_expectation_update(tiles, acc, t, s, mt, st, mt_new, ms, ms_new)
         if top1:
             best = _argmax_update(tiles, j, best, t)
-        return ms, ss, mt, st, best
+        return ms_new, ss_new, mt_new, st_new, best, acc
 
     neg, zero = tiles.row_vec(neg_inf), tiles.row_vec(0.0)
     best0 = (neg, tiles.row_vec(INT32_MAX, jnp.int32))
-    ms, ss, mt, st, best = tiles.stream(stats, (zs_ref, zt_ref),
-                                        init=(neg, zero, neg, zero, best0))
+    ms, ss, mt, st, best, acc = tiles.stream(stats, (zs_ref, zt_ref),
+                                             init=(neg, zero, neg, zero, best0, zero))
     lse_s, lse_t = finish_lse(ms, ss), finish_lse(mt, st)
     top_col = best[1]
 
@@ -126,12 +159,21 @@ def divergence_passes(tiles: Tiles, zs_ref, zt_ref, w_ref, loss_ref, grad_ref, *
         f, f_a = kernel_terms_and_partials(name, a, b, is_top, **kw)
         return a, f, f_a
 
-    # pass 2: Σ f (the loss) and Σ f_a (needed by the gradient of the log-softmax)
+    # pass 2: Σ f (the loss) and Σ f_a (needed by the gradient of the log-softmax); kl and rkl
+    # have both from pass 1 already (ONLINE_SUM)
     def sums(j, s_ref, t_ref, carry):
         _, f, f_a = tile_terms(j, s_ref, t_ref)
         return carry[0] + jnp.sum(f, axis=1), carry[1] + jnp.sum(f_a, axis=1)
 
-    loss, fa_sum = tiles.stream(sums, (zs_ref, zt_ref), init=(zero, zero))
+    # with lse = m + log Σ exp(x − m): RKL = E_pS[(s − ms) − (t − mt)] − log ss + log st
+    if name == "rkl":    # Σ f_a = Σ p_S (a − b + 1) = RKL + 1
+        loss = acc / ss - jnp.log(ss) + jnp.log(st)
+        fa_sum = loss + 1.0
+    elif name == "kl":   # Σ f_a = −Σ p_T = −1
+        loss = acc / st - jnp.log(st) + jnp.log(ss)
+        fa_sum = tiles.row_vec(-1.0)
+    else:
+        loss, fa_sum = tiles.stream(sums, (zs_ref, zt_ref), init=(zero, zero))
     w = tiles.load_rows(w_ref)
     live = w != 0
     loss_ref[...] = jnp.where(live, w * jnp.where(live, loss, 0.0), 0.0)
@@ -140,8 +182,16 @@ def divergence_passes(tiles: Tiles, zs_ref, zt_ref, w_ref, loss_ref, grad_ref, *
 
     # pass 3: dL/dz = (w/τ)(f_a − p_S Σ f_a), exactly 0 on rows of weight 0
     def write(j, s_ref, t_ref, g_ref, carry):
-        a, _, f_a = tile_terms(j, s_ref, t_ref)
-        g = tiles.bcast(scale) * (f_a - jnp.exp(a) * tiles.bcast(fa_sum))
+        if name == "rkl":   # p_S (a − b − RKL) = p_S (d − E_pS[d]) with d measured from the
+            # maxima as in pass 1, so a rounding of the log-sum-exps cannot shift d against E[d]
+            s, t = scaled(s_ref, t_ref)
+            p = jnp.exp(s - tiles.bcast(lse_s))
+            x = s - tiles.bcast(_finite(ms))
+            d = jnp.where(p > 0, x - jnp.where(p > 0, t - tiles.bcast(_finite(mt)), 0.0), 0.0)
+            g = tiles.bcast(scale) * p * (d - tiles.bcast(acc / ss))
+        else:
+            a, _, f_a = tile_terms(j, s_ref, t_ref)
+            g = tiles.bcast(scale) * (f_a - jnp.exp(a) * tiles.bcast(fa_sum))
         g_ref[...] = jnp.where(tiles.bcast(live_f) != 0, g, 0.0)
         return carry
 
