@@ -132,6 +132,38 @@ def test_empty_batch_single_row_and_bf16(topk):
                                atol=1e-2 * np.abs(ref_grad).max())
 
 
+@slow_interpreted
+@pytest.mark.parametrize("divergence", ["rkl", "kl"])
+def test_one_pass_sums_hold_float32_at_offset_logits(divergence):
+    # kl and rkl take Σ f from pass 1's running expectation (19 tiles of 16 columns here, the
+    # maxima moving as they stream); teacher logits 50 above the student's, divergences 1e-4 to 1:
+    # against a float64 numpy oracle the value stays within 2e-6 (the xla path's closed form,
+    # which forms a − b from rounded log-sum-exps, is 4e-6 off here)
+    rng = np.random.default_rng(31)
+    zs = rng.normal(size=(9, 300)) * 10
+    zt = zs + rng.normal(size=(9, 300)) * 0.5 + 50
+
+    def log_softmax(x):
+        x = x - x.max(axis=1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+    a, b = log_softmax(zs), log_softmax(zt)
+    p, q = np.exp(a), np.exp(b)
+    if divergence == "rkl":
+        want = (p * (a - b)).sum(axis=1)
+        want_grad = p * (a - b - want[:, None])
+    else:
+        want = (q * (b - a)).sum(axis=1)
+        want_grad = p - q
+    fn = full_pallas.make_chunk_fn(divergence, 1.0, DIV_ITEMS, INTERPRET, 16)
+    rows, grad = jax.jit(fn)(jnp.asarray(zs, jnp.float32), jnp.asarray(zt, jnp.float32),
+                             jnp.ones(9))
+    assert 1e-4 < want.min() and want.max() < 1.0
+    np.testing.assert_allclose(np.asarray(rows), want, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=0,
+                               atol=5e-5 * np.abs(want_grad).max())
+
+
 def test_kernel_terms_match_row_terms():
     # the Mosaic-GPU-safe inlining (add_any, custom_jvp_call, log1p rewritten) gives the
     # same f and f_a as the autodiff definition in kernels/row_terms.py
