@@ -1,11 +1,12 @@
 """Pallas chunk kernel for the strict full objective: divergence and its gradient in 3 streaming
-passes over vocabulary tiles per block of rows (math and tiling: kernels/pallas_shared/).
+passes over vocabulary tiles per block of rows, 2 for kl and rkl (math and tiling:
+kernels/pallas_shared/; what bounds its speed: README.md in this folder).
 
 Grid: one program per block of BLOCK_ROWS rows; each pass streams [BLOCK_ROWS, tile] tiles, so
 shared memory does not grow with V∩. Columns are padded to a multiple of the tile with -inf on
 both sides (probability 0 there, so padding changes nothing); padded rows get weight 0. The XLA
-side (kernels/strict/row_chunks.py) gathers the shared columns of a row chunk before calling this and
-puts the gradient back into student layout after.
+side (kernels/strict/row_chunks.py) gathers the shared columns of a row chunk before calling
+this and puts the gradient back into student layout after.
 """
 from __future__ import annotations
 
