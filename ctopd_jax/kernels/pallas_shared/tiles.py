@@ -33,9 +33,17 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 PIPELINE_STAGES = 2
 ROW_AXIS = "row_blocks"  # the grid axis name of the Mosaic GPU kernel
+
+
+def _mosaic_gpu():
+    """jax.experimental.pallas.mosaic_gpu, imported on first use: its import takes ~2.7 s, and
+    only a compiled GPU kernel needs it (not a CPU run, not interpret mode)."""
+    from jax.experimental.pallas import mosaic_gpu
+    return mosaic_gpu
 
 
 def round_up(n: int, m: int) -> int:
@@ -106,7 +114,7 @@ class Tiles:
         return (self.block_rows, self.tile)
 
     def _layouts(self):
-        from jax.experimental.pallas import mosaic_gpu as plgpu
+        plgpu = _mosaic_gpu()
         return plgpu, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
 
     def row_vec(self, value, dtype=jnp.float32):
@@ -162,7 +170,7 @@ class Tiles:
         """
         i = self.block_index()
         if self.gpu:
-            from jax.experimental.pallas import mosaic_gpu as plgpu
+            plgpu = _mosaic_gpu()
             spec = pl.BlockSpec(self.shape, lambda j: (i, j))
             steps = min(PIPELINE_STAGES, self.n_tiles)
             if init is None:
@@ -217,7 +225,6 @@ def strict_pallas_call(kernel, zs, zt, wp, *, tiles: Tiles, name: str):
 
 
 def _triton_params():
-    from jax.experimental.pallas import triton as pltriton
     return pltriton.CompilerParams(num_warps=4, num_stages=1)
 
 
@@ -227,7 +234,7 @@ def _mosaic_gpu_call(kernel, zs, zt, wp, *, tiles: Tiles, out_shape):
     Every operand stays in global memory; the block's row weights come in and its per-row
     losses go out through [block_rows] shared-memory buffers (one TMA copy each way).
     """
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+    plgpu = _mosaic_gpu()
 
     def body(zs_ref, zt_ref, w_gmem, loss_gmem, grad_ref, w_smem, loss_smem, barrier):
         rows = pl.ds(tiles.block_index() * tiles.block_rows, tiles.block_rows)
