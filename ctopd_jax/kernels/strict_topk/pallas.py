@@ -7,13 +7,14 @@ logits at the same columns are one small XLA gather (k values per row). The kern
 the three streaming passes of kernels/pallas_shared/passes.py over the [c, k] rows: both
 sides renormalised on the k entries, the per-row weighted divergence and its gradient into the
 k logits. The gradient goes back to its columns of the chunk's [c, V∩] layout with one scatter
-(what the xla path does too); the row-chunk driver (kernels/strict/row_chunks.py) owns the custom VJP.
+(what the xla path does too); the row-chunk driver (kernels/strict/row_chunks.py) owns the
+custom VJP.
 
 Why this split (the radix selection it replaces streamed the whole row 8 + 5 + 3 times per
 chunk and took 75 ms against XLA's 7.8 ms at 2,048 × 109,567 on an H200): selection is the
 only step that reads all V∩ columns, and XLA's top_k does it in one pass. approx_max_k was not
-chosen: on GPU it is the exact top-k anyway (its recall target only speeds up TPUs), and an
-approximate selection would change the loss against the reference. An in-kernel teacher
+chosen: its documentation says it is only optimized on TPU, so on a GPU it promises no speed,
+and an approximate selection would change the loss against the reference. An in-kernel teacher
 gather was not chosen either: Mosaic GPU has no per-element gather from global memory, and
 picking the k columns by streaming the teacher row would read all V∩ columns (0.9 GB per
 2,048-row chunk) where the gather reads k per row.
