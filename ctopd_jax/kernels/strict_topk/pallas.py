@@ -4,7 +4,7 @@ Selection is `lax.top_k` (strict_topk.reference.select_topk, the exact selection
 reference and of the xla path: logit descending, lower column first among ties, -0.0 as +0.0).
 Its values ARE the student's k selected logits, so the student needs no gather; the teacher's k
 logits at the same columns are one small XLA gather (k values per row). The kernel then runs
-the three streaming passes of kernels/pallas_shared/passes.py over the [c, k] rows: both
+the streaming passes of kernels/pallas_shared/passes.py over the [c, k] rows: both
 sides renormalised on the k entries, the per-row weighted divergence and its gradient into the
 k logits. The gradient goes back to its columns of the chunk's [c, V∩] layout with one scatter
 (what the xla path does too); the row-chunk driver (kernels/strict/row_chunks.py) owns the
