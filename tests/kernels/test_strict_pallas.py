@@ -166,7 +166,7 @@ def test_one_pass_sums_hold_float32_at_offset_logits(divergence):
 
 def test_kernel_terms_match_row_terms():
     # the Mosaic-GPU-safe inlining (add_any, custom_jvp_call, log1p rewritten) gives the
-    # same f and f_a as the autodiff definition in kernels/row_terms.py
+    # same f and f_a as the autodiff definition in kernels/strict/row_terms.py
     rng = np.random.default_rng(6)
     a = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(4, 33)) * 3, jnp.float32))
     b = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(4, 33)) * 3, jnp.float32))
