@@ -378,7 +378,7 @@ def stage_strict_kernels(report: Report) -> None:
     import jax.numpy as jnp
     import numpy as np
     from ctopd_jax.kernels import choices
-from ctopd_jax.kernels.strict import api
+    from ctopd_jax.kernels.strict import api
     dry = report.dry
     vs, vt, vx, rows = (500, 600, 400, 32) if dry else (V_S, V_T, V_SHARED, ROWS)
     rng = np.random.default_rng(0)
