@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import core as mgpu_core
 
-from ctopd_jax.kernels import pallas_common
+from ctopd_jax.kernels.pallas_shared import passes
 from ctopd_jax.kernels.strict_full import pallas as full_pallas
 from ctopd_jax.kernels.strict_topk import pallas as topk_pallas
 
@@ -40,8 +40,8 @@ def main():
     mgpu_core._smem_tree_size = recording
     block = jax.ShapeDtypeStruct((args.rows, args.cols), jnp.float32)
     w = jax.ShapeDtypeStruct((args.rows,), jnp.float32)
-    kernels = [("full", d, None) for d in pallas_common.PALLAS_DIVERGENCES]
-    kernels += [("topk", d, k) for k in args.topk for d in pallas_common.PALLAS_DIVERGENCES]
+    kernels = [("full", d, None) for d in passes.PALLAS_DIVERGENCES]
+    kernels += [("topk", d, k) for k in args.topk for d in passes.PALLAS_DIVERGENCES]
     for kind, div, k in kernels:
         fn = (full_pallas.make_chunk_fn(div, 1.0, DIV_ITEMS, False) if k is None else
               topk_pallas.make_chunk_fn(div, k, 1.0, DIV_ITEMS, False))

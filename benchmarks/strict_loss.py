@@ -114,7 +114,7 @@ def worker_jax(rows, topk, repeat, donate, chunk_rows):
     import jax
     import jax.numpy as jnp
     sys.path.insert(0, str(ROOT))
-    from ctopd_jax.kernels import api
+    from ctopd_jax.kernels.strict import api
 
     def loss(zs, zt, s_ids, t_ids):
         return api.strict_kd_sum(zs, zt, s_ids, jnp.ones((rows,), jnp.float32), divergence="rkl",

@@ -23,7 +23,7 @@ import platform
 import jax
 import jax.numpy as jnp
 
-from ctopd_jax.kernels.api import strict_kd_rows
+from ctopd_jax.kernels import strict_kd_rows
 
 H_T, V_T, H_S, V_S, V_SHARED = 3584, 151_665, 3072, 128_256, 109_567
 

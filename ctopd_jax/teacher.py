@@ -5,7 +5,7 @@ tokens [B, T] (no gradient, no dropout: eval mode) and returns the final post-no
 at the flat rows [R] of the [B*T] positions the objective asked for (strict pairs, span groups,
 every response position ...). Every teacher quantity the objectives use — V∩ columns, top-k
 entries, realised-token log-probs, logsumexp, full rows — is then computed chunk by chunk beside
-the student's, from (hidden rows, `lm_head`), inside the student step (kernels.api,
+the student's, from (hidden rows, `lm_head`), inside the student step (kernels.strict,
 kernels.token_rows). So no [R, V] or [R, V∩] teacher array exists between stages: what crosses
 is [R, H], H ≪ V.
 

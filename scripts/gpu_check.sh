@@ -11,7 +11,7 @@
 #   bash scripts/gpu_check.sh --dry-run    # every stage at tiny shapes on the CPU (rehearsal)
 #   bash scripts/gpu_check.sh --only e2e   # one or more stages (comma-separated)
 #
-# Stages, in order: env, e2e, strict_kernels, attention, train_step, sampler, compile_memory,
+# Stages, in order: env, e2e, e2e_pallas, strict_kernels, attention, train_step, sampler, compile_memory,
 # pallas_tests (what each measures: scripts/gpu_check.py). Progress lines go to stderr as
 # each part starts and ends.
 # Exit status: 0 when every stage is ok, 1 when any failed or timed out (later stages still

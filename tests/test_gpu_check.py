@@ -69,6 +69,12 @@ def test_dry_run_writes_one_valid_result_per_stage(tmp_path):
         assert strict[key]["run_s"] > 0 and strict[key]["compile_s"] >= 0, (key, strict[key])
     # interpret-mode Pallas on CPU computes the same float32 function as the XLA path
     assert strict["full/pallas"]["grad_rel_error"] < 1e-4
+    assert strict["top16/pallas"]["grad_rel_error"] < 1e-4
+    assert {k: r["backend"] for k, r in strict["table"].items()} == {
+        "strict_full": "cpu", "strict_topk": "cpu"}
+    compare = records["e2e_pallas"]["results"]["compare"]   # pallas e2e against xla's
+    assert compare["same_rollouts_iteration_1"] and compare["loss_rel_error_iteration_1"] < 1e-4
+    assert all(t > 0 for t in compare["steady_student_s"].values())
     attention = records["attention"]["results"]
     assert attention["cudnn"]["status"] == "not available"  # no GPU in a dry run
     assert attention["blockwise"]["out_rel_error"] < 2e-2    # bf16 against float32

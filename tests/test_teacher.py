@@ -13,7 +13,7 @@ from _hf_tiny import load_pair  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ctopd_jax.kernels.row_chunks import teacher_columns  # noqa: E402
+from ctopd_jax.kernels.strict.row_chunks import teacher_columns  # noqa: E402
 from ctopd_jax.kernels.token_rows import token_rows  # noqa: E402
 from ctopd_jax.teacher import lm_head_of, teacher_hidden_rows  # noqa: E402
 

@@ -5,7 +5,7 @@ any other pair before a model loads), the sampled ids are reused (host.SameToken
 so the student's response rows and the teacher's rows are the same positions of the same ids:
 `prepare` asks the teacher for hidden states at exactly the student's response rows, and every
 teacher quantity (sampled-token log-prob, full-vocabulary KL, top-k centring) is computed from
-those rows beside the student's (kernels.token_rows, kernels.full_rows, kernels.api).
+those rows beside the student's (kernels.token_rows, kernels.full_rows, kernels.strict).
 
 Decisions where SPEC is silent (documented here once for the family):
 - Log-probs of the OPD family are taken at `algorithm.kd_temperature` (student and teacher
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from ctopd_jax.algorithms import pack
 from ctopd_jax.algorithms.base import BASE_ROWS, Needs, Objective
 from ctopd_jax.config import AlgorithmSection, require
-from ctopd_jax.kernels.api import strict_kd_rows
+from ctopd_jax.kernels import strict_kd_rows
 from ctopd_jax.kernels.token_rows import token_rows
 
 

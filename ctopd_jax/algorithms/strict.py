@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from ctopd_jax.algorithms import pack
 from ctopd_jax.algorithms.base import BASE_ROWS, Objective, register
 from ctopd_jax.config import AlgorithmSection, require
-from ctopd_jax.kernels.api import strict_kd_rows
+from ctopd_jax.kernels import strict_kd_rows
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,7 @@ class AlgorithmSection:
     jsd_beta: float = 0.5                # β of jsd, in (0, 1)
     skl_lambda: float = 0.1              # λ of skl / srkl, in (0, 1)
     akl_alpha: float = 0.5               # α of akl: the tail's probability mass, in (0, 1)
-    # strict kernels (kernels/api.py); auto: per kernel and device from
+    # strict kernels (kernels/strict/api.py); auto: per kernel and device from
     # kernels/<kernel>/measured.json (kernels/choices.py)
     implementation: Literal["reference", "xla", "pallas", "auto"] = "xla"
     chunked_loss_size: int = 2048        # rows per lm_head/loss chunk

@@ -1,10 +1,15 @@
 """`implementation: auto` reads each kernel's table of measured choices (kernels/choices.py)."""
+import json
+import shutil
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ctopd_jax.config import from_dict
-from ctopd_jax.kernels import api, choices
+from ctopd_jax.kernels import choices
+from ctopd_jax.kernels.strict import api
 from ctopd_jax.kernels.token_rows import token_rows
 
 
@@ -40,3 +45,48 @@ def test_auto_resolves_on_this_device_and_computes_like_xla():
 
 def test_auto_is_a_config_value():
     assert from_dict({"algorithm": {"name": "strict", "implementation": "auto"}}).algorithm.implementation == "auto"
+
+
+def _row(pallas_s, grad_error=1e-6):
+    return choices.measured_row(backend="gpu", device_kind="NVIDIA H100 80GB HBM3",
+                                pallas_s=pallas_s, xla_s=0.0078, value_error=0.0,
+                                grad_error=grad_error, measured="test", shape=[2048, 109567], k=16)
+
+
+def test_a_measured_row_picks_pallas_only_where_it_agrees_and_wins():
+    assert _row(0.0050)["choice"] == "pallas" and _row(0.0050)["xla_ms"] == 7.8
+    assert _row(0.0090)["choice"] == "xla"                     # slower
+    assert _row(0.0050, grad_error=1e-2)["choice"] == "xla"   # disagrees with xla
+
+
+def test_recording_a_row_puts_it_before_its_backends_wildcard(tmp_path):
+    shutil.copytree(Path(choices.__file__).parent / "strict_topk", tmp_path / "strict_topk")
+    for pallas_s in (0.0050, 0.0090):            # a second measurement replaces the first
+        choices.record("strict_topk", _row(pallas_s), root=tmp_path)
+    rows = json.loads((tmp_path / "strict_topk" / "measured.json").read_text())["choices"]
+    kinds = [(r["backend"], r["device_kind"]) for r in rows]
+    at = kinds.index(("gpu", "NVIDIA H100 80GB HBM3"))
+    assert kinds.count(("gpu", "NVIDIA H100 80GB HBM3")) == 1 and kinds[at + 1] == ("gpu", "*")
+    assert rows[at]["choice"] == "xla" and rows[at]["pallas_ms"] == 9.0
+    assert [r for r in rows if r is not rows[at]] == list(choices.table("strict_topk"))
+
+
+def test_the_command_refuses_a_dry_run(tmp_path, capsys):
+    result = tmp_path / "strict_kernels.json"
+    result.write_text(json.dumps({"dry_run": True, "platform": "cpu",
+                                  "results": {"table": {"strict_topk": _row(0.005)}}}))
+    assert choices.main([str(result)]) == 2
+    assert "dry run" in capsys.readouterr().err
+    assert choices.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_every_kernel_has_its_folder_and_table():
+    # the per-kernel layout: kernels/<name>/ with its api, reference, xla and measured.json
+    # (pallas.py where it has a Pallas kernel); only the package files sit flat in kernels/
+    root = Path(choices.__file__).parent
+    flat = sorted(p.name for p in root.glob("*.py"))
+    assert flat == ["__init__.py", "__main__.py", "choices.py"], flat
+    for kernel in choices.KERNELS:
+        assert (root / kernel / "measured.json").is_file(), kernel
+        assert set(choices.sizes(kernel)) >= {"why"}, kernel
+    assert choices.sizes("strict_full")["block_cols"] == 128

@@ -2,8 +2,7 @@
 
 On CPU Pallas runs in interpret mode: the same per-tile code as the compiled Mosaic GPU kernel,
 with the tiles streamed by a fori_loop instead of TMA pipelines. Shapes stay tiny: interpret
-mode evaluates the kernel op by op, and compiling the top-k kernel's 13 selection passes takes
-tens of seconds, so the kernel tests are marked slow. The kernel-level tests use a 16-column
+mode evaluates the kernel op by op, so the kernel tests are marked slow. The kernel-level tests use a 16-column
 tile so that several vocabulary tiles, padding columns and padded rows are exercised.
 
 Chunk-function contract: (per-row w_r · D_r [c], gradient [c, V∩]); the per-row values are
@@ -19,14 +18,14 @@ import numpy as np
 import pytest
 
 from _strict_case import Case, assert_close, make_case, torch_value_and_grad
-from ctopd_jax.kernels import pallas_common
+from ctopd_jax.kernels.pallas_shared import passes
 from ctopd_jax.kernels.strict_full import pallas as full_pallas
 from ctopd_jax.kernels.strict_full import reference as full_reference
 from ctopd_jax.kernels.strict_topk import pallas as topk_pallas
 from ctopd_jax.kernels.strict_topk import reference as topk_reference
 from test_strict_kd import check_against_torch, ours
 
-PALLAS_DIVS = list(pallas_common.PALLAS_DIVERGENCES)
+PALLAS_DIVS = list(passes.PALLAS_DIVERGENCES)
 DIV_ITEMS = (("akl_alpha", 0.5), ("jsd_beta", 0.5), ("skl_lambda", 0.1))
 # scripts/gpu_check.sh sets CTOPD_PALLAS_INTERPRET=0 to compile the kernel-level tests on GPU;
 # the api-level tests pick interpret mode from the backend by themselves.
@@ -133,23 +132,41 @@ def test_empty_batch_single_row_and_bf16(topk):
                                atol=1e-2 * np.abs(ref_grad).max())
 
 
-def test_float_keys_order_like_the_floats():
-    # (subnormals are left out: XLA:CPU flushes them to zero, so they share the key of 0.0)
-    x = np.array([-np.inf, -3e38, -1.5, -2e-38, -0.0, 0.0, 2e-38, 1e-30, 1.0, 2.5, 3e38,
-                  np.inf], np.float32)
-    keys = np.asarray(pallas_common.float_keys(jnp.asarray(x)))
-    assert keys[4] == keys[5]  # -0.0 and +0.0 are one key
-    order = np.delete(keys, 4)
-    assert np.all(np.diff(order.astype(np.int64)) > 0), keys
-    rng = np.random.default_rng(5)
-    y = (rng.normal(size=4096) * rng.choice([1e-30, 1.0, 1e30], 4096)).astype(np.float32)
-    ky = np.asarray(pallas_common.float_keys(jnp.asarray(y)))
-    assert np.array_equal(np.argsort(y, kind="stable"), np.argsort(ky, kind="stable"))
+@slow_interpreted
+@pytest.mark.parametrize("divergence", ["rkl", "kl"])
+def test_one_pass_sums_hold_float32_at_offset_logits(divergence):
+    # kl and rkl take Σ f from pass 1's running expectation (19 tiles of 16 columns here, the
+    # maxima moving as they stream); teacher logits 50 above the student's, divergences 1e-4 to 1:
+    # against a float64 numpy oracle the value stays within 2e-6 (the xla path's closed form,
+    # which forms a − b from rounded log-sum-exps, is 4e-6 off here)
+    rng = np.random.default_rng(31)
+    zs = rng.normal(size=(9, 300)) * 10
+    zt = zs + rng.normal(size=(9, 300)) * 0.5 + 50
+
+    def log_softmax(x):
+        x = x - x.max(axis=1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+    a, b = log_softmax(zs), log_softmax(zt)
+    p, q = np.exp(a), np.exp(b)
+    if divergence == "rkl":
+        want = (p * (a - b)).sum(axis=1)
+        want_grad = p * (a - b - want[:, None])
+    else:
+        want = (q * (b - a)).sum(axis=1)
+        want_grad = p - q
+    fn = full_pallas.make_chunk_fn(divergence, 1.0, DIV_ITEMS, INTERPRET, 16)
+    rows, grad = jax.jit(fn)(jnp.asarray(zs, jnp.float32), jnp.asarray(zt, jnp.float32),
+                             jnp.ones(9))
+    assert 1e-4 < want.min() and want.max() < 1.0
+    np.testing.assert_allclose(np.asarray(rows), want, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=0,
+                               atol=5e-5 * np.abs(want_grad).max())
 
 
 def test_kernel_terms_match_row_terms():
     # the Mosaic-GPU-safe inlining (add_any, custom_jvp_call, log1p rewritten) gives the
-    # same f and f_a as the autodiff definition in kernels/row_terms.py
+    # same f and f_a as the autodiff definition in kernels/strict/row_terms.py
     rng = np.random.default_rng(6)
     a = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(4, 33)) * 3, jnp.float32))
     b = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(4, 33)) * 3, jnp.float32))
@@ -163,8 +180,8 @@ def test_kernel_terms_match_row_terms():
         out = {}
         for name in PALLAS_DIVS:
             top = is_top if name == "top1_ce" else None
-            out[name] = (pallas_common.kernel_terms_and_partials(name, a, b, top, **kw),
-                         pallas_common.terms_and_partials(name, a, b, top, **kw))
+            out[name] = (passes.kernel_terms_and_partials(name, a, b, top, **kw),
+                         passes.terms_and_partials(name, a, b, top, **kw))
         return out
 
     for name, (got, want) in both(a, b).items():

@@ -1,13 +1,13 @@
 """`decode_attention(..., implementation)`: one query token per row over a paged KV cache.
 
 Implementations: "pallas" (GPU kernel, pallas.py; interpret mode on CPU), "xla" (xla.py, the
-CPU path), "reference" (numpy, reference.py; tests only, not jit-able). "auto" picks pallas
-on a GPU backend and xla elsewhere. All follow reference.py's contract.
+CPU path), "reference" (numpy, reference.py; tests only, not jit-able). "auto" takes the
+choice of the table in measured.json for this device (pallas on a GPU, xla elsewhere). All
+follow reference.py's contract.
 """
 from __future__ import annotations
 
-import jax
-
+from ctopd_jax.kernels.choices import choose
 from ctopd_jax.kernels.paged_attention import pallas, xla
 
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
@@ -18,7 +18,7 @@ def resolve(implementation: str) -> str:
         raise ValueError(f"paged attention must be one of {IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
     if implementation == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        return choose("paged_attention")
     return implementation
 
 

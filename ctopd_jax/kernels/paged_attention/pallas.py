@@ -5,9 +5,8 @@ paged_attention): one program per (kv head, block of 16 query heads of its group
 the page table); each program loops over its pages only up to the row's length, so a decode
 step reads each row's valid pages and nothing else. This module adapts the project's layout
 to it (page table padded to a multiple of the split count) and fixes its tiling: a compute
-block of `pages_per_block` pages holds >= BLOCK_TOKENS tokens (Triton's smallest dot is 16;
-64 is a guess between fewer loop steps and fewer tokens read past a row's end, not tuned on a
-GPU). The op
+block of `pages_per_block` pages holds >= BLOCK_TOKENS tokens (both sizes, and why, in
+measured.json). The op
 does not scale the scores, so q is multiplied by 1/sqrt(head_dim) first (in float32, then
 back to q's dtype: in bf16 that rounding differs from xla.py's scaling of the scores).
 Interpret mode runs the same kernel on CPU (tests compare it with reference.py); it lowers to
@@ -20,8 +19,10 @@ import math
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import paged_attention as _jax_paged
 
-K_SPLITS = 4   # table partitions per row, reduced afterwards (more programs for short batches)
-BLOCK_TOKENS = 64
+from ctopd_jax.kernels.choices import sizes
+
+K_SPLITS = sizes("paged_attention")["k_splits"]
+BLOCK_TOKENS = sizes("paged_attention")["block_tokens"]
 
 
 def decode_attention(q, k_pages, v_pages, page_table, lengths, *, interpret: bool = False):

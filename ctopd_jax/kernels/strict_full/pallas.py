@@ -1,24 +1,27 @@
 """Pallas chunk kernel for the strict full objective: divergence and its gradient in 3 streaming
-passes over vocabulary tiles per block of rows (math and tiling: kernels/pallas_common.py).
+passes over vocabulary tiles per block of rows, 2 for kl and rkl (math and tiling:
+kernels/pallas_shared/; what bounds its speed: README.md in this folder).
 
 Grid: one program per block of BLOCK_ROWS rows; each pass streams [BLOCK_ROWS, tile] tiles, so
 shared memory does not grow with V∩. Columns are padded to a multiple of the tile with -inf on
 both sides (probability 0 there, so padding changes nothing); padded rows get weight 0. The XLA
-side (kernels.row_chunks) gathers the shared columns of a row chunk before calling this and
-puts the gradient back into student layout after.
+side (kernels/strict/row_chunks.py) gathers the shared columns of a row chunk before calling
+this and puts the gradient back into student layout after.
 """
 from __future__ import annotations
 
 import functools
 
-from ctopd_jax.kernels import pallas_common as pc
+from ctopd_jax.kernels.choices import sizes
+from ctopd_jax.kernels.pallas_shared import passes
+from ctopd_jax.kernels.pallas_shared import tiles as pt
 
-BLOCK_ROWS = pc.BLOCK_ROWS
-BLOCK_COLS = pc.BLOCK_COLS
+BLOCK_ROWS = sizes("strict_full")["block_rows"]   # the table's tuned sizes (measured.json)
+BLOCK_COLS = sizes("strict_full")["block_cols"]
 
 
 def _kernel(zs_ref, zt_ref, w_ref, loss_ref, grad_ref, *, tiles, name, temperature, kw):
-    pc.divergence_passes(tiles, zs_ref, zt_ref, w_ref, loss_ref, grad_ref, name=name,
+    passes.divergence_passes(tiles, zs_ref, zt_ref, w_ref, loss_ref, grad_ref, name=name,
                          temperature=temperature, kw=kw)
 
 
@@ -26,15 +29,15 @@ def strict_full_rows(zs_bar, zt_bar, w, *, divergence, temperature=1.0, jsd_beta
                      skl_lambda=0.1, interpret=True, block_rows=BLOCK_ROWS,
                      block_cols=BLOCK_COLS, mode=None):
     """(per-row weighted loss [c], gradient [c, V∩]) for projected rows, via one Pallas kernel."""
-    if divergence not in pc.PALLAS_DIVERGENCES:
+    if divergence not in passes.PALLAS_DIVERGENCES:
         raise ValueError(f"divergence {divergence!r} has no Pallas kernel")
     rows, cols = zs_bar.shape
-    zs, zt, wp, tile = pc.pad_blocks(zs_bar, zt_bar, w, block_rows, block_cols)
-    tiles = pc.Tiles(block_rows, tile, zs.shape[1] // tile, mode or pc.kernel_mode(interpret))
+    zs, zt, wp, tile = pt.pad_blocks(zs_bar, zt_bar, w, block_rows, block_cols)
+    tiles = pt.Tiles(block_rows, tile, zs.shape[1] // tile, mode or pt.kernel_mode(interpret))
     kernel = functools.partial(_kernel, tiles=tiles, name=divergence,
                                temperature=float(temperature),
                                kw=dict(jsd_beta=jsd_beta, skl_lambda=skl_lambda))
-    loss, grad = pc.strict_pallas_call(kernel, zs, zt, wp, tiles=tiles,
+    loss, grad = pt.strict_pallas_call(kernel, zs, zt, wp, tiles=tiles,
                                        name=f"strict_full_{divergence}")
     return loss[:rows], grad[:rows, :cols]
 
@@ -46,7 +49,7 @@ def make_chunk_fn(divergence: str, temperature: float, div_items: tuple, interpr
     One function object per kernel mode (interpret / mosaic / triton, read from the
     environment now), so jit caches never hand a kernel of one backend to another.
     """
-    return _make_chunk_fn(divergence, temperature, div_items, pc.kernel_mode(interpret),
+    return _make_chunk_fn(divergence, temperature, div_items, pt.kernel_mode(interpret),
                           block_cols)
 
 

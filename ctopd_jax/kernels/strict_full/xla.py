@@ -1,6 +1,7 @@
-"""XLA chunk function for the strict full objective (used by kernels.row_chunks).
+"""XLA chunk function for the strict full objective (used by kernels/strict/row_chunks.py).
 
-Elementwise divergences (all but akl) use the closed-form row gradient of kernels/row_terms.py:
+Elementwise divergences (all but akl) use the closed-form row gradient of
+kernels/strict/row_terms.py:
 two log-sum-exps, Σ f and Σ f_a, then (w/τ)(f_a − p_S Σ f_a). That is a few fused streaming
 passes over the chunk instead of the many [c, V∩] temporaries that reverse-mode autodiff of the
 log-softmax keeps alive; kl and rkl (the paper's choice) use their simplified closed forms
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ctopd_jax import losses
-from ctopd_jax.kernels import row_terms
+from ctopd_jax.kernels.strict import row_terms
 
 
 def autodiff_chunk(divergence, temperature, div_kwargs):

@@ -1,4 +1,4 @@
-"""XLA chunk function for the strict top-k objective (used by kernels.row_chunks).
+"""XLA chunk function for the strict top-k objective (used by kernels/strict/row_chunks.py).
 
 Per chunk: lax.top_k on the student's projected rows (lower column first among ties), teacher
 gathered at the same columns, divergence on the k entries, gradient into the k selected student

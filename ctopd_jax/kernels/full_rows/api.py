@@ -8,10 +8,10 @@ logits divided by τ) and returns [c, K] statistics of each row. The rows are wa
 of `chunk_rows` with `lax.map`, so only [chunk_rows, V] log-prob blocks exist at once, never
 [R, V]. No gradient flows (the OPD family's advantages, baselines and centring terms are
 constants by SPEC §9); the trainable full-vocabulary divergences (`opd_full`, GKD) go through
-`kernels.api.strict_kd_rows` with s_ids = t_ids = arange(V), which has the recomputing
+`kernels.strict_kd_rows` with s_ids = t_ids = arange(V), which has the recomputing
 (chunked) gradient.
 
-Statistics provided here (each a `fn`):
+Statistics provided (statistics.py, each a `fn`):
 - `reverse_kl`: KL(p_0 ‖ p_1) per row (vOPD's exact baseline, KL_t of SPEC §9);
 - `topk_reverse_kl(k)`: the same on the top-k columns of p_0, both rows renormalised there
   (vOPD's top-k baseline);
@@ -64,48 +64,3 @@ def row_stats(fn: Callable, models: Sequence[tuple], *, temperature: float = 1.0
 
     out = jax.lax.map(one, blocks)            # [n, size, K]
     return jax.lax.stop_gradient(out.reshape(n * size, -1)[:rows])
-
-
-def _kl(a, b):
-    """Σ_v e^{a_v} (a_v − b_v) per row, with 0·log 0 = 0."""
-    p = jnp.exp(a)
-    return jnp.sum(jnp.where(p > 0, p * (a - b), 0.0), axis=-1)
-
-
-def reverse_kl(log_probs):
-    """[c, 1]: KL(p_0 ‖ p_1)."""
-    return _kl(log_probs[0], log_probs[1])[:, None]
-
-
-def _topk_renormalised(log_probs, k):
-    """The top-k columns of model 0 and every model's log-probs renormalised on them."""
-    _, idx = jax.lax.top_k(log_probs[0], k)
-    picked = [jnp.take_along_axis(lp, idx, axis=-1) for lp in log_probs]
-    return [lp - jax.nn.logsumexp(lp, axis=-1, keepdims=True) for lp in picked]
-
-
-def topk_reverse_kl(k: int):
-    def fn(log_probs):
-        a, b = _topk_renormalised(log_probs[:2], k)
-        return _kl(a, b)[:, None]
-    return fn
-
-
-def topk_centres(k: int):
-    """[c, 2]: E_{p̃_S}[log p_T − log p_S], E_{p̃_S}[log p_T − log p_B] over the student's top-k
-    (p̃_S renormalised on the k columns; the log-probs themselves are the full-vocabulary ones)."""
-    def fn(log_probs):
-        s, t, b = log_probs
-        _, idx = jax.lax.top_k(s, k)
-        s_k, t_k, b_k = (jnp.take_along_axis(lp, idx, axis=-1) for lp in (s, t, b))
-        q = jax.nn.softmax(s_k, axis=-1)
-        return jnp.stack([jnp.sum(q * (t_k - s_k), -1), jnp.sum(q * (t_k - b_k), -1)], axis=-1)
-    return fn
-
-
-def top1_stats(log_probs):
-    """[c, 2]: model 1's top-1 probability, and 1 where models 0 and 1 have the same argmax
-    (SAGE-OPD's confidence and its proxy judge's agreement; models = student, teacher)."""
-    s, t = log_probs
-    agree = (jnp.argmax(s, axis=-1) == jnp.argmax(t, axis=-1)).astype(jnp.float32)
-    return jnp.stack([jnp.exp(jnp.max(t, axis=-1)), agree], axis=-1)

@@ -1,21 +1,5 @@
-"""Per-row full-vocabulary statistics from hidden rows: realised-token log-prob and logsumexp.
-
-    token_rows(hidden [R, H], lm_head [H, V], targets [R]) -> (logprob [R], logsumexp [R])
-
-with logits = hidden @ lm_head / τ over the FULL vocabulary (SPEC §6 span paths, the CE of
-kd_ratio, MP-OPD's atom log-probs, OPD's sampled log-probs, the log-prob gap), float32.
-
-Both outputs are differentiable with ANY per-row cotangent (a span loss squares a sum of
-log-probs, so its cotangent differs per row). The "xla" path walks row chunks: the forward keeps
-only the two [R] results, the backward recomputes each chunk's logits and forms
-
-    dL/dz = (cot_lp · (onehot(y) − p) + cot_lse · p) / τ
-
-then the hidden and lm_head gradients with two matmuls (the fused cross-entropy pattern). So no
-[R, V] array exists at once. Matmuls run in the hidden states' dtype with float32 accumulation.
-"reference" is plain jnp autodiff over all rows (the oracle); "pallas" has no kernel of its own
-here and runs "xla".
-"""
+"""token_rows by row chunks: the forward keeps the two [R] results only, the backward recomputes
+each chunk's logits (see api.py for the gradient formula)."""
 from __future__ import annotations
 
 import functools
@@ -23,19 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("pallas", "xla", "reference")
-
-
-def _chunk_logits(h, lm_head, inv_t):
-    z = jnp.dot(h, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
-    return z * inv_t if inv_t != 1.0 else z
-
-
-def _reference(hidden, lm_head, targets, inv_t):
-    z = _chunk_logits(hidden, lm_head, inv_t)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    picked = jnp.take_along_axis(z, targets[:, None].astype(jnp.int32), axis=-1)[:, 0]
-    return picked - lse, lse
+from ctopd_jax.kernels.token_rows import reference
 
 
 def _layout(num_rows: int, chunk_rows: int):
@@ -44,7 +16,7 @@ def _layout(num_rows: int, chunk_rows: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _chunked(chunk_rows: int, inv_t: float):
+def chunked(chunk_rows: int, inv_t: float):
     def forward(hidden, lm_head, targets):
         num_rows = hidden.shape[0]
         size, n_full, tail = _layout(num_rows, chunk_rows)
@@ -53,7 +25,7 @@ def _chunked(chunk_rows: int, inv_t: float):
             lp, lse = carry
             h = jax.lax.dynamic_slice_in_dim(hidden, start, rows, axis=0)
             y = jax.lax.dynamic_slice_in_dim(targets, start, rows)
-            c_lp, c_lse = _reference(h, lm_head, y, inv_t)
+            c_lp, c_lse = reference.token_rows(h, lm_head, y, inv_t)
             return (jax.lax.dynamic_update_slice_in_dim(lp, c_lp, start, axis=0),
                     jax.lax.dynamic_update_slice_in_dim(lse, c_lse, start, axis=0))
 
@@ -76,7 +48,7 @@ def _chunked(chunk_rows: int, inv_t: float):
             c_lse = jax.lax.dynamic_slice_in_dim(lse, start, rows)
             a = jax.lax.dynamic_slice_in_dim(cot_lp, start, rows)
             b = jax.lax.dynamic_slice_in_dim(cot_lse, start, rows)
-            p = jnp.exp(_chunk_logits(h, lm_head, inv_t) - c_lse[:, None])
+            p = jnp.exp(reference.logits(h, lm_head, inv_t) - c_lse[:, None])
             onehot = jax.lax.broadcasted_iota(jnp.int32, p.shape, 1) == y[:, None]
             dz = ((b - a)[:, None] * p + jnp.where(onehot, a[:, None], 0.0)) * inv_t
             dz = dz.astype(h.dtype)
@@ -107,23 +79,3 @@ def _chunked(chunk_rows: int, inv_t: float):
 
     rows_fn.defvjp(fwd, bwd)
     return rows_fn
-
-
-def token_rows(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_rows: int = 2048,
-               implementation: str = "xla"):
-    """(log p(target) [R], logsumexp [R]) of hidden @ lm_head / τ over the full vocabulary."""
-    if implementation not in IMPLEMENTATIONS + ("auto",):   # no Pallas kernel here: auto is xla
-        raise ValueError(f"implementation={implementation!r}; use auto or one of {IMPLEMENTATIONS}")
-    if hidden.ndim != 2 or lm_head.ndim != 2 or hidden.shape[1] != lm_head.shape[0]:
-        raise ValueError(f"hidden [R, H] and lm_head [H, V] disagree: {hidden.shape}, {lm_head.shape}")
-    if targets.shape != hidden.shape[:1]:
-        raise ValueError(f"targets must be [R={hidden.shape[0]}], got {targets.shape}")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature} must be > 0")
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows={chunk_rows} must be >= 1 (chunked_loss_size)")
-    targets = targets.astype(jnp.int32)
-    inv_t = 1.0 / float(temperature)
-    if implementation == "reference":
-        return _reference(hidden, lm_head, targets, inv_t)
-    return _chunked(int(chunk_rows), inv_t)(hidden, lm_head, targets)

@@ -3,9 +3,9 @@
 Implementations, tried in this order from the one asked for (ordered fallback); "auto" first
 picks one per kernel (strict full / top-k) and device from the kernel folder's table of measured
 choices (kernels/choices.py):
-  "pallas"    -> fused Pallas chunk kernels (interpret mode on CPU, compiled on GPU); akl and
-                 top-k with k > PALLAS_MAX_TOPK are not supported there and fall back to xla.
-  "xla"       -> row-chunked custom-VJP driver (kernels.row_chunks) with jnp chunk functions.
+  "pallas"    -> fused Pallas chunk kernels (interpret mode on CPU, compiled on GPU); akl is
+                 not supported there and falls back to xla.
+  "xla"       -> row-chunked custom-VJP driver (kernels/strict/row_chunks.py) with jnp chunk functions.
   "reference" -> plain jnp autodiff over the whole batch (the oracle; most memory).
 All return the same numbers: the per-row values row_weight[r] · D_r [R] and their sum (float32
 scalar), the sum differentiable w.r.t. the student logits (or hidden states and lm_head); the
@@ -20,10 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from ctopd_jax import losses
-from ctopd_jax.kernels import row_chunks
 from ctopd_jax.kernels.choices import choose
+from ctopd_jax.kernels.pallas_shared.tiles import gpu_backend
+from ctopd_jax.kernels.strict import row_chunks
+from ctopd_jax.kernels.strict_full import pallas as full_pallas
 from ctopd_jax.kernels.strict_full import reference as full_reference
 from ctopd_jax.kernels.strict_full import xla as full_xla
+from ctopd_jax.kernels.strict_topk import pallas as topk_pallas
 from ctopd_jax.kernels.strict_topk import reference as topk_reference
 from ctopd_jax.kernels.strict_topk import xla as topk_xla
 
@@ -32,7 +35,6 @@ IMPLEMENTATIONS = ("pallas", "xla", "reference")
 # column): for them the chunked paths visit the columns in student-id order, which turns the
 # random column gathers (student projection and the scatter back) into near-sequential ones.
 ORDER_FREE = ("kl", "rkl", "jsd", "skl", "srkl", "tvd")
-PALLAS_MAX_TOPK = 256
 _log = logging.getLogger(__name__)
 
 
@@ -42,8 +44,6 @@ def _unsupported_reason(implementation: str, divergence: str, topk: int | None,
     if implementation == "pallas":
         if divergence == "akl":
             return "akl needs a full sort of p_T per row"
-        if topk is not None and topk > PALLAS_MAX_TOPK:
-            return f"top-k selection in the kernel is limited to k <= {PALLAS_MAX_TOPK}"
         if chunk_shape is not None:
             return pallas_lowering_failure(divergence, topk, chunk_shape, interpret)
     return None
@@ -82,7 +82,6 @@ def pallas_lowering_failure(divergence: str, topk: int | None, chunk_shape: tupl
     if interpret:
         return None
     rows, cols = max(1, int(chunk_shape[0])), int(chunk_shape[1])
-    from ctopd_jax.kernels.pallas_common import gpu_backend   # Pallas: only on a GPU, when lowering
     return _pallas_lowering_error(divergence, topk, rows, cols,
                                   f"{jax.default_backend()}/{gpu_backend()}")
 
@@ -164,10 +163,7 @@ def _validate(student, teacher, s_ids, row_weight, topk, t_ids, s_rows, t_rows):
 def _chunk_fn(implementation, divergence, topk, temperature, div_items, interpret):
     if implementation == "pallas":
         if topk is None:
-            # the Pallas kernels load only when chosen (implementation: pallas / auto)
-            from ctopd_jax.kernels.strict_full import pallas as full_pallas
             return full_pallas.make_chunk_fn(divergence, temperature, div_items, interpret)
-        from ctopd_jax.kernels.strict_topk import pallas as topk_pallas   # (as above)
         return topk_pallas.make_chunk_fn(divergence, topk, temperature, div_items, interpret)
     if topk is None:
         return full_xla.make_chunk_fn(divergence, temperature, div_items)

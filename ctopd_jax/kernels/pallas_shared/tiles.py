@@ -1,22 +1,13 @@
-"""Pieces shared by the Pallas strict kernels: tile streaming, padding, backend, the loss passes.
+"""How the Pallas strict kernels stream tiles: padding, backend, `Tiles`, the pallas call.
 
-Row math (kernels/row_terms.py). With a = log p_S and b = log p_T (τ applied), every divergence
-except akl is a sum of elementwise terms f(a_v, b_v) (top1_ce: f is nonzero only at the
-teacher's argmax column). Its gradient w.r.t. the student logits z is
-
-    dL/dz_u = (1/τ) · (f_a(u) − p_S(u) · Σ_v f_a(v)),     f_a = ∂f/∂a elementwise,
-
-so a kernel needs the two log-sum-exps (pass 1, online), Σ f and Σ f_a (pass 2) and then writes
-the gradient (pass 3), streaming over vocabulary tiles: no [rows, V] temporaries besides the
-output. The top-k kernel runs the same three passes under a per-element selection mask.
-
-Tiling (fits shared memory at any vocabulary width): one program per block of BLOCK_ROWS = 64
-rows (the row tile of Mosaic GPU's WGMMA register layout); the inputs and the gradient stay in
+Tiling (fits shared memory at any vocabulary width): one program per block of 64 rows
+(`block_rows` in the kernel's table of sizes: the row tile of Mosaic GPU's WGMMA register
+layout); the inputs and the gradient stay in
 global memory and every pass streams [64, tile] blocks through shared memory with
 `plgpu.emit_pipeline` (TMA copies, two stages in flight). A program's shared memory is then
-2 stages × (2 inputs + 1 output) × 64 × 128 × 4 B = 192 KiB at the default 128-column tile
+2 stages × (2 inputs + 1 output) × 64 × 128 × 4 B = 192 KiB at the 128-column tile (`block_cols`)
 (plus 512 B for the block's row weights and losses), independent of V∩ (H100/H200 allow
-227 KiB). Row vectors (max, sums, selection thresholds) live in registers in the reduced-WGMMA
+227 KiB). Row vectors (max, sums, argmax) live in registers in the reduced-WGMMA
 ("row") layout.
 
 Interpret mode (CPU tests) streams the same tiles with a fori_loop over views of the whole
@@ -25,8 +16,8 @@ arrays: the per-tile math is the same code, only the tile transport and the layo
 Backend: interpret=True runs anywhere (a grid `pallas_call`). Compiled GPU kernels use Mosaic
 GPU (Hopper) through `plgpu.kernel`, the form jax 0.10 to 0.12 all lower (jax 0.11 dropped the
 Mosaic GPU lowering of grid `pallas_call`s). They lower on CPU for the real width
-(tests/kernels/test_pallas_cuda_lowering.py exports them with platforms=["cuda"]); they have
-not yet run on a GPU (the GPU configs keep "xla").
+(tests/kernels/test_pallas_cuda_lowering.py exports them with platforms=["cuda"]) and ran
+compiled on an H200 in the GPU check (benchmarks/RESULTS.md).
 CTOPD_PALLAS_GPU_BACKEND=triton selects the Triton lowering instead: the same kernel body with
 the interpret-mode tile loop (each [64, tile] tile loaded from global memory into registers);
 it lowers too (to Triton IR; Triton's own register and shared-memory allocation happens when
@@ -40,20 +31,19 @@ import os
 from typing import Callable
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
-from ctopd_jax.kernels.row_terms import (  # noqa: F401  (re-exported)
-    ELEMENTWISE_DIVERGENCES, elementwise_terms, terms_and_partials)
-
-PALLAS_DIVERGENCES = ELEMENTWISE_DIVERGENCES
-BLOCK_ROWS = 64     # rows per program: the WGMMA layout's row tile on Hopper
-BLOCK_COLS = 128    # vocabulary columns per streamed tile
 PIPELINE_STAGES = 2
 ROW_AXIS = "row_blocks"  # the grid axis name of the Mosaic GPU kernel
-INT32_MIN = -(2 ** 31)
-INT32_MAX = 2 ** 31 - 1
+
+
+def _mosaic_gpu():
+    """jax.experimental.pallas.mosaic_gpu, imported on first use: its import takes ~2.7 s, and
+    only a compiled GPU kernel needs it (not a CPU run, not interpret mode)."""
+    from jax.experimental.pallas import mosaic_gpu
+    return mosaic_gpu
 
 
 def round_up(n: int, m: int) -> int:
@@ -124,7 +114,7 @@ class Tiles:
         return (self.block_rows, self.tile)
 
     def _layouts(self):
-        from jax.experimental.pallas import mosaic_gpu as plgpu   # GPU-only backend: loaded when used
+        plgpu = _mosaic_gpu()
         return plgpu, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
 
     def row_vec(self, value, dtype=jnp.float32):
@@ -180,7 +170,7 @@ class Tiles:
         """
         i = self.block_index()
         if self.gpu:
-            from jax.experimental.pallas import mosaic_gpu as plgpu   # GPU-only backend: loaded when used
+            plgpu = _mosaic_gpu()
             spec = pl.BlockSpec(self.shape, lambda j: (i, j))
             steps = min(PIPELINE_STAGES, self.n_tiles)
             if init is None:
@@ -212,165 +202,6 @@ def _gpu_load(plgpu, ref, layout):
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
-def _log1p(y):
-    """log(1 + y) to float32 accuracy from log alone (u = 1 + y rounded; exact where u == 1)."""
-    u = 1.0 + y
-    return jnp.where(u == 1.0, y, jnp.log(u) * (y / jnp.where(u == 1.0, 1.0, u - 1.0)))
-
-
-def _eval_inlined(jaxpr, consts, *args):
-    """Evaluate a jaxpr with nested calls inlined and the primitives Mosaic GPU lacks rewritten.
-
-    Forward-mode differentiation leaves `add_any` (tangent sums) and `custom_jvp_call`
-    (logaddexp), and logaddexp calls `log1p`: none of them has a Mosaic GPU lowering rule.
-    """
-    env = {}
-
-    def read(v):
-        return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
-
-    for v, x in zip(jaxpr.constvars, consts):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args):
-        env[v] = x
-    for eqn in jaxpr.eqns:
-        vals = [read(v) for v in eqn.invars]
-        name = eqn.primitive.name
-        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        if name == "add_any":
-            out = [jax.lax.add(*vals)]
-        elif name == "log1p":
-            out = [_log1p(vals[0])]
-        elif inner is not None and name in ("jit", "pjit", "custom_jvp_call", "closed_call"):
-            closed = inner if hasattr(inner, "jaxpr") else jax.extend.core.ClosedJaxpr(inner, ())
-            out = _eval_inlined(closed.jaxpr, closed.consts, *vals)
-        else:
-            out = eqn.primitive.bind(*vals, **eqn.params)
-            out = out if eqn.primitive.multiple_results else [out]
-        for v, x in zip(eqn.outvars, out):
-            env[v] = x
-    return [read(v) for v in jaxpr.outvars]
-
-
-def kernel_terms_and_partials(name: str, a, b, is_top, **kw):
-    """row_terms.terms_and_partials, inlined into primitives that Mosaic GPU lowers."""
-    if is_top is None:
-        fn = lambda a, b: terms_and_partials(name, a, b, None, **kw)  # noqa: E731
-        args = (a, b)
-    else:
-        fn = lambda a, b, top: terms_and_partials(name, a, b, top, **kw)  # noqa: E731
-        args = (a, b, is_top)
-    closed = jax.make_jaxpr(fn)(*args)
-    return tuple(_eval_inlined(closed.jaxpr, closed.consts, *args))
-
-
-def online_lse_update(tiles: Tiles, m, s, x):
-    """One step of a streaming log-sum-exp over the columns: (max, Σ exp(x − max))."""
-    m_new = jnp.maximum(m, jnp.max(x, axis=1))
-    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all -inf so far: avoid -inf - -inf
-    s_new = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - tiles.bcast(shift)), axis=1)
-    return m_new, s_new
-
-
-def finish_lse(m, s):
-    return jnp.where(m == -jnp.inf, -jnp.inf, m + jnp.log(s))
-
-
-def float_keys(x):
-    """int32 keys ordered like the float32 values (−0.0 and +0.0 share the key of +0.0)."""
-    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)
-    return jnp.where(bits < 0, bits ^ INT32_MAX, bits)
-
-
-def divergence_passes(tiles: Tiles, zs_ref, zt_ref, w_ref, loss_ref, grad_ref, *, name: str,
-                      temperature: float, kw: dict, select=None):
-    """Per-row weighted loss and dense gradient of one row block, in three streaming passes.
-
-    `select(j, s_raw)` (top-k) gives the bool mask of the entries taking part in tile j; both
-    rows are then renormalised over the selected entries (everything else acts as -inf), and
-    top1_ce's teacher argmax breaks ties by the student's top-k order (student logit
-    descending, column ascending) as lax.top_k does. Without `select` every column takes part
-    and top1_ce's ties go to the lowest column.
-    """
-    inv_t = 1.0 / temperature
-    top1 = name == "top1_ce"
-    neg_inf = -jnp.inf
-
-    def scaled(j, s_ref, t_ref):
-        s_raw, t = tiles.load(s_ref), tiles.load(t_ref) * inv_t
-        s = s_raw * inv_t
-        if select is None:
-            return s_raw, s, t, None
-        sel = select(j, s_raw)
-        return s_raw, jnp.where(sel, s, neg_inf), jnp.where(sel, t, neg_inf), sel
-
-    # pass 1: log-sum-exp of both rows (+ the teacher argmax column for top1_ce)
-    def stats(j, s_ref, t_ref, carry):
-        ms, ss, mt, st, best = carry
-        s_raw, s, t, sel = scaled(j, s_ref, t_ref)
-        ms, ss = online_lse_update(tiles, ms, ss, s)
-        mt, st = online_lse_update(tiles, mt, st, t)
-        if top1:
-            best = _argmax_update(tiles, j, best, s_raw, t, sel)
-        return ms, ss, mt, st, best
-
-    neg, zero = tiles.row_vec(neg_inf), tiles.row_vec(0.0)
-    best0 = (neg, tiles.row_vec(INT32_MIN, jnp.int32), tiles.row_vec(INT32_MAX, jnp.int32))
-    ms, ss, mt, st, best = tiles.stream(stats, (zs_ref, zt_ref),
-                                        init=(neg, zero, neg, zero, best0))
-    lse_s, lse_t = finish_lse(ms, ss), finish_lse(mt, st)
-    top_col = best[2]
-
-    def tile_terms(j, s_ref, t_ref):
-        _, s, t, _ = scaled(j, s_ref, t_ref)
-        a = s - tiles.bcast(lse_s)
-        b = t - tiles.bcast(lse_t)
-        is_top = tiles.cols(j) == tiles.bcast(top_col) if top1 else None
-        f, f_a = kernel_terms_and_partials(name, a, b, is_top, **kw)
-        return a, f, f_a
-
-    # pass 2: Σ f (the loss) and Σ f_a (needed by the gradient of the log-softmax)
-    def sums(j, s_ref, t_ref, carry):
-        _, f, f_a = tile_terms(j, s_ref, t_ref)
-        return carry[0] + jnp.sum(f, axis=1), carry[1] + jnp.sum(f_a, axis=1)
-
-    loss, fa_sum = tiles.stream(sums, (zs_ref, zt_ref), init=(zero, zero))
-    w = tiles.load_rows(w_ref)
-    live = w != 0
-    loss_ref[...] = jnp.where(live, w * jnp.where(live, loss, 0.0), 0.0)
-    scale = jnp.where(live, w, 0.0) * inv_t
-    live_f = jnp.where(live, 1.0, 0.0)
-
-    # pass 3: dL/dz = (w/τ)(f_a − p_S Σ f_a), exactly 0 on rows of weight 0
-    def write(j, s_ref, t_ref, g_ref, carry):
-        a, _, f_a = tile_terms(j, s_ref, t_ref)
-        g = tiles.bcast(scale) * (f_a - jnp.exp(a) * tiles.bcast(fa_sum))
-        g_ref[...] = jnp.where(tiles.bcast(live_f) != 0, g, 0.0)
-        return carry
-
-    tiles.stream(write, (zs_ref, zt_ref), (grad_ref,), init=zero)
-
-
-def _argmax_update(tiles: Tiles, j, best, s_raw, t, sel):
-    """Running teacher argmax: (value, tie key, column); lowest column, or top-k order, first."""
-    best_v, best_k, best_c = best
-    cols = tiles.cols(j)
-    t_max = jnp.max(t, axis=1)
-    hit = t == tiles.bcast(t_max)
-    if sel is None:
-        key = tiles.row_vec(INT32_MIN, jnp.int32)  # no tie key: columns decide
-    else:
-        hit = hit & sel
-        keys = float_keys(s_raw)
-        key = jnp.max(jnp.where(hit, keys, INT32_MIN), axis=1)
-        hit = hit & (keys == tiles.bcast(key))
-    col = jnp.min(jnp.where(hit, cols, INT32_MAX), axis=1)
-    better = (t_max > best_v) | ((t_max == best_v) & (
-        (key > best_k) | ((key == best_k) & (col < best_c))))
-    return (jnp.where(better, t_max, best_v), jnp.where(better, key, best_k),
-            jnp.where(better, col, best_c))
-
-
 def strict_pallas_call(kernel, zs, zt, wp, *, tiles: Tiles, name: str):
     """(per-row loss [rows_p], gradient [rows_p, cols_p]) of a divergence_passes kernel."""
     rows_p, cols_p = zs.shape
@@ -394,7 +225,6 @@ def strict_pallas_call(kernel, zs, zt, wp, *, tiles: Tiles, name: str):
 
 
 def _triton_params():
-    from jax.experimental.pallas import triton as pltriton   # GPU-only backend: loaded when used
     return pltriton.CompilerParams(num_warps=4, num_stages=1)
 
 
@@ -404,7 +234,7 @@ def _mosaic_gpu_call(kernel, zs, zt, wp, *, tiles: Tiles, out_shape):
     Every operand stays in global memory; the block's row weights come in and its per-row
     losses go out through [block_rows] shared-memory buffers (one TMA copy each way).
     """
-    from jax.experimental.pallas import mosaic_gpu as plgpu   # GPU-only backend: loaded when used
+    plgpu = _mosaic_gpu()
 
     def body(zs_ref, zt_ref, w_gmem, loss_gmem, grad_ref, w_smem, loss_smem, barrier):
         rows = pl.ds(tiles.block_index() * tiles.block_rows, tiles.block_rows)
