@@ -135,9 +135,11 @@ def run_ours(spec: dict) -> dict:
     }
 
 
-def spawn(python: str, script: Path, spec_path: Path, env: dict) -> dict:
+def spawn(python: str, script: Path, spec_path: Path, env: dict, cpus: set[int] | None) -> dict:
+    """One worker run; `cpus`: the CPUs it may run on (None: all of this process's)."""
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     out = subprocess.run([python, str(script), str(spec_path)], cwd=ROOT, env=env, capture_output=True,
-                         text=True)
+                         text=True, preexec_fn=pin)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
         raise SystemExit(f"{script.name} failed ({out.returncode}):\n{out.stderr[-4000:]}")
@@ -149,19 +151,26 @@ def gib(n: float) -> str:
 
 
 def summary(name: str, results: list[dict], warmup: int, on_policy: list[bool]) -> dict:
-    """Mean steady seconds per run (all steps, on-policy steps, off-policy steps), mean of runs."""
+    """Mean steady seconds per run (all steps, on-policy steps, off-policy steps, steps that
+    compiled nothing), mean of the runs. TRL compiles nothing; ours compiles once per new shape
+    bucket (a response-token count past a power of two), also after the warm-up."""
     kinds = on_policy[warmup:]
-    per_run = []
+    per_run, compiling = [], 0
     for r in results:
         s = steady(r["step_ends"], warmup)
+        compiled = [p.get("time_compile", 0.0) > 0 for p in r.get("phases", [{}] * len(r["step_ends"]))][warmup:]
+        compiling += sum(compiled)
         on = [x for x, k in zip(s, kinds) if k]
         off = [x for x, k in zip(s, kinds) if not k]
-        per_run.append((np.mean(s), np.mean(on) if on else np.nan, np.mean(off) if off else np.nan))
+        warm = [x for x, c in zip(s, compiled) if not c]
+        per_run.append([np.mean(v) if v else np.nan for v in (s, on, off, warm)])
     mean = np.mean(per_run, axis=0)
     runs = ", ".join(f"{x[0]:.3f}" for x in per_run)
     print(f"{name:5s} steady step {mean[0]:.3f} s (runs: {runs}); on-policy steps {mean[1]:.3f} s, "
-          f"off-policy steps {mean[2]:.3f} s; peak RSS {gib(max(r['peak_rss'] for r in results))}")
-    return {"all": mean[0], "on": mean[1], "off": mean[2], "peak": max(r["peak_rss"] for r in results)}
+          f"off-policy steps {mean[2]:.3f} s; {compiling} steady steps compiled, the others "
+          f"{mean[3]:.3f} s; peak RSS {gib(max(r['peak_rss'] for r in results))}")
+    return {"all": mean[0], "on": mean[1], "off": mean[2], "warm": mean[3],
+            "peak": max(r["peak_rss"] for r in results)}
 
 
 def report_memory(name: str, r: dict) -> None:
@@ -191,6 +200,10 @@ def orchestrate(args) -> None:
     on_policy = lambda_draws(args.seed, args.lmbda, args.steps)
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)   # one CPU device, as a user's run and TRL's single process
+    # torch's OpenMP threads wait at every op for a thread the loaded machine descheduled (TRL's
+    # step: 4.6 s on one thread, 45-50 s on two, load average ~8 on 2 cores): by default both
+    # trainers get one CPU, the same one, and size their thread pools to it
+    cpus = None if args.cpus == "all" else {min(os.sched_getaffinity(0))}
     results = {"ours": [], "trl": []}
     for i in range(args.runs):   # alternating, so the machine's load falls on both alike
         for side, python, script in (("ours", sys.executable, Path(__file__)), ("trl", str(trl_python), TRL_WORKER)):
@@ -199,10 +212,11 @@ def orchestrate(args) -> None:
                     "output_dir": str(work / f"{side}_{i}"), "hyper": hyper}
             spec_path = work / f"{side}_{i}.json"
             spec_path.write_text(json.dumps(spec))
-            results[side].append(spawn(python, script, spec_path, env))
+            results[side].append(spawn(python, script, spec_path, env, cpus))
             print(f"run {i + 1} {side}: done", flush=True)
     t = results["trl"][0]
-    print(f"machine: {platform.machine()} {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}; "
+    print(f"machine: {platform.machine()} {os.cpu_count()} cpus ({'each run on CPU ' + str(min(cpus)) if cpus else 'all'}), "
+          f"load average {os.getloadavg()[0]:.1f}; "
           f"torch {t['versions']['torch']} ({t['threads']} threads), trl {t['versions']['trl']}, "
           f"transformers {t['versions']['transformers']}")
     print(f"character pair, gkd: {args.steps} steps of {args.batch} prompts, λ {args.lmbda} "
@@ -212,7 +226,8 @@ def orchestrate(args) -> None:
     ours = summary("ours", results["ours"], args.warmup, on_policy)
     trl = summary("TRL", results["trl"], args.warmup, on_policy)
     print(f"ours / TRL: steady step {ours['all'] / trl['all']:.3f}x (on-policy {ours['on'] / trl['on']:.3f}x, "
-          f"off-policy {ours['off'] / trl['off']:.3f}x); peak RSS {ours['peak'] / trl['peak']:.3f}x")
+          f"off-policy {ours['off'] / trl['off']:.3f}x, steps that compiled nothing {ours['warm'] / trl['warm']:.3f}x); "
+          f"peak RSS {ours['peak'] / trl['peak']:.3f}x")
     rows = [p for r in results["ours"] for p in r["phases"][args.warmup:]]
     wall = np.mean([p["time_wall"] for p in rows])
     print(f"ours' phases over the steady steps: {np.mean([p['time_total'] for p in rows]) / wall:.1%} of the "
@@ -240,6 +255,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpus", choices=("one", "all"), default="one",
+                   help="each trainer's process on one CPU (default) or on all of this process's")
     p.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
     orchestrate(p.parse_args(argv))
 
