@@ -71,7 +71,7 @@ $(TRL_VENV)/.installed:
 	echo '*' > $(TRL_VENV)/.gitignore
 	$(TRL_VENV)/bin/pip install -q -U pip
 	$(TRL_VENV)/bin/pip install -q torch==2.13.0 transformers==5.19.0 trl==1.13.0 \
-	    accelerate datasets "tokenizers>=0.23,<0.24" safetensors
+	    accelerate==1.16.0 datasets==5.2.0 "tokenizers>=0.23,<0.24" safetensors==0.8.0
 	touch $@
 trl-venv: $(TRL_VENV)/.installed
 
