@@ -30,7 +30,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
+
+from ctopd_jax.config import load_config
+from ctopd_jax.demo.sources import model_dir, prompt_file
+from ctopd_jax.metrics import read_metrics
+from ctopd_jax.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny_cpu_same.yaml"
@@ -54,8 +60,6 @@ def lambda_draws(seed: int, lmbda: float, steps: int) -> list[bool]:
 def write_prompts(directory: Path, rows: int) -> tuple[Path, Path]:
     """The first `rows` rows of the demo train set, as ours reads them (prompt + response) and
     as TRL's GKD collator reads them (chat messages ending in the assistant's response)."""
-    from ctopd_jax.demo.sources import prompt_file
-
     source = [json.loads(line) for line in prompt_file("train").read_text().splitlines() if line.strip()]
     if len(source) < rows:
         raise SystemExit(f"--steps x --batch = {rows} rows; the demo train set has {len(source)}")
@@ -74,8 +78,6 @@ def vm_rss() -> int:
 
 
 def tree_bytes(tree) -> int:
-    import jax
-
     return int(sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")))
 
 
@@ -99,12 +101,6 @@ def ours_overrides(spec: dict) -> list[str]:
 
 def run_ours(spec: dict) -> dict:
     """One training run of ours in this process; its step ends, phases and memory."""
-    import jax
-
-    from ctopd_jax.config import load_config
-    from ctopd_jax.metrics import read_metrics
-    from ctopd_jax.trainer import Trainer
-
     rss = {"imports": vm_rss()}
     jax.devices()
     rss["jax runtime"] = vm_rss()
@@ -191,8 +187,6 @@ def orchestrate(args) -> None:
         raise SystemExit(f"--trl-python {trl_python}: not found; create it with `make trl-venv`")
     work = Path(tempfile.mkdtemp(prefix="trl_peer_"))
     ours_prompts, trl_prompts = write_prompts(work, args.steps * args.batch)
-    from ctopd_jax.demo.sources import model_dir
-
     hyper = {"steps": args.steps, "batch": args.batch, "lmbda": args.lmbda, "beta": args.beta,
              "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "gkd_seed": args.seed,
              "lr": args.lr, "betas": [0.9, 0.98], "weight_decay": 0.0, "max_grad_norm": 1.0,
