@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -199,15 +200,19 @@ def orchestrate(args) -> None:
     # trainers get one CPU, the same one, and size their thread pools to it
     cpus = None if args.cpus == "all" else {min(os.sched_getaffinity(0))}
     results = {"ours": [], "trl": []}
-    for i in range(args.runs):   # alternating, so the machine's load falls on both alike
-        for side, python, script in (("ours", sys.executable, Path(__file__)), ("trl", str(trl_python), TRL_WORKER)):
-            spec = {"student": str(model_dir("char_student")), "teacher": str(model_dir("char_teacher")),
-                    "ours_prompts": str(ours_prompts), "trl_prompts": str(trl_prompts), "seed": args.seed,
-                    "output_dir": str(work / f"{side}_{i}"), "hyper": hyper}
-            spec_path = work / f"{side}_{i}.json"
-            spec_path.write_text(json.dumps(spec))
-            results[side].append(spawn(python, script, spec_path, env, cpus))
-            print(f"run {i + 1} {side}: done", flush=True)
+    try:
+        for i in range(args.runs):   # alternating, so the machine's load falls on both alike
+            for side, python, script in (("ours", sys.executable, Path(__file__)),
+                                         ("trl", str(trl_python), TRL_WORKER)):
+                spec = {"student": str(model_dir("char_student")), "teacher": str(model_dir("char_teacher")),
+                        "ours_prompts": str(ours_prompts), "trl_prompts": str(trl_prompts), "seed": args.seed,
+                        "output_dir": str(work / f"{side}_{i}"), "hyper": hyper}
+                spec_path = work / f"{side}_{i}.json"
+                spec_path.write_text(json.dumps(spec))
+                results[side].append(spawn(python, script, spec_path, env, cpus))
+                print(f"run {i + 1} {side}: done", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)   # the prompt files, specs and run folders
     t = results["trl"][0]
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus ({'each run on CPU ' + str(min(cpus)) if cpus else 'all'}), "
           f"load average {os.getloadavg()[0]:.1f}; "
