@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ASSETS := $(HOME)/.cache/ctopd_jax/tokenizers/.ready
 
-.PHONY: demo test test-fast test-slow test-vllm test-jax-next assets
+.PHONY: demo test test-fast test-slow test-vllm test-jax-next assets trl-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,18 @@ test-vllm: $(VLLM_STAMP) assets
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/teacher_service
 	CTOPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/trainer/test_served_vllm_training.py
 	CTOPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/rollout/test_served_rollouts_vllm.py
+
+# The TRL GKDTrainer peer of benchmarks/trl_peer.py, from a venv of its own (torch CPU, pinned);
+# not part of `make test`.
+TRL_VENV := .venv-trl
+$(TRL_VENV)/.installed:
+	$(PYTHON) -m venv $(TRL_VENV)
+	echo '*' > $(TRL_VENV)/.gitignore
+	$(TRL_VENV)/bin/pip install -q -U pip
+	$(TRL_VENV)/bin/pip install -q torch==2.13.0 transformers==5.19.0 trl==1.13.0 \
+	    accelerate==1.16.0 datasets==5.2.0 "tokenizers>=0.23,<0.24" safetensors==0.8.0
+	touch $@
+trl-venv: $(TRL_VENV)/.installed
 
 # jax 0.11-0.12 need Python >= 3.12: the default suite runs again on the newest jax the pins
 # admit (Python 3.12, jax 0.12, flax 0.12.12), from a venv of its own; skipped, with a line

@@ -37,14 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ctopd_jax import build, host_offload, teacher_batches
+from ctopd_jax import build, heap, host_offload, teacher_batches
 from ctopd_jax.algorithms.packing import host_micro_ranges, pack_rows
 from ctopd_jax.align import CoverageMeter
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig, default_teacher
 from ctopd_jax.evaluation import evaluate_during_training
 from ctopd_jax.mesh_arrays import on_mesh, to_global
-from ctopd_jax.metrics import MetricsLogger, StartupClock, StepTimer
+from ctopd_jax.metrics import MetricsLogger, StartupClock, StepTimer, compile_seconds
 from ctopd_jax.models import lora
 from ctopd_jax.objective_factory import check_objective
 from ctopd_jax.run_guard import DivergenceGuard, Stopped
@@ -302,7 +302,7 @@ class Trainer:
 
     def step(self, step: int, timer: StepTimer) -> tuple[dict[str, Any], list[dict]]:
         """One iteration with its diagnostics (before the update) and evaluation (after)."""
-        began = time.perf_counter()
+        began, compiled = time.perf_counter(), compile_seconds()
         diagnostics = {}
         if self.diagnostics is not None and self.diagnostics.due(step - 1):
             with timer("diagnostics"):
@@ -316,4 +316,7 @@ class Trainer:
         with timer("eval"):
             metrics.update(evaluate_during_training(self.config, step, self.student, self.s_tok, self.engine,
                                                     self.run_dir if self.is_writer else None))
+        if compile_seconds() > compiled:   # the compiler's freed host heap back to the OS (heap.py)
+            with timer("heap_trim"):
+                heap.trim()
         return metrics, samples

@@ -42,7 +42,7 @@ ROW_AXIS = "row_blocks"  # the grid axis name of the Mosaic GPU kernel
 def _mosaic_gpu():
     """jax.experimental.pallas.mosaic_gpu, imported on first use: its import takes ~2.7 s, and
     only a compiled GPU kernel needs it (not a CPU run, not interpret mode)."""
-    from jax.experimental.pallas import mosaic_gpu
+    from jax.experimental.pallas import mosaic_gpu   # ~2.7 s: only on first GPU use
     return mosaic_gpu
 
 
