@@ -56,10 +56,10 @@ def pushes(engine, model, reps):
     for step in range(1, reps + 1):
         nudge(model, step)
         engine.update_weights(model)
-        m = engine.push_metrics
+        m = engine.push_metrics()
         seconds.append(m["rollout_push_s"])
         checks.append(m["logprob_gap"])
-    return min(seconds), engine.push_metrics["rollout_push_bytes"], max(checks)
+    return min(seconds), engine.push_metrics()["rollout_push_bytes"], max(checks)
 
 
 def best(fn, reps):

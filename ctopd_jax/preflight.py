@@ -60,6 +60,7 @@ from typing import Any
 from ctopd_jax.build import TrainerSetupError
 from ctopd_jax.config import (ConfigError, TrainConfig, default_teacher, device_count_hint,
                               teacher_views, validate)
+from ctopd_jax.rollout.staleness import check_async
 
 MAX_HEADER_BYTES = 100 * 2 ** 20   # the safetensors format's own limit
 
@@ -133,6 +134,7 @@ def check_objective(config: TrainConfig):
     needs, m, name = objective.needs, config.model, config.algorithm.name
     try:
         objective.check_run(config)
+        check_async(config, objective)
     except ValueError as err:
         raise _fail(str(err)) from None
     views = teacher_views(config)

@@ -32,8 +32,8 @@ Weights after every update (`rollout.weight_sync`):
 After each push the server scores `rollout.logprob_check_rows` rows (the latest rollout's
 samples, or a fixed probe before the first) and their log-probs are compared with the JAX
 student's (`logprob_gap.response_logprobs`): a gap above the dtype's tolerance (float32 1e-3,
-bf16/fp16 0.1) means the push did not take, and the run stops with one line. `push_metrics`
-holds the last push's seconds, bytes and gap (logged as rollout_push_s, rollout_push_bytes,
+bf16/fp16 0.1) means the push did not take, and the run stops with one line. `push_metrics()`
+gives the last push's seconds, bytes and gap (logged as rollout_push_s, rollout_push_bytes,
 logprob_gap).
 
 `launch: true` starts the server (vLLM only, one url) from `rollout.launch_python` on the
@@ -55,7 +55,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ctopd_jax.rollout.base import (RolloutConfigError, RolloutResult, SamplingParams,
+from ctopd_jax.rollout import staleness
+from ctopd_jax.rollout.base import (RolloutConfigError, RolloutEngine, RolloutResult, SamplingParams,
                                     check_prompts, finish_sample, normalize_eos_ids)
 from ctopd_jax.teacher_service import sglang_protocol, vllm_protocol
 from ctopd_jax.teacher_service.client import TeacherServiceError, failure_line
@@ -81,6 +82,7 @@ def check_settings(rollout) -> None:
     """One TeacherSettingError line for the first bad rollout-server field (config.validate)."""
     served = rollout.engine in PROTOCOLS
     fields = ("url", "launch", "launch_python")
+    staleness.check_settings(rollout)
     # numbers in range whatever the engine: a wrong value is wrong before it is used
     dataclasses.replace(settings_for(rollout, ""), engine="local", launch=False,
                         launch_python="").validate("rollout")
@@ -115,7 +117,7 @@ def settings_for(rollout, url: str) -> TeacherServiceSettings:
                                   launch=rollout.launch, launch_python=rollout.launch_python)
 
 
-class ServedRolloutEngine:
+class ServedRolloutEngine(RolloutEngine):
     def __init__(self, model, eos_ids, pad_id: int | None, rollout, *, dtype: str,
                  max_model_len: int, log_as=None, sleep=time.sleep):
         from ctopd_jax.models import lora
@@ -141,7 +143,7 @@ class ServedRolloutEngine:
         self._pushes = itertools.count(1)
         self._served_name, self._folder = "", None
         self._check_rows: tuple[list[list[int]], list[list[int]]] | None = None
-        self.push_metrics: dict[str, float] = {}
+        self._push_metrics: dict[str, float] = {}
         try:  # a failed start stops what it started and leaves no weight folder behind
             base = self._export_full(lora.base_model(model) if self.adapter_sync else model)
             urls = (self._launch(base),) if rollout.launch else server_urls(rollout)
@@ -172,8 +174,11 @@ class ServedRolloutEngine:
             self._replace_folder(folder)
         pushed = time.perf_counter() - started
         gap = self._check_logprobs(model)
-        self.push_metrics = {"rollout_push_s": pushed, "rollout_push_bytes": float(size),
+        self._push_metrics = {"rollout_push_s": pushed, "rollout_push_bytes": float(size),
                              "logprob_gap": gap}
+
+    def push_metrics(self) -> dict[str, float]:
+        return dict(self._push_metrics)
 
     def _export_full(self, model) -> Path:
         from ctopd_jax.models import lora

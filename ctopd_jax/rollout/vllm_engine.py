@@ -72,7 +72,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ctopd_jax.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutConfigError,
+from ctopd_jax.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutConfigError, RolloutEngine,
                                     RolloutResult, SamplingParams, check_prompts,
                                     finish_sample, normalize_eos_ids)
 
@@ -218,7 +218,7 @@ def device_named_tensors(model, dtype: str, device=None) -> list[tuple[str, Any]
     return [(name, torch.from_dlpack(value)) for name, value in arrays]
 
 
-class VllmEngine:
+class VllmEngine(RolloutEngine):
     """Rollout engine backed by vLLM (see module docstring).
 
     Args:

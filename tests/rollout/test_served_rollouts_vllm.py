@@ -101,7 +101,7 @@ def test_a_full_weight_push_takes_and_one_that_did_not_is_one_line(full, monkeyp
     perturb(model, 3)
     assert max_gap(before, model) > 10 * GAP            # the new weights score differently
     engine.update_weights(model)
-    metrics = engine.push_metrics
+    metrics = engine.push_metrics()
     print(f"full push: {metrics}")
     assert metrics["logprob_gap"] < GAP and metrics["rollout_push_bytes"] > 2e6
     assert max_gap(engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, seed=2)),
@@ -127,12 +127,12 @@ def test_an_adapter_push_takes():
                                  max_model_len=100)
     try:
         assert engine.adapter_sync
-        first = engine.push_metrics
+        first = engine.push_metrics()
         perturb(model, 2)
         engine.update_weights(model)
-        print(f"adapter pushes: {first}, {engine.push_metrics}")
-        assert engine.push_metrics["logprob_gap"] < GAP
-        assert engine.push_metrics["rollout_push_bytes"] < 0.2 * 2.5e6   # the adapter only
+        print(f"adapter pushes: {first}, {engine.push_metrics()}")
+        assert engine.push_metrics()["logprob_gap"] < GAP
+        assert engine.push_metrics()["rollout_push_bytes"] < 0.2 * 2.5e6   # the adapter only
         result = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, seed=5))
         assert max_gap(result, model) < GAP
     finally:
