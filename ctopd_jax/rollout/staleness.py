@@ -33,15 +33,18 @@ def truncated_weights(logp_train, logp_rollout, have, cap: float):
 
 
 class TruncatedIS:
-    """The objective as the step sees it, with its response weights multiplied by the truncated
-    importance weights (the "tis" correction); every other attribute is the objective's own.
-    Hashable like an objective, so it is a static argument of the jitted step."""
+    """The objective as the step sees it (step/grad.py: loss_sums, loss_weights,
+    after_micro_batch), its response weights multiplied by the truncated importance weights
+    (the "tis" correction). Hashable like an objective: a static argument of the jitted step."""
 
     def __init__(self, objective, cap: float):
         self.objective, self.cap = objective, float(cap)
 
-    def __getattr__(self, name):
-        return getattr(self.objective, name)
+    def loss_weights(self):
+        return self.objective.loss_weights()
+
+    def after_micro_batch(self, metrics):
+        return self.objective.after_micro_batch(metrics)
 
     def __hash__(self):
         return hash((TruncatedIS, self.objective, self.cap))

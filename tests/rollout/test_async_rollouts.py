@@ -114,3 +114,18 @@ def test_the_step_weighs_each_response_token_by_the_truncated_ratio_numpy_refere
     np.testing.assert_allclose(np.asarray(sums["weights"]), base_weight * tis, rtol=1e-5)
     num, den = metrics["tis_weight"]   # the mean weight over the tokens with a rollout log-prob
     assert float(den) == 4.0 and float(num) == pytest.approx(float(np.sum(have * tis)), rel=1e-5)
+
+
+def test_the_step_corrects_only_tis_objectives_at_staleness_1():
+    from ctopd_jax.algorithms import default_objective
+    from ctopd_jax.algorithms.opd import OpdSampled, OpdSettings
+    from ctopd_jax.rollout.staleness import step_objective
+
+    recomputed = OpdSampled(OpdSettings(name="opd", gap_logprobs="recomputed"))
+    stale1 = RolloutSection(async_rollouts=True, async_staleness=1, async_tis_cap=3.0)
+    assert step_objective(recomputed, stale1) == TruncatedIS(recomputed, 3.0)
+    for objective, rollout in [(recomputed, dataclasses.replace(stale1, async_staleness=0)),
+                               (recomputed, RolloutSection()),
+                               (default_objective("opd"), stale1),         # its own ratio
+                               (default_objective("topk_strict"), stale1)]:  # a divergence per state
+        assert step_objective(objective, rollout) is objective

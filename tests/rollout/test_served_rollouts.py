@@ -77,6 +77,7 @@ def test_the_sglang_request_and_an_answer_of_its_documented_shape():
 
 # ------------------------------------------------------------------ bad settings
 
+SERVER = ["rollout.url=http://127.0.0.1:9", "rollout.launch=false", "rollout.launch_python="]
 BAD = [
     (["rollout.url=http://127.0.0.1:8000/v1", "rollout.launch=false",
       "rollout.launch_python="], "rollout.url: 'http://127.0.0.1:8000/v1' has a path"),
@@ -95,6 +96,15 @@ BAD = [
                                                  "not an executable"),
     (["rollout.launch_python=" + sys.executable], "rollout.launch_python: vLLM is not "
                                                   "installed in"),
+    (["rollout.async_staleness=2"], "rollout.async_staleness: 2 is not 0 or 1"),
+    (["rollout.async_tis_cap=0.5"], "rollout.async_tis_cap: 0.5 must be >= 1"),
+    (["rollout.engine=jax", "rollout.launch=false", "rollout.launch_python=",
+      "rollout.async_rollouts=true"], "rollout.async_rollouts: needs a rollout server, but "
+                                      "rollout.engine is jax"),
+    (SERVER + ["rollout.async_rollouts=true", "algorithm.name=mp_opd"],
+     "rollout.async_rollouts: algorithm.name=mp_opd trains on-policy only"),
+    (SERVER + ["rollout.async_rollouts=true", "optimizer.offload_during_rollout=true"],
+     "optimizer.offload_during_rollout: the rollout runs beside training"),
     (["rollout.url=http://127.0.0.1:9", "rollout.launch=false", "rollout.launch_python=",
       "rollout.retries=0"], "rollout.url http://127.0.0.1:9: POST /collective_rpc: connection "
                             "refused (no server listens there) (after 0 retries); the server is "
