@@ -211,7 +211,11 @@ class RolloutSection:
     max_concurrency: int = 8             # requests in flight per server
     retries: int = 3                     # extra tries after a time-out, a dropped connection, 5xx
     backoff_s: float = 0.5               # first retry waits this long, then 2x, 4x, ...
-    weight_sync: str = "auto"            # auto | disk (full weights) | adapter (LoRA students)
+    # auto (adapter for a LoRA student, else disk) | disk | adapter | nccl | ipc (GPU servers:
+    # rollout/weight_transfer.py, never run here)
+    weight_sync: str = "auto"
+    server_gpus: int = 1                 # nccl: GPUs of each server (the group is these + the trainer)
+    transfer_address: str = ""           # sglang_server + nccl: host:port of the trainer's rendezvous
     sync_dir: str = ""                   # folder the servers read pushed weights from ("" = temp)
     logprob_check_rows: int = 4          # rows the server re-scores after each push
     # generation overlapped with training (served engines; rollout/overlap.py): `async` is a

@@ -53,9 +53,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
-from ctopd_jax.rollout import staleness
+from ctopd_jax.rollout import staleness, weight_transfer
 from ctopd_jax.rollout.base import (RolloutConfigError, RolloutEngine, RolloutResult, SamplingParams,
                                     check_prompts, finish_sample, normalize_eos_ids)
 from ctopd_jax.teacher_service import sglang_protocol, vllm_protocol
@@ -89,9 +90,10 @@ def check_settings(rollout) -> None:
     if not 1 <= rollout.logprob_check_rows <= 64:
         raise TeacherSettingError(f"rollout.logprob_check_rows: {rollout.logprob_check_rows} is "
                                   "outside [1, 64]; set a value in that range")
-    if rollout.weight_sync not in ("auto", "disk", "adapter"):
-        raise TeacherSettingError(f"rollout.weight_sync: {rollout.weight_sync!r} is not one of "
-                                  "auto, disk, adapter")
+    if not 1 <= rollout.server_gpus <= 64:
+        raise TeacherSettingError(f"rollout.server_gpus: {rollout.server_gpus} is outside [1, 64]")
+    gpu_path = rollout.weight_sync in ("nccl", "ipc")
+    weight_transfer.check(rollout, jax.default_backend() if gpu_path else "")
     if not served:
         for name in fields:
             if getattr(rollout, name):
@@ -128,7 +130,8 @@ class ServedRolloutEngine(RolloutEngine):
         self.eos_ids = normalize_eos_ids(eos_ids)
         self.pad_id = int(pad_id if pad_id is not None else (self.eos_ids or (0,))[0])
         self._vocab = model.cfg.vocab_size
-        self.adapter_sync = lora.has_adapters(model) and rollout.weight_sync != "disk"
+        self.sync_path = weight_transfer.choose(rollout.weight_sync, lora.has_adapters(model))
+        self.adapter_sync = self.sync_path == "adapter"
         if rollout.weight_sync == "adapter" and not lora.has_adapters(model):
             raise RolloutConfigError("rollout.weight_sync: adapter needs a LoRA student "
                                      "(lora.rank > 0); use auto or disk")
@@ -152,6 +155,14 @@ class ServedRolloutEngine(RolloutEngine):
                                           rollout.backoff_s, sleep=sleep,
                                           health_path=self.protocol.HEALTH_PATH)
                                 for url in urls]
+            self._transfers = []
+            if self.sync_path in ("nccl", "ipc"):
+                for i in range(len(urls)):
+                    transfer = weight_transfer.Transfer(
+                        rollout.engine, self.sync_path, self.protocol, rollout.server_gpus + 1,
+                        rollout.transfer_address)
+                    transfer.open(self._poster(i))
+                    self._transfers.append(transfer)
             self.update_weights(model, folder=None if self.adapter_sync else base)
         except BaseException:
             self.close()
@@ -164,6 +175,11 @@ class ServedRolloutEngine(RolloutEngine):
         started = time.perf_counter()
         if self.adapter_sync:
             size = self._push_adapter(model)
+        elif self._transfers:   # GPU servers: no file (rollout/weight_transfer.py)
+            from ctopd_jax.models.weights import hf_named_tensors
+
+            size = sum(t.push(hf_named_tensors(model, dtype=self.dtype), self._poster(i))
+                       for i, t in enumerate(self._transfers))
         else:
             folder = folder or self._export_full(model)
             size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
@@ -252,6 +268,10 @@ class ServedRolloutEngine(RolloutEngine):
             raise ServedRolloutError(failure_line(f"rollout.url {url}", "rollout",
                                                   self.rollout.retries, err, what)) from None
 
+    def _poster(self, index: int):
+        """post(route, payload) to server `index`, as a weight push."""
+        return lambda path, payload: self._post(index, "weight push", path, payload)
+
     def _each(self, what: str, path: str, payload: dict, answer_is_json=True) -> list:
         return [self._post(i, what, path, payload, answer_is_json) for i in range(len(self.urls))]
 
@@ -307,12 +327,16 @@ class ServedRolloutEngine(RolloutEngine):
         if self.adapter_sync:
             rank = next(r for r in (8, 16, 32, 64, 128, 256, 512) if r >= self._rank)
             extra += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(rank)]
+        env = dict(self.protocol.SERVER_ENV)
+        if self.sync_path in ("nccl", "ipc"):
+            extra += self.protocol.transfer_server_args(self.sync_path)
+            env.update(self.protocol.TRANSFER_ENV[self.sync_path])
         self._launch_folder = folder
         server = self._owned.enter_context(launched_server(
             settings, folder, "rollout", max_model_len=self.max_model_len, max_logprobs=1,
             dtype=self.dtype, served_name="student",
             keep_log_as=self._log_as, extra_args=extra,
-            extra_env=self.protocol.SERVER_ENV))
+            extra_env=env))
         return server.url
 
     def close(self) -> None:

@@ -90,7 +90,11 @@ BAD = [
       "rollout.url=http://a:1"], "rollout.url: is set but rollout.engine is jax"),
     (["rollout.timeout_s=0"], "rollout.timeout_s: 0.0 is outside (0, 3600]"),
     (["rollout.max_concurrency=0"], "rollout.max_concurrency: 0 is outside [1, 256]"),
-    (["rollout.weight_sync=nccl"], "rollout.weight_sync: 'nccl' is not one of auto, disk, adapter"),
+    (["rollout.weight_sync=nvlink"], "rollout.weight_sync: 'nvlink' is not one of auto, disk, "
+                                      "adapter, nccl, ipc"),
+    (["rollout.weight_sync=nccl"], "rollout.weight_sync: nccl moves the weights between GPUs, but "
+                                    "the trainer runs on cpu; set rollout.weight_sync: disk"),
+    (["rollout.server_gpus=0"], "rollout.server_gpus: 0 is outside [1, 64]"),
     (["rollout.logprob_check_rows=0"], "rollout.logprob_check_rows: 0 is outside [1, 64]"),
     (["rollout.launch_python=/no/such/python"], "rollout.launch_python: '/no/such/python' is "
                                                  "not an executable"),
