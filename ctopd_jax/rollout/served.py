@@ -178,8 +178,12 @@ class ServedRolloutEngine(RolloutEngine):
         elif self._transfers:   # GPU servers: no file (rollout/weight_transfer.py)
             from ctopd_jax.models.weights import hf_named_tensors
 
-            size = sum(t.push(hf_named_tensors(model, dtype=self.dtype), self._poster(i))
-                       for i, t in enumerate(self._transfers))
+            try:
+                size = sum(t.push(hf_named_tensors(model, dtype=self.dtype), self._poster(i))
+                           for i, t in enumerate(self._transfers))
+            except ProtocolError as err:
+                raise ServedRolloutError(f"rollout.url: the {self.sync_path} weight push did not "
+                                         f"take ({err}); set rollout.weight_sync: disk") from None
         else:
             folder = folder or self._export_full(model)
             size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))

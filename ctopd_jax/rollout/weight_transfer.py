@@ -94,15 +94,18 @@ class Transfer:
 
     def _init_request(self) -> tuple[str, dict]:
         if self.engine == "vllm_server":
-            from cupy.cuda import nccl   # optional, GPU only (check() made sure it imports)
-
-            self._uid = nccl.get_unique_id()
-            raw = bytes(b % 256 for b in self._uid)
             return (self.protocol.TRANSFER_INIT_PATH, self.protocol.transfer_init_request(
-                "nccl", self.world_size, base64.b64encode(raw).decode()))
+                "nccl", self.world_size, base64.b64encode(self._unique_id()).decode()))
         host, port = self.address.rsplit(":", 1)
         return (self.protocol.GROUP_INIT_PATH,
                 self.protocol.group_init_request(host, int(port), self.world_size))
+
+    def _unique_id(self) -> bytes:
+        """The NCCL unique id (128 bytes) this trainer mints as rank 0."""
+        from cupy.cuda import nccl   # optional, GPU only (check() made sure it imports)
+
+        self._uid = nccl.get_unique_id()
+        return bytes(b % 256 for b in self._uid)
 
     def _join_group(self):
         if self.engine == "vllm_server":

@@ -209,7 +209,7 @@ def _stderr_so_far(process) -> str:
 # rollouts: the demo student learns ..."); the difference of two 2-seed means then has a
 # standard deviation of ~0.03: 0.1 is ~3 of them.
 SEED_NOISE = 0.1
-LEARNING_STEPS = 20
+LEARNING_STEPS = 40
 JAX_SAMPLER = ("rollout.engine=jax", "rollout.launch=false", "rollout.launch_python=")
 
 
