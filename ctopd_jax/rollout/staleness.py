@@ -83,6 +83,14 @@ def check_async(config, objective) -> None:
         raise ValueError(f"rollout.async_rollouts: algorithm.name={name} trains on-policy only (one "
                          "update of staleness biases its estimator and it has no rollout log-probs "
                          "to correct it); set rollout.async_rollouts=false or rollout.async_staleness=0")
+    if config.algorithm.diagnostics_every:
+        raise ValueError("algorithm.diagnostics_every: the diagnostics' replay rollouts would run "
+                         "beside the background collection of rollout.async_rollouts; set "
+                         "algorithm.diagnostics_every=0 or rollout.async_rollouts=false")
+    if jax.process_count() > 1:
+        raise ValueError(f"rollout.async_rollouts: {jax.process_count()} trainer processes gather "
+                         "their samples with collectives, which must not run beside training's; "
+                         "run one process or set rollout.async_rollouts=false")
     if config.optimizer.offload_during_rollout:
         raise ValueError("optimizer.offload_during_rollout: the rollout runs beside training with "
                          "rollout.async_rollouts, so the optimizer state stays on the device; set "

@@ -107,6 +107,8 @@ BAD = [
                                       "rollout.engine is jax"),
     (SERVER + ["rollout.async_rollouts=true", "algorithm.name=mp_opd"],
      "rollout.async_rollouts: algorithm.name=mp_opd trains on-policy only"),
+    (SERVER + ["rollout.async_rollouts=true", "algorithm.diagnostics_every=2"],
+     "algorithm.diagnostics_every: the diagnostics' replay rollouts would run beside"),
     (SERVER + ["rollout.async_rollouts=true", "optimizer.offload_during_rollout=true"],
      "optimizer.offload_during_rollout: the rollout runs beside training"),
     (["rollout.url=http://127.0.0.1:9", "rollout.launch=false", "rollout.launch_python=",
