@@ -218,7 +218,7 @@ def demo(out: Path, seed: int, *extra: str) -> dict:
     command = [sys.executable, "-m", "ctopd_jax.demo", "--config", str(CONFIG), "--out", str(out)]
     for item in (f"seed={seed}", f"data.seed={seed}", f"steps={LEARNING_STEPS}",
                  f"rollout.launch_python={VLLM_PYTHON}", "logging.progress=false",
-                 "logging.tensorboard=false", "checkpoint.export_hf=false", *extra):
+                 "logging.tensorboard=false", *extra):
         command += ["--set", item]
     run = subprocess.run(command, cwd=ROOT, env=cli_env(), capture_output=True, text=True,
                          timeout=1200)
