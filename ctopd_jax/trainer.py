@@ -208,7 +208,6 @@ class Trainer:
     def iteration(self, timer: StepTimer, rollout_index: int = 0) -> tuple[dict[str, Any], list[dict]]:
         o = self.config.optimizer
         collected, drawn, rollout_metrics = self.rollouts.take(rollout_index, timer)
-        dropout_key = drawn.dropout_key
         coverage = {name: self.coverage[name].update(host.alignment) for name, host in collected.items()}
         # packed micro-batches vary in number: each is normalised by the whole batch's tokens
         accumulation = 1 if self.packing else o.train_batch_size // o.micro_batch_size
@@ -221,7 +220,7 @@ class Trainer:
                 for start, stop in self.micro_ranges(host, first, last):
                     l, s, m, grads = self.micro_batch(
                         self.teachers[name], host, start, stop, total, accumulation, grads, timer,
-                        lora.train_dropout(self.config, dropout_key, offset + start), self.packing)
+                        lora.train_dropout(self.config, drawn.dropout_key, offset + start), self.packing)
                     loss = loss + l
                     sums.add(name, s, m)
             with timer("student") as since:
