@@ -237,6 +237,9 @@ class ProcessShardedEngine:
     def update_weights(self, model) -> None:
         self.engine.update_weights(local_copy(model))
 
+    def push_metrics(self) -> dict[str, float]:
+        return self.engine.push_metrics()
+
 
 def context_room(objective, rollout, side) -> int:
     """Prompt tokens an engine must accept beyond rollout.max_prompt_len: the later turns of an

@@ -9,6 +9,7 @@ from ctopd_jax.algorithms import get_objective, objectives_that
 from ctopd_jax.build import response_prompts, tokenizer_side, uses_dataset_responses
 from ctopd_jax.config import TrainConfig, teacher_views
 from ctopd_jax.host import check_same_tokenizer
+from ctopd_jax.rollout.staleness import check_async
 from ctopd_jax.setup_errors import fail
 
 
@@ -21,6 +22,7 @@ def check_objective(config: TrainConfig):
     needs, m, name = objective.needs, config.model, config.algorithm.name
     try:
         objective.check_run(config)
+        check_async(config, objective)
     except ValueError as err:
         raise fail(str(err)) from None
     views = teacher_views(config)

@@ -26,6 +26,7 @@ Decisions where SPEC is silent:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ from ctopd_jax.mesh_arrays import on_mesh, to_global
 from ctopd_jax.metrics import MetricsLogger, StartupClock, StepTimer, compile_seconds
 from ctopd_jax.models import lora
 from ctopd_jax.objective_factory import check_objective
+from ctopd_jax.rollout.overlap import Drawn, Rollouts
+from ctopd_jax.rollout.staleness import step_objective
 from ctopd_jax.run_guard import DivergenceGuard, Stopped
 from ctopd_jax.setup_errors import TrainerSetupError  # (also re-exported for callers)
 from ctopd_jax.step.diagnostics import Diagnostics
@@ -101,6 +104,8 @@ class Trainer:
         self.coverage = {name: CoverageMeter() for name in self.teachers}
         self.guard = DivergenceGuard.from_config(c.guard)
         self.update_count = 0
+        self.rollouts = Rollouts(self.draw, self.collect, c.rollout, c.steps)
+        self.step_objective = step_objective(self.objective, c.rollout)   # staleness-corrected
         self.diagnostics = None
         if c.algorithm.diagnostics_every:
             self.diagnostics = Diagnostics(c, self.objective, self.stream.prompts)
@@ -113,8 +118,9 @@ class Trainer:
 
     # -- checkpoint state -----------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
+        rng = self.rng if self.rollouts.ahead() is None else self.rollouts.ahead().before[0]
         return {"params": self.params, "opt_state": self.opt_state,
-                "rng": on_mesh(jax.random.key_data(self.rng), self.mesh)}
+                "rng": on_mesh(jax.random.key_data(rng), self.mesh)}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self.params, self.opt_state = state["params"], state["opt_state"]
@@ -154,7 +160,7 @@ class Trainer:
         with timer("student") as since, jax.set_mesh(self.mesh):
             out = micro_grad(self.params, self.rest, batch, t_hidden, t_lm_head, overlap,
                              np.float32(total_tokens), grads, graphdef=self.graphdef,
-                             accumulation=accumulation, objective=self.objective, mesh=mesh, dropout=dropout)
+                             accumulation=accumulation, objective=self.step_objective, mesh=mesh, dropout=dropout)
         timer.device("student", out[0], since)
         return out
 
@@ -172,19 +178,35 @@ class Trainer:
             return [(a, min(a + o.micro_batch_size, last)) for a in range(first, last, o.micro_batch_size)]
         return host_micro_ranges(host, first, last, o.micro_batch_tokens)
 
-    def iteration(self, timer: StepTimer, rollout_index: int = 0) -> tuple[dict[str, Any], list[dict]]:
-        o = self.config.optimizer
+    def draw(self, index: int) -> Drawn:
+        """Iteration `index`'s prompts and sampling seed: the RNG is split once per iteration, the
+        dropout key (its LoRA dropout masks) comes from the same split."""
+        before = (self.rng, self.stream.state())
         self.rng, sub = jax.random.split(self.rng)
         seed = int(jax.random.randint(sub, (), 0, 2 ** 31 - 1))
-        dropout_key = jax.random.fold_in(sub, 1)  # LoRA dropout masks of this iteration's micro-batches
-        if o.offload_during_rollout:   # room for the sampler's pages (host_offload.py)
+        return Drawn(index, self.stream.next_batch(), seed, jax.random.fold_in(sub, 1), before)
+
+    def collect(self, drawn: Drawn, timer: StepTimer) -> dict[str, Any]:
+        with self.offloaded(timer):
+            return teacher_batches.collect(self.teachers, self.config, self.objective, drawn.prompts,
+                                           drawn.seed, timer, drawn.index)
+
+    @contextlib.contextmanager
+    def offloaded(self, timer: StepTimer):
+        """optimizer.offload_during_rollout: AdamW state in host memory meanwhile (room for the
+        sampler's pages, host_offload.py)."""
+        on = self.config.optimizer.offload_during_rollout
+        if on:
             with timer("offload"):
                 self.opt_state = host_offload.move(self.opt_state, host_offload.HOST)
-        collected = teacher_batches.collect(self.teachers, self.config, self.objective, self.stream.next_batch(),
-                                            seed, timer, rollout_index)
-        if o.offload_during_rollout:
+        yield
+        if on:
             with timer("offload"):
                 self.opt_state = host_offload.move(self.opt_state, host_offload.DEVICE)
+
+    def iteration(self, timer: StepTimer, rollout_index: int = 0) -> tuple[dict[str, Any], list[dict]]:
+        o = self.config.optimizer
+        collected, drawn, rollout_metrics = self.rollouts.take(rollout_index, timer)
         coverage = {name: self.coverage[name].update(host.alignment) for name, host in collected.items()}
         # packed micro-batches vary in number: each is normalised by the whole batch's tokens
         accumulation = 1 if self.packing else o.train_batch_size // o.micro_batch_size
@@ -197,7 +219,7 @@ class Trainer:
                 for start, stop in self.micro_ranges(host, first, last):
                     l, s, m, grads = self.micro_batch(
                         self.teachers[name], host, start, stop, total, accumulation, grads, timer,
-                        lora.train_dropout(self.config, dropout_key, offset + start), self.packing)
+                        lora.train_dropout(self.config, drawn.dropout_key, offset + start), self.packing)
                     loss = loss + l
                     sums.add(name, s, m)
             with timer("student") as since:
@@ -206,17 +228,20 @@ class Trainer:
                 self.update_count += 1
                 infos.append(info)   # fetched with the sums, once per iteration
             timer.device("student", info["grad_norm"], since)
+        self.rollouts.before_push(timer)
         with timer("sync"):
             nnx.update(self.student, self.params)
             self.engine.update_weights(self.student)
+        self.rollouts.after_push(rollout_index)
         metrics = sums.metrics(self.objective, collected, infos, coverage,
                                several=bool(self.config.teachers))
-        metrics.update(getattr(self.engine, "push_metrics", {}))  # a served rollout engine's push
+        metrics.update(self.engine.push_metrics(), **rollout_metrics)
         return metrics, [record for host in collected.values() for record in host.mismatch_samples()]
 
     # -- the loop ---------------------------------------------------------------------------
     def _checkpoint_meta(self) -> dict[str, Any]:
-        return {"data": self.stream.state(), "config": self.config.to_dict(),
+        ahead = self.rollouts.ahead()   # a resume draws that iteration again
+        return {"data": self.stream.state() if ahead is None else ahead.before[1], "config": self.config.to_dict(),
                 "update_count": self.update_count, "objective": self.objective.state_dict(),
                 "guard": self.guard.state(),
                 "coverage": {name: {k: getattr(cov, k) for k in COVERAGE_FIELDS}
@@ -292,6 +317,7 @@ class Trainer:
                     checkpointer.wait()
                     raise Stopped(stop.signum, step, ck_dir)
         finally:
+            self.rollouts.close()
             try:
                 checkpointer.close()      # raises CheckpointWriteError if the last write failed
             finally:

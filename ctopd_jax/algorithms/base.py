@@ -148,6 +148,10 @@ class Objective:
     # packed rows (algorithms/packing.py): every array of flat row indices `prepare` makes and
     # the side it indexes; None: the objective cannot pack and keeps one row per sample
     packed_rows: ClassVar[dict[str, str] | None] = None
+    # rollout.async_rollouts at staleness 1 (rollout/staleness.py): "none" (full divergences per
+    # state), "ratio" (its π_θ/π_rollout ratio), "tis" (truncated importance weights), or None:
+    # one update of staleness is wrong for it, async refused
+    stale_responses: ClassVar[str | None] = None
 
     @property
     def topk(self) -> int | None:

@@ -422,6 +422,7 @@ def lm_head_gram(hidden, lm_head, rows, targets, pos, valid, atoms_per_chunk: in
 class MpOpd(Objective):
     settings_class = MpOpdSettings
     response_logprob_grad = True   # h_i differentiates the student's token log-probs
+    stale_responses = None   # sampled atom credits, on-policy, no rollout log-probs to correct them
     # l_T of an atom is a sum of the teacher's token log-probs: a served teacher can supply them
     needs = Needs(teacher_scores="token_logprobs")
 

@@ -83,6 +83,10 @@ class OpdSampled(SameTokenizerObjective):
     needs = Needs(responses="student", teacher=True, rollout_logprobs=True, reuse_sampled_ids=True,
                   episodes=True, teacher_scores="token_logprobs")
 
+    @property
+    def stale_responses(self):   # π_old from the rollout: the ratio is the importance weight
+        return "ratio" if self.settings.gap_logprobs == "rollout" else "tis"
+
     def kd_weights(self):
         return {"opd": 1.0}
 

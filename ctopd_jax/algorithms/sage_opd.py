@@ -73,6 +73,7 @@ class SageSettings(SameTokenizerSettings):
 class SageOpd(TurnObjective):
     settings_class = SageSettings
     response_logprob_grad = False
+    stale_responses = "none"   # weighted full-vocabulary KL per state
 
     @property
     def needs(self) -> Needs:   # a teacher judge samples through an engine of its own

@@ -121,6 +121,7 @@ class SameTokenizerObjective(Objective):
     needs = Needs(responses="student", teacher=True, rollout_logprobs=True, reuse_sampled_ids=True,
                   episodes=True)
     packed_rows = BASE_ROWS
+    stale_responses = "none"   # full-vocabulary divergences per state; the sampled ones override
 
     def check(self, overlap) -> None:
         if overlap.teacher_vocab_size != overlap.student_vocab_size:

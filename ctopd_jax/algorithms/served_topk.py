@@ -71,6 +71,7 @@ def overlap_table(overlap) -> tuple:
 class TeacherTopkStrict(Objective):
     packed_rows = STRICT_ROWS
     settings_class = AlgorithmSection
+    stale_responses = "none"   # a top-k divergence per state
     needs = Needs(teacher_scores="topk")
 
     def check_run(self, config) -> None:

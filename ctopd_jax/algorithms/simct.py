@@ -190,6 +190,7 @@ class SimCT(Objective):
     packed_rows = {**BASE_ROWS, "simct_student_first": "student", "simct_student_rows": "student",
                    "simct_teacher_first": "teacher", "simct_teacher_span_rows": "teacher"}
     settings_class = SimCTSettings
+    stale_responses = "none"   # a divergence per segment row
 
     def prepare(self, host, start, stop):
         arrays = pack.student_arrays(host, start, stop)

@@ -104,6 +104,7 @@ def span_sum(student_logprobs, teacher_logprobs, batch):
 class SpanLoss(Objective):
     packed_rows = {**STRICT_ROWS, "span_teacher_rows": "teacher"}
     settings_class = SpanSettings
+    stale_responses = "none"   # divergences per position and per span
     response_logprob_grad = True  # the span term differentiates the student's token log-probs
     has_strict_part = True
 

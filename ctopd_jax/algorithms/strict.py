@@ -65,6 +65,7 @@ def check_topk(topk: int | None, shared_size: int) -> None:
 class StrictFull(Objective):
     packed_rows = STRICT_ROWS
     settings_class = StrictSettings
+    stale_responses = "none"   # a divergence per state
     has_strict_part = True
 
     def check(self, overlap) -> None:

@@ -18,7 +18,8 @@ from typing import Literal
 import jax
 
 from ctopd_jax.algorithms.base import register
-from ctopd_jax.algorithms.opd import OpdSettings, gap_metrics, sampled_gap, sampled_terms
+from ctopd_jax.algorithms.opd import (OpdSampled, OpdSettings, gap_metrics, sampled_gap,
+                                      sampled_terms)
 from ctopd_jax.algorithms.same_tokenizer import SameTokenizerObjective
 from ctopd_jax.config import require
 from ctopd_jax.kernels import full_rows
@@ -50,6 +51,7 @@ def kl_baseline(x, s):
 class Vopd(SameTokenizerObjective):
     settings_class = VopdSettings
     response_logprob_grad = True
+    stale_responses = OpdSampled.stale_responses   # the same ratio as opd
 
     def kd_weights(self):
         return {"vopd": 1.0}

@@ -137,9 +137,20 @@ class RolloutSection:
     max_concurrency: int = 8             # requests in flight per server
     retries: int = 3                     # extra tries after a time-out, a dropped connection, 5xx
     backoff_s: float = 0.5               # first retry waits this long, then 2x, 4x, ...
-    weight_sync: str = "auto"            # auto | disk (full weights) | adapter (LoRA students)
+    # auto (adapter for a LoRA student, else disk) | disk | adapter | nccl | ipc (GPU servers:
+    # rollout/weight_transfer.py, never run here)
+    weight_sync: str = "auto"
+    server_gpus: int = 1                 # nccl: GPUs of each server (the group is these + the trainer)
+    transfer_address: str = ""           # sglang_server + nccl: host:port of the trainer's rendezvous
     sync_dir: str = ""                   # folder the servers read pushed weights from ("" = temp)
     logprob_check_rows: int = 4          # rows the server re-scores after each push
+    # generation overlapped with training (served engines; rollout/overlap.py): `async` is a
+    # Python keyword, hence async_rollouts. The next iteration's responses are generated while
+    # this one trains, from the weights before its update (async_staleness 1) or after its push
+    # (0: the same numbers as without async, overlapping only metrics, evaluation, checkpoints)
+    async_rollouts: bool = False
+    async_staleness: int = 1             # updates between the generating and the trained weights
+    async_tis_cap: float = 2.0           # truncated importance weight's cap (objectives using "tis")
     jax_decode_slots: int = 256          # JaxSampler: samples decoded together (refilled)
     jax_kv_cache_budget_gb: float = 8.0  # JaxSampler: page pool + slot buffers (GB); sizes the pool
     jax_page_size: int = 16              # JaxSampler: tokens per KV cache page

@@ -142,9 +142,8 @@ def check_settings(rollout) -> None:
     if not 1 <= rollout.logprob_check_rows <= 64:
         raise TeacherSettingError(f"rollout.logprob_check_rows: {rollout.logprob_check_rows} is "
                                   "outside [1, 64]; set a value in that range")
-    if rollout.weight_sync not in ("auto", "disk", "adapter"):
-        raise TeacherSettingError(f"rollout.weight_sync: {rollout.weight_sync!r} is not one of "
-                                  "auto, disk, adapter")
+    if not 1 <= rollout.server_gpus <= 64:
+        raise TeacherSettingError(f"rollout.server_gpus: {rollout.server_gpus} is outside [1, 64]")
     if not served:
         for name in fields:
             if getattr(rollout, name):

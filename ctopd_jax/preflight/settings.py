@@ -12,6 +12,7 @@ from ctopd_jax.config.served import settings_for as served_rollout_settings
 from ctopd_jax.envs import ENVIRONMENTS
 from ctopd_jax.mesh import MeshError, resolve_mesh_shape
 from ctopd_jax.preflight.errors import as_teacher, fail
+from ctopd_jax.rollout.served import check_rollout_settings
 from ctopd_jax.teacher_service.launch import check_launch_python
 
 
@@ -46,8 +47,13 @@ def check_mesh(config: TrainConfig, device_count: int | None) -> dict[str, int]:
 
 
 def check_rollout_side(config: TrainConfig) -> None:
-    """The environment name against the rollout side's own list (envs/), so the config
-    imports none of it."""
+    """The environment name against the rollout side's own list (envs/), the async fields and
+    the weight-push path against the rollout side's own checks, so the config imports none of
+    it."""
+    try:
+        check_rollout_settings(config.rollout)
+    except ValueError as err:
+        raise fail(str(err)) from None
     environment = config.rollout.environment
     if environment not in ("",) + ENVIRONMENTS:
         raise fail(f"rollout.environment: {environment!r} is unknown; use one of "

@@ -94,6 +94,11 @@ class RolloutEngine(Protocol):
     def update_weights(self, model: Any) -> None:
         """Make the next `generate` use these student weights (an NNX module)."""
 
+    def push_metrics(self) -> dict[str, float]:
+        """The last `update_weights`' metrics (a server's push: seconds, bytes, logprob_gap);
+        {} for an engine that shares the trainer's weights in process."""
+        return {}
+
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int,
                   max_len: int | None = None, *, max_new_tokens: int = 0,

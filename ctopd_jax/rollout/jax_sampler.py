@@ -48,7 +48,7 @@ from flax import nnx
 
 from ctopd_jax.mesh import batch_sharding, logical_sharding
 from ctopd_jax.models.kv_cache import page_pool_token_bytes
-from ctopd_jax.rollout.base import (RolloutConfigError, RolloutResult, SamplingParams,
+from ctopd_jax.rollout.base import (RolloutConfigError, RolloutEngine, RolloutResult, SamplingParams,
                                     check_prompts, finish_sample, normalize_eos_ids)
 from ctopd_jax.rollout.paged_decode import (admit_newcomers, decode_until_refill, decode_weights,
                                             new_pool, prefill_pages, take_rows)
@@ -88,7 +88,7 @@ def pool_pages(cfg, budget_gb: float, page_size: int, slots: int, max_new_bucket
     return max(0, int(left // (page_pool_token_bytes(cfg) * page_size)))
 
 
-class JaxSampler:
+class JaxSampler(RolloutEngine):
     """The embedded default rollout engine (see module docstring).
 
     Args:

@@ -32,8 +32,8 @@ Weights after every update (`rollout.weight_sync`):
 After each push the server scores `rollout.logprob_check_rows` rows (the latest rollout's
 samples, or a fixed probe before the first) and their log-probs are compared with the JAX
 student's (`logprob_gap.response_logprobs`): a gap above the dtype's tolerance (float32 1e-3,
-bf16/fp16 0.1) means the push did not take, and the run stops with one line. `push_metrics`
-holds the last push's seconds, bytes and gap (logged as rollout_push_s, rollout_push_bytes,
+bf16/fp16 0.1) means the push did not take, and the run stops with one line. `push_metrics()`
+gives the last push's seconds, bytes and gap (logged as rollout_push_s, rollout_push_bytes,
 logprob_gap).
 
 `launch: true` starts the server (vLLM only, one url) from `rollout.launch_python` on the
@@ -52,12 +52,14 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 from ctopd_jax.config.served import check_settings, server_urls, settings_for
 from ctopd_jax.models import lora
 from ctopd_jax.models.weights import export_hf_checkpoint
-from ctopd_jax.rollout.base import (RolloutConfigError, RolloutResult, SamplingParams,
+from ctopd_jax.rollout import staleness, weight_transfer
+from ctopd_jax.rollout.base import (RolloutConfigError, RolloutEngine, RolloutResult, SamplingParams,
                                     check_prompts, finish_sample, normalize_eos_ids)
 from ctopd_jax.rollout.logprob_gap import response_logprobs
 from ctopd_jax.teacher_service import sglang_protocol, vllm_protocol
@@ -76,16 +78,26 @@ class ServedRolloutError(TeacherServiceError):
     TeacherServiceError, so the trainer names the step and the last checkpoint, exit 2.)"""
 
 
-class ServedRolloutEngine:
+def check_rollout_settings(rollout) -> None:
+    """One ValueError line for the first bad rollout-server field: the settings' own ranges
+    (config/served.py), the async fields and the weight-push path (preflight and the engine)."""
+    check_settings(rollout)
+    staleness.check_settings(rollout)
+    gpu_path = rollout.weight_sync in ("nccl", "ipc")
+    weight_transfer.check(rollout, jax.default_backend() if gpu_path else "")
+
+
+class ServedRolloutEngine(RolloutEngine):
     def __init__(self, model, eos_ids, pad_id: int | None, rollout, *, dtype: str,
                  max_model_len: int, log_as=None, sleep=time.sleep):
-        check_settings(rollout)
+        check_rollout_settings(rollout)
         self.rollout, self.dtype, self.max_model_len = rollout, dtype, int(max_model_len)
         self.protocol = PROTOCOLS[rollout.engine]
         self.eos_ids = normalize_eos_ids(eos_ids)
         self.pad_id = int(pad_id if pad_id is not None else (self.eos_ids or (0,))[0])
         self._vocab = model.cfg.vocab_size
-        self.adapter_sync = lora.has_adapters(model) and rollout.weight_sync != "disk"
+        self.sync_path = weight_transfer.choose(rollout.weight_sync, lora.has_adapters(model))
+        self.adapter_sync = self.sync_path == "adapter"
         if rollout.weight_sync == "adapter" and not lora.has_adapters(model):
             raise RolloutConfigError("rollout.weight_sync: adapter needs a LoRA student "
                                      "(lora.rank > 0); use auto or disk")
@@ -100,7 +112,7 @@ class ServedRolloutEngine:
         self._pushes = itertools.count(1)
         self._served_name, self._folder = "", None
         self._check_rows: tuple[list[list[int]], list[list[int]]] | None = None
-        self.push_metrics: dict[str, float] = {}
+        self._push_metrics: dict[str, float] = {}
         try:  # a failed start stops what it started and leaves no weight folder behind
             base = self._export_full(lora.base_model(model) if self.adapter_sync else model)
             urls = (self._launch(base),) if rollout.launch else server_urls(rollout)
@@ -109,6 +121,14 @@ class ServedRolloutEngine:
                                           rollout.backoff_s, sleep=sleep,
                                           health_path=self.protocol.ENDPOINTS.health)
                                 for url in urls]
+            self._transfers = []
+            if self.sync_path in ("nccl", "ipc"):
+                for i in range(len(urls)):
+                    transfer = weight_transfer.Transfer(
+                        rollout.engine, self.sync_path, self.protocol, rollout.server_gpus + 1,
+                        rollout.transfer_address)
+                    transfer.open(self._poster(i))
+                    self._transfers.append(transfer)
             self.update_weights(model, folder=None if self.adapter_sync else base)
         except BaseException:
             self.close()
@@ -121,6 +141,15 @@ class ServedRolloutEngine:
         started = time.perf_counter()
         if self.adapter_sync:
             size = self._push_adapter(model)
+        elif self._transfers:   # GPU servers: no file (rollout/weight_transfer.py)
+            from ctopd_jax.models.weights import hf_named_tensors
+
+            try:
+                size = sum(t.push(hf_named_tensors(model, dtype=self.dtype), self._poster(i))
+                           for i, t in enumerate(self._transfers))
+            except ProtocolError as err:
+                raise ServedRolloutError(f"rollout.url: the {self.sync_path} weight push did not "
+                                         f"take ({err}); set rollout.weight_sync: disk") from None
         else:
             folder = folder or self._export_full(model)
             size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
@@ -131,8 +160,11 @@ class ServedRolloutEngine:
             self._replace_folder(folder)
         pushed = time.perf_counter() - started
         gap = self._check_logprobs(model)
-        self.push_metrics = {"rollout_push_s": pushed, "rollout_push_bytes": float(size),
+        self._push_metrics = {"rollout_push_s": pushed, "rollout_push_bytes": float(size),
                              "logprob_gap": gap}
+
+    def push_metrics(self) -> dict[str, float]:
+        return dict(self._push_metrics)
 
     def _export_full(self, model) -> Path:
         folder = self.sync_dir / f"weights-{next(self._pushes)}"
@@ -199,6 +231,10 @@ class ServedRolloutEngine:
             raise ServedRolloutError(failure_line(f"rollout.url {url}", "rollout",
                                                   self.rollout.retries, err, what)) from None
 
+    def _poster(self, index: int):
+        """post(route, payload) to server `index`, as a weight push."""
+        return lambda path, payload: self._post(index, "weight push", path, payload)
+
     def _each(self, what: str, path: str, payload: dict, answer_is_json=True) -> list:
         return [self._post(i, what, path, payload, answer_is_json) for i in range(len(self.urls))]
 
@@ -252,12 +288,16 @@ class ServedRolloutEngine:
         if self.adapter_sync:
             rank = next(r for r in (8, 16, 32, 64, 128, 256, 512) if r >= self._rank)
             extra += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(rank)]
+        env = dict(self.protocol.SERVER_ENV)
+        if self.sync_path in ("nccl", "ipc"):
+            extra += self.protocol.transfer_server_args(self.sync_path)
+            env.update(self.protocol.TRANSFER_ENV[self.sync_path])
         self._launch_folder = folder
         server = self._owned.enter_context(launched_server(
             settings, folder, "rollout", max_model_len=self.max_model_len, max_logprobs=1,
             dtype=self.dtype, served_name="student",
             keep_log_as=self._log_as, extra_args=extra,
-            extra_env=self.protocol.SERVER_ENV))
+            extra_env=env))
         return server.url
 
     def close(self) -> None:

@@ -70,8 +70,8 @@ import jax
 
 from ctopd_jax.models import lora
 from ctopd_jax.models.weights import export_hf_checkpoint
-from ctopd_jax.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutConfigError, RolloutResult,
-                                    SamplingParams, check_prompts, finish_sample,
+from ctopd_jax.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutConfigError, RolloutEngine,
+                                    RolloutResult, SamplingParams, check_prompts, finish_sample,
                                     normalize_eos_ids)
 # VllmNotInstalledError: cli.py names it by this module (the error of `rollout.engine: vllm`)
 from ctopd_jax.rollout.vllm_support import (MIN_CPU_HEAD_DIM, VllmNotInstalledError,  # noqa: F401
@@ -89,7 +89,7 @@ def _log_once(message: str) -> None:
         _log.info(message)
 
 
-class VllmEngine:
+class VllmEngine(RolloutEngine):
     """Rollout engine backed by vLLM (see module docstring).
 
     Args:

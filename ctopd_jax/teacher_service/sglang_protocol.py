@@ -162,3 +162,36 @@ def reload_request(folder: str) -> tuple[str, dict]:
 
 def adapter_request(name: str, folder: str) -> dict:
     return {"lora_name": name, "lora_path": folder}
+
+
+# Weights without a file, GPU only (rollout/weight_transfer.py): `nccl` joins the trainer as rank
+# 0 of a torch.distributed NCCL group the server's workers open on POST /init_weights_update_group,
+# then per push POST /update_weights_from_distributed with the tensors' names, dtypes and shapes
+# while the trainer broadcasts them in that order; `ipc` posts the tensors as SGLang's own
+# serialized CUDA IPC handles to /update_weights_from_tensor (same GPU). Answers: {"success",
+# "message"}.
+GROUP_INIT_PATH = "/init_weights_update_group"
+DISTRIBUTED_UPDATE_PATH = "/update_weights_from_distributed"
+TENSOR_UPDATE_PATH = "/update_weights_from_tensor"
+GROUP_NAME = "ctopd_weight_push"
+
+
+def group_init_request(master_address: str, master_port: int, world_size: int) -> dict:
+    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": 1,
+            "world_size": int(world_size), "group_name": GROUP_NAME, "backend": "nccl"}
+
+
+def distributed_update_request(names, dtypes, shapes) -> dict:
+    return {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+            "group_name": GROUP_NAME, "flush_cache": True}
+
+
+def tensor_update_request(serialized: list[str]) -> dict:
+    return {"serialized_named_tensors": serialized, "flush_cache": True}
+
+
+def check_update_answer(answer) -> None:
+    """SGLang answers a failed update with 200 and success false: a ProtocolError then."""
+    if not isinstance(answer, dict) or answer.get("success") is not True:
+        message = answer.get("message") if isinstance(answer, dict) else answer
+        raise ProtocolError(f"the server refused the weight update: {message}")

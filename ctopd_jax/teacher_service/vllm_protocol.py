@@ -18,6 +18,8 @@ above the server's `--max-logprobs` (default 20) with 400 "... greater than max 
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from ctopd_jax.teacher_service.scores import (Endpoints, ProtocolError, ScoredSequence,
@@ -139,3 +141,40 @@ RESET_CACHE_PATH = "/reset_prefix_cache"
 
 def adapter_request(name: str, folder: str) -> dict:
     return {"lora_name": name, "lora_path": folder}
+
+
+# Weights without a file, GPU only (rollout/weight_transfer.py; vLLM 0.32's four-phase weight
+# transfer, vllm/entrypoints/rl/online/api_router.py, registered with VLLM_SERVER_DEV_MODE=1 on a
+# server started with --weight-transfer-config '{"backend": "nccl" | "ipc"}'): init once, then
+# per push start -> update (the tensors' names, dtypes and shapes; the tensors themselves go by
+# NCCL broadcast or as CUDA IPC handles) -> finish. Every answer is {"message": ...}, 200.
+TRANSFER_INIT_PATH = "/init_weight_transfer_engine"
+TRANSFER_START_PATH = "/start_weight_update"
+TRANSFER_UPDATE_PATH = "/update_weights"
+TRANSFER_FINISH_PATH = "/finish_weight_update"
+# IPC handles travel pickled over HTTP: the server must allow it
+TRANSFER_ENV = {"nccl": {}, "ipc": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}}
+
+
+def transfer_server_args(backend: str) -> list[str]:
+    return ["--weight-transfer-config", json.dumps({"backend": backend})]
+
+
+def transfer_init_request(backend: str, world_size: int = 0, unique_id_b64: str = "") -> dict:
+    """nccl: a trainer without torch (JAX) mints the NCCL unique id and is rank 0; the server's
+    workers join as ranks 1 .. world_size - 1. Unpacked: one broadcast per tensor."""
+    if backend == "nccl":
+        return {"init_info": {"nccl_unique_id_b64": unique_id_b64, "rank_offset": 1,
+                              "world_size": world_size, "packed": False}}
+    return {"init_info": {"packed": False}}
+
+
+def transfer_update_request(names, dtypes, shapes, ipc_handles_b64: str = "") -> dict:
+    info = {"names": list(names), "dtype_names": list(dtypes), "shapes": [list(s) for s in shapes]}
+    if ipc_handles_b64:
+        info["ipc_handles_pickled"] = ipc_handles_b64
+    return {"update_info": info}
+
+
+def transfer_finish_request(version: str) -> dict:
+    return {"weight_version": version}

@@ -77,6 +77,7 @@ def test_the_sglang_request_and_an_answer_of_its_documented_shape():
 
 # ------------------------------------------------------------------ bad settings
 
+SERVER = ["rollout.url=http://127.0.0.1:9", "rollout.launch=false", "rollout.launch_python="]
 BAD = [
     (["rollout.url=http://127.0.0.1:8000/v1", "rollout.launch=false",
       "rollout.launch_python="], "rollout.url: 'http://127.0.0.1:8000/v1' has a path"),
@@ -89,12 +90,27 @@ BAD = [
       "rollout.url=http://a:1"], "rollout.url: is set but rollout.engine is jax"),
     (["rollout.timeout_s=0"], "rollout.timeout_s: 0.0 is outside (0, 3600]"),
     (["rollout.max_concurrency=0"], "rollout.max_concurrency: 0 is outside [1, 256]"),
-    (["rollout.weight_sync=nccl"], "rollout.weight_sync: 'nccl' is not one of auto, disk, adapter"),
+    (["rollout.weight_sync=nvlink"], "rollout.weight_sync: 'nvlink' is not one of auto, disk, "
+                                      "adapter, nccl, ipc"),
+    (["rollout.weight_sync=nccl"], "rollout.weight_sync: nccl moves the weights between GPUs, but "
+                                    "the trainer runs on cpu; set rollout.weight_sync: disk"),
+    (["rollout.server_gpus=0"], "rollout.server_gpus: 0 is outside [1, 64]"),
     (["rollout.logprob_check_rows=0"], "rollout.logprob_check_rows: 0 is outside [1, 64]"),
     (["rollout.launch_python=/no/such/python"], "rollout.launch_python: '/no/such/python' is "
                                                  "not an executable"),
     (["rollout.launch_python=" + sys.executable], "rollout.launch_python: vLLM is not "
                                                   "installed in"),
+    (["rollout.async_staleness=2"], "rollout.async_staleness: 2 is not 0 or 1"),
+    (["rollout.async_tis_cap=0.5"], "rollout.async_tis_cap: 0.5 must be >= 1"),
+    (["rollout.engine=jax", "rollout.launch=false", "rollout.launch_python=",
+      "rollout.async_rollouts=true"], "rollout.async_rollouts: needs a rollout server, but "
+                                      "rollout.engine is jax"),
+    (SERVER + ["rollout.async_rollouts=true", "algorithm.name=mp_opd"],
+     "rollout.async_rollouts: algorithm.name=mp_opd trains on-policy only"),
+    (SERVER + ["rollout.async_rollouts=true", "algorithm.diagnostics_every=2"],
+     "algorithm.diagnostics_every: the diagnostics' replay rollouts would run beside"),
+    (SERVER + ["rollout.async_rollouts=true", "optimizer.offload_during_rollout=true"],
+     "optimizer.offload_during_rollout: the rollout runs beside training"),
     (["rollout.url=http://127.0.0.1:9", "rollout.launch=false", "rollout.launch_python=",
       "rollout.retries=0"], "rollout.url http://127.0.0.1:9: POST /collective_rpc: connection "
                             "refused (no server listens there) (after 0 retries); the server is "
