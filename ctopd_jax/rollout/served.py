@@ -57,7 +57,7 @@ import numpy as np
 
 from ctopd_jax.config.served import check_settings, server_urls, settings_for
 from ctopd_jax.models import lora
-from ctopd_jax.models.weights import export_hf_checkpoint
+from ctopd_jax.models.weights import export_hf_checkpoint, hf_named_tensors
 from ctopd_jax.rollout import staleness, weight_transfer
 from ctopd_jax.rollout.base import (RolloutConfigError, RolloutEngine, RolloutResult, SamplingParams,
                                     check_prompts, finish_sample, normalize_eos_ids)
@@ -142,8 +142,6 @@ class ServedRolloutEngine(RolloutEngine):
         if self.adapter_sync:
             size = self._push_adapter(model)
         elif self._transfers:   # GPU servers: no file (rollout/weight_transfer.py)
-            from ctopd_jax.models.weights import hf_named_tensors
-
             try:
                 size = sum(t.push(hf_named_tensors(model, dtype=self.dtype), self._poster(i))
                            for i, t in enumerate(self._transfers))

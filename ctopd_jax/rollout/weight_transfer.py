@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import pickle
 import threading
 from typing import Callable, Iterable
 
@@ -110,7 +111,7 @@ class Transfer:
     def _join_group(self):
         if self.engine == "vllm_server":
             import cupy   # optional, GPU only
-            from cupy.cuda import nccl
+            from cupy.cuda import nccl   # optional, GPU only
 
             comm = nccl.NcclCommunicator(self.world_size, self._uid, 0)
             one = cupy.zeros(1, cupy.float32)   # vLLM's workers open with a one-element all-reduce
@@ -166,7 +167,7 @@ class Transfer:
     def _broadcast(self, array: np.ndarray) -> None:
         if self.engine == "vllm_server":
             import cupy   # optional, GPU only
-            from cupy.cuda import nccl
+            from cupy.cuda import nccl   # optional, GPU only
 
             staged = cupy.asarray(array.view(np.uint16) if array.dtype.name == "bfloat16" else array)
             kind = {"bfloat16": nccl.NCCL_BFLOAT16, "float16": nccl.NCCL_FLOAT16,
@@ -190,10 +191,8 @@ class Transfer:
     def _ipc_handles(self, arrays) -> str:
         """vLLM's ipc_handles: per tensor {GPU uuid: torch's rebuild args}, pickled, base64. The
         tensors stay referenced until the next push (the server copies them meanwhile)."""
-        import pickle
-
         import torch   # optional, GPU only
-        from torch.multiprocessing.reductions import reduce_tensor
+        from torch.multiprocessing.reductions import reduce_tensor   # optional, GPU only
 
         self._keep = self._on_gpu(arrays)
         uuid = str(torch.cuda.get_device_properties(self._keep[0].device).uuid)
