@@ -23,6 +23,8 @@ import numpy as np
 from flax import nnx
 
 from ctopd_jax import mesh as mesh_lib
+from ctopd_jax.algorithms.checks import check_objective
+from ctopd_jax.config import teacher_views
 from ctopd_jax import sources
 
 
@@ -150,10 +152,9 @@ class Parts:
 
 
 def assemble(config, objective, preflight=None, startup=lambda phase: None) -> Parts:
-    """Everything a run of `objective` (built and checked: preflight.check_objective) needs,
+    """Everything a run of `objective` (built and checked: checked_objective) needs,
     built in order (`startup(phase)` as each phase begins); what `preflight`
     (preflight.Preflight) already loaded is reused, not built again."""
-    from ctopd_jax.config import teacher_views
     from ctopd_jax.models import lora
 
     c, pre = config, preflight
@@ -389,6 +390,35 @@ def export_student(student, s_tok, out_dir: Path, is_writer: bool, config=None) 
     if s_tok.bos_id is not None:
         extra["bos_token_id"] = s_tok.bos_id
     return export_student_hf(model, out_dir, tokenizer_dir=s_tok.path, extra_config=extra)
+
+
+def checked_objective(config):
+    """The run's objective, built and checked before any model loads: against the run config
+    (algorithms.checks.check_objective), then what it reads from files: one tokenizer and chat
+    template on both sides of a same-tokenizer objective (and for model.teacher_base), and a
+    response in every dataset row when it trains on them."""
+    from ctopd_jax.host import check_same_tokenizer
+
+    try:
+        objective = check_objective(config)
+    except ValueError as err:
+        raise TrainerSetupError(str(err)) from None
+    needs, m, name = objective.needs, config.model, config.algorithm.name
+    if not needs.reuse_sampled_ids:
+        return objective
+    try:
+        student = tokenizer_side(m.student, m.student_tokenizer, "student")
+        for view in teacher_views(config).values():
+            teacher = tokenizer_side(view.model.teacher, view.model.teacher_tokenizer, "teacher")
+            check_same_tokenizer(teacher, student, name)
+        if needs.teacher_base:
+            check_same_tokenizer(tokenizer_side(m.teacher_base, "", "teacher_base"), student, name,
+                                 what="model.teacher_base")
+        if uses_dataset_responses(objective):
+            response_prompts(config)
+    except (ValueError, OSError) as err:
+        raise TrainerSetupError(" ".join(str(err).split())) from None
+    return objective
 
 
 def uses_dataset_responses(objective) -> bool:

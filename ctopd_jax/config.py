@@ -22,6 +22,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 
+from ctopd_jax.algorithms import catalog
 from ctopd_jax.teacher_service.settings import TeacherServiceSettings, TeacherSettingError
 
 
@@ -230,6 +231,9 @@ class AlgorithmSection:
     with its fields and checks (`algorithms/<name>.py`, `settings_class`); `algorithm.name`
     picks the class, so `algorithm.span_lambda` is known exactly when the objective is `span`."""
     name: str = "topk_strict"            # registry name, see ctopd_jax.algorithms
+    # modules to import for objectives of your own (e.g. [my_pkg.my_objective]; each registers
+    # its class, docs/objectives.md); the package's own objectives are always found
+    modules: tuple[str, ...] = ()
     # the divergence D of the distillation terms (SPEC §5)
     kd_loss_fn: Literal["kl", "rkl", "jsd", "skl", "srkl", "akl", "tvd", "top1_ce"] = "rkl"
     kd_ratio: float = 1.0                # (1 - kd_ratio) * CE + kd_ratio * KD
@@ -263,29 +267,22 @@ class AlgorithmSection:
             raise ConfigError(f"algorithm.{err}") from None
 
 
-# algorithm.name -> that objective's settings class (its config section). Each objective
-# registers its class here (algorithms.base.register), so config never imports the objectives;
-# importing the package `ctopd_jax` registers them all (ctopd_jax/__init__.py).
-_ALGORITHM_SETTINGS: dict[str, type] = {}
-
-
-def register_algorithm_settings(name: str, settings_class: type) -> None:
-    """Make `algorithm.name: <name>` read its section as `settings_class`."""
-    _ALGORITHM_SETTINGS[name] = settings_class
-
-
-def algorithm_class(name: Any) -> type:
-    """The settings class of the objective `algorithm.name` (its own config section)."""
-    if name not in _ALGORITHM_SETTINGS:
-        raise ConfigError(f"algorithm.name: {name!r} is not a registered objective; choose one of "
-                          f"{', '.join(sorted(_ALGORITHM_SETTINGS))}")
-    return _ALGORITHM_SETTINGS[name]
+def algorithm_class(name: Any, modules: Sequence[str] = ()) -> type:
+    """The settings class of the objective `algorithm.name` (its own config section), from the
+    objectives' registry (after importing `algorithm.modules`)."""
+    if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
+        raise ConfigError(f"algorithm.modules: {modules!r} must be a list of module names, e.g. "
+                          "[my_pkg.my_objective]")
+    try:
+        return catalog.objective_class(name, modules).settings_class
+    except catalog.UnknownObjective as err:
+        raise ConfigError(str(err)) from None
 
 
 def objectives_defining(key: str) -> list[str]:
     """The registered objectives whose config section has the field `key` (sorted)."""
-    return sorted(name for name, cls in _ALGORITHM_SETTINGS.items()
-                  if key in {f.name for f in dataclasses.fields(cls)})
+    return sorted(name for name, cls in catalog.registry().items()
+                  if key in {f.name for f in dataclasses.fields(cls.settings_class)})
 
 
 def _drop_other_objectives_keys(tree: dict, file_algorithm: Mapping[str, Any],
@@ -308,9 +305,12 @@ def _drop_other_objectives_keys(tree: dict, file_algorithm: Mapping[str, Any],
     name = section.get("name", AlgorithmSection.name)
     if name == file_algorithm.get("name", AlgorithmSection.name):
         return
-    if name not in _ALGORITHM_SETTINGS:
-        return  # `_build` reports the unknown algorithm.name
-    own = {f.name for f in dataclasses.fields(_ALGORITHM_SETTINGS[name])}
+    try:
+        if name not in catalog.registry(section.get("modules") or ()):
+            return  # `_build` reports the unknown algorithm.name
+    except catalog.UnknownObjective:
+        return  # ... and the module that cannot import
+    own = {f.name for f in dataclasses.fields(algorithm_class(name))}
     for key in file_algorithm:
         if key not in own and key not in set_keys and key in section and objectives_defining(key):
             del section[key]
@@ -506,7 +506,7 @@ def _build(cls: type, values: Any, prefix: str = "") -> Any:
     if not isinstance(values, Mapping):
         raise ConfigError(f"{where}: expected a mapping of keys, got {values!r}")
     if cls is AlgorithmSection:
-        cls = algorithm_class(values.get("name", AlgorithmSection.name))
+        cls = algorithm_class(values.get("name", AlgorithmSection.name), values.get("modules") or ())
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     not_names = [k for k in values if not isinstance(k, str)]

@@ -45,7 +45,6 @@ from ctopd_jax.config import TrainConfig, default_teacher
 from ctopd_jax.evaluation import evaluate_during_training
 from ctopd_jax.metrics import MetricsLogger, StartupClock, StepTimer
 from ctopd_jax.models import lora
-from ctopd_jax.preflight import check_objective
 from ctopd_jax.step.grad import micro_grad, zero_grads
 from ctopd_jax.step.shards import stack_shards
 from ctopd_jax.teacher import teacher_hidden_rows
@@ -82,7 +81,7 @@ class Trainer:
         self.is_writer = jax.process_index() == 0
         startup = StartupClock(self.is_writer)
         # the objective is built and checked once, before any model loads (by preflight if it ran)
-        objective = preflight.objective if preflight is not None else check_objective(c)
+        objective = preflight.objective if preflight is not None else build.checked_objective(c)
         parts = build.assemble(c, objective, preflight, startup)
         self.mesh, self.objective, self.stream = parts.mesh, parts.objective, parts.stream
         self.student, self.base, self.s_tok = parts.student, parts.teacher_base, parts.student_tokenizer

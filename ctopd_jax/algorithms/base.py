@@ -1,6 +1,7 @@
 """The objective interface the trainer drives (docs/architecture.md, "The objective contract").
 
-An objective is one module in `algorithms/` that registers a class with:
+An objective is one module in `algorithms/` (or named in `algorithm.modules`) that registers a
+class (algorithms/catalog.py) with:
 
 - `settings_class`: its config section, a frozen dataclass extending `config.AlgorithmSection`
   with the objective's own fields (`algorithm.span_lambda`, ...), validated once, by its own
@@ -29,26 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from ctopd_jax import losses
-from ctopd_jax.config import AlgorithmSection, register_algorithm_settings
+from ctopd_jax.algorithms.catalog import register  # noqa: F401  (objective modules' decorator)
+from ctopd_jax.config import AlgorithmSection
 from ctopd_jax.kernels.token_rows import token_rows
-
-_REGISTRY: dict[str, type["Objective"]] = {}
-
-
-def register(name: str):
-    """Class decorator: the objective `algorithm.name: <name>`, its settings class known to config."""
-    def wrap(cls):
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"algorithm {name!r} registered twice")
-        cls.name = name
-        _REGISTRY[name] = cls
-        register_algorithm_settings(name, cls.settings_class)
-        return cls
-    return wrap
-
-
-def registry() -> dict[str, type["Objective"]]:
-    return dict(_REGISTRY)
 
 
 # The batch-shard mesh axes while the step runs an objective per batch shard (step.shards.per_shard).
