@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from ctopd_jax import mesh as mesh_lib
+from ctopd_jax.algorithms.base import TurnJudge
 from ctopd_jax.algorithms.checks import check_objective
 from ctopd_jax.config import teacher_views
 from ctopd_jax import sources
@@ -297,7 +298,8 @@ def context_room(objective, rollout, side) -> int:
     episode read the response so far, and SAGE-OPD's judge prompt wraps a turn and its feedback."""
     if not (objective.needs.turns or rollout.environment):
         return 0
-    return rollout.generate_max_len + objective.judge_prompt_tokens(side, rollout)
+    judge = objective.judge_prompt_tokens(side, rollout) if isinstance(objective, TurnJudge) else 0
+    return rollout.generate_max_len + judge
 
 
 def make_engine(student, s_tok, rollout, mesh, extra_context: int = 0, log_as=None):

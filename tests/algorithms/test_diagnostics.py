@@ -110,7 +110,8 @@ def _jax_stats(model, arrays, t_hidden, t_head, s_ids, t_ids, half_a, objective)
     batch = {k: jnp.asarray(v) for k, v in arrays.items()}
     overlap = {"s_ids": jnp.asarray(s_ids), "t_ids": jnp.asarray(t_ids)}
     stats = unit_statistics(params, rest, batch, jnp.asarray(t_hidden), jnp.asarray(t_head), overlap,
-                            jnp.asarray(half_a), graphdef=graphdef, objective=objective)
+                            jnp.asarray(half_a), graphdef=graphdef,
+                            comparison=objective.gradient_comparison())
     return [float(s) for s in stats], params
 
 
