@@ -1,7 +1,6 @@
 """ctopd_jax: cross-tokenizer on-policy distillation in pure JAX (README.md).
 
-Importing the package registers every objective, so `config` can read any `algorithm:`
-section by name without importing the objectives itself.
+The objectives are found by their registry on first use (ctopd_jax/algorithms/catalog.py).
 """
 import sys as _sys
 
@@ -12,5 +11,3 @@ if "-m" in _argv[:-1] and _argv[_argv.index("-m") + 1].startswith("ctopd_jax"):
     from ctopd_jax.run_guard import install_startup_handlers
 
     install_startup_handlers(f"python -m {_argv[_argv.index('-m') + 1]}")
-
-from ctopd_jax import algorithms  # noqa: F401,E402  (the objective registry)

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from ctopd_jax import mesh as mesh_lib, sources
+from ctopd_jax.algorithms.base import TurnJudge
 from ctopd_jax.checkpoint import export_student_hf
 from ctopd_jax.config import teacher_views
 from ctopd_jax.data import PromptStream, load_prompts, resolve_named_source
@@ -158,7 +159,7 @@ class Parts:
 
 
 def assemble(config, objective, preflight=None, startup=lambda phase: None) -> Parts:
-    """Everything a run of `objective` (built and checked: preflight.check_objective) needs,
+    """Everything a run of `objective` (built and checked: objective_factory.check_objective) needs,
     built in order (`startup(phase)` as each phase begins); what `preflight`
     (preflight.Preflight) already loaded is reused, not built again."""
     c, pre = config, preflight
@@ -246,7 +247,8 @@ def context_room(objective, rollout, side) -> int:
     episode read the response so far, and SAGE-OPD's judge prompt wraps a turn and its feedback."""
     if not (objective.needs.turns or rollout.environment):
         return 0
-    return rollout.generate_max_len + objective.judge_prompt_tokens(side, rollout)
+    judge = objective.judge_prompt_tokens(side, rollout) if isinstance(objective, TurnJudge) else 0
+    return rollout.generate_max_len + judge
 
 
 def make_engine(student, s_tok, rollout, mesh, extra_context: int = 0, log_as=None):

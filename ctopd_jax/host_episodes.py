@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ctopd_jax.algorithms.base import TurnCurriculum, TurnJudge
 from ctopd_jax.grading.grader import MathGrader
 from ctopd_jax.host import HostBatch, identity_alignment, render, sampling_params, token_batch
 from ctopd_jax.rollout.episodes import play
@@ -86,13 +87,14 @@ class EpisodeCollector:
         samples = [p for p in prompts for _ in range(n)]
         encoded = [self.side.encode(render(self.side, p)) for p in samples]
         obj = self.objective
-        turn_based = obj.needs.turns   # other same-tokenizer objectives (opd, ...) train on plain episodes
-        plan = {"turn_limit": obj.turn_limit(rollout_index) if turn_based else None}
-        uses_expert = turn_based and obj.uses_expert()
+        # a curriculum's turn limit and expert prefix; other objectives (opd, ...) have none
+        curriculum = obj if isinstance(obj, TurnCurriculum) else None
+        plan = {"turn_limit": curriculum.turn_limit(rollout_index) if curriculum else None}
+        uses_expert = curriculum is not None and curriculum.uses_expert()
         with timer("rollout"):
             if uses_expert:
                 paths = self._experts(samples, encoded, seed)
-                plan["expert_turns"] = [x[:obj.expert_prefix(rollout_index, len(x))] for x in paths]
+                plan["expert_turns"] = [x[:curriculum.expert_prefix(rollout_index, len(x))] for x in paths]
             params = sampling_params(self.rollout, seed).replace(n=1)
             episodes = self._play(self.engine, samples, encoded, params, **plan)
         with timer("align"):
@@ -104,7 +106,7 @@ class EpisodeCollector:
             rewards = self.rewards(samples, episodes) if uses_rewards else np.zeros(len(samples), np.float32)
             turns = TurnRows(turn=np.concatenate([a.turn[a.trained] for a in laid]), rewards=rewards,
                              outcome=group_advantage(rewards, n))
-            if turn_based:
+            if isinstance(obj, TurnJudge):
                 obj.annotate(turns, episodes, samples, self)
         stats = {"reward": float(rewards.mean()) if uses_rewards else None,
                  "student_turns": float(np.mean([ep.student_turns for ep in episodes])),

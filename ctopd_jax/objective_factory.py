@@ -2,10 +2,11 @@
 
 Preflight runs it first among the checks; a Trainer built without a preflight runs it itself, so
 it sits with the loop's parts (it reads the builders and the host's tokenizer check) rather than
-in the assembly above them."""
+in the assembly above them. The checks against the config alone are the objectives' own
+(algorithms/checks.py); the ones that read files or the rollout side are here."""
 from __future__ import annotations
 
-from ctopd_jax.algorithms import get_objective, objectives_that
+from ctopd_jax.algorithms.checks import check_objective as check_against_config
 from ctopd_jax.build import response_prompts, tokenizer_side, uses_dataset_responses
 from ctopd_jax.config import TrainConfig, teacher_views
 from ctopd_jax.host import check_same_tokenizer
@@ -14,37 +15,23 @@ from ctopd_jax.setup_errors import fail
 
 
 def check_objective(config: TrainConfig):
-    """The run's objective, built once here and checked before any model loads: its own
-    `check_run`, training on an environment's episodes, the teacher's base when it needs one,
-    one tokenizer and chat template on both sides of a same-tokenizer objective (and for
-    model.teacher_base), and a response in every dataset row when it trains on them."""
-    objective = get_objective(config.algorithm)
-    needs, m, name = objective.needs, config.model, config.algorithm.name
+    """The run's objective, built once here and checked before any model loads: against the
+    run config (algorithms.checks: its own `check_run`, several teachers, a served teacher, an
+    environment's episodes, the teacher's base), against `rollout.async_rollouts`, then what it
+    reads from files: one tokenizer and chat template on both sides of a same-tokenizer
+    objective (and for model.teacher_base), and a response in every dataset row when it trains
+    on them."""
     try:
-        objective.check_run(config)
+        objective = check_against_config(config)
         check_async(config, objective)
     except ValueError as err:
         raise fail(str(err)) from None
-    views = teacher_views(config)
-    if len(views) > 1:
-        _check_several_teachers(config, objective)
-    for view in views.values():
-        if view.teacher.served:
-            _check_served_objective(view, objective)
-    if config.rollout.environment and not needs.episodes:
-        can = objectives_that(lambda o: o.needs.episodes)
-        raise fail(
-            f"rollout.environment={config.rollout.environment}: episodes are sampled by the student and their ids "
-            f"reused, which algorithm.name={name} cannot train on; use {', '.join(can)}, or set "
-            "rollout.environment=''")
-    if needs.teacher_base and not m.teacher_base:
-        raise fail(f"model.teacher_base: algorithm.name={name} needs the teacher's pre-tuning "
-                   "base model; set model.teacher_base (e.g. demo:char_teacher_base)")
+    needs, m, name = objective.needs, config.model, config.algorithm.name
     if not needs.reuse_sampled_ids:
         return objective
     try:
         student = tokenizer_side(m.student, m.student_tokenizer, "student")
-        for view in views.values():
+        for view in teacher_views(config).values():
             teacher = tokenizer_side(view.model.teacher, view.model.teacher_tokenizer, "teacher")
             check_same_tokenizer(teacher, student, name)
         if needs.teacher_base:
@@ -59,54 +46,3 @@ def check_objective(config: TrainConfig):
             raise fail(str(err)) from None
     return objective
 
-
-def _check_several_teachers(config: TrainConfig, objective) -> None:
-    """With `teachers:` each optimizer batch trains on every teacher's samples of one
-    iteration, one teacher per micro-batch: one update per iteration, and no objective part
-    that is built for a single teacher (its sampling, its base, turn episodes, diagnostics)."""
-    needs, name = objective.needs, config.algorithm.name
-    single = [what for what, used in (
-        ("has the teacher sample (a rollout engine over it)", needs.teacher_engine),
-        ("needs the teacher's base model", needs.teacher_base),
-        ("trains on turn-structured episodes", needs.turns or needs.episodes
-         or bool(config.rollout.environment))) if used]
-    if single:
-        raise fail(f"teachers: algorithm.name={name} {single[0]}, which runs with one teacher "
-                   "only; use one teacher (model.teacher) or another objective")
-    if config.algorithm.diagnostics_every:
-        raise fail("algorithm.diagnostics_every: the gradient diagnostics run with one teacher; "
-                   "set it to 0 with teachers:")
-    r, o = config.rollout, config.optimizer
-    responses = r.rollout_batch_size * r.n_samples_per_prompt
-    if o.train_batch_size != responses:
-        raise fail(f"optimizer.train_batch_size: {o.train_batch_size}, but with teachers: one "
-                   f"update trains on all {responses} responses of an iteration (each teacher's "
-                   f"micro-batches in turn); set it to {responses}")
-
-
-def _check_served_objective(config: TrainConfig, objective) -> None:
-    """A teacher behind a server returns the realised tokens' log-probs and its top-k at
-    temperature 1: the objective must need no more of it (Needs.teacher_scores), not have it
-    sample, and read token log-probs at kd_temperature 1 (a top-k renormalised over its own
-    columns is exact at any τ); the gradient diagnostics need its hidden rows."""
-    engine, name, needs = config.teacher.engine, config.algorithm.name, objective.needs
-    where = f"teacher.engine={engine}: algorithm.name={name}"
-    if needs.teacher_scores == "full_rows":
-        sampled = objectives_that(lambda o: o.needs.teacher_scores == "token_logprobs")
-        topk = objectives_that(lambda o: o.needs.teacher_scores == "topk")
-        raise fail(f"{where} needs the teacher's full rows, which a served teacher does not "
-                   f"return (it returns token log-probs and a top-k); with a served teacher use "
-                   f"{', '.join(sampled)}, or the top-k approximations {', '.join(topk)}, or "
-                   f"set teacher.engine=local")
-    if needs.teacher_engine:
-        raise fail(f"{where} has the teacher sample (expert turns, responses or judge calls), "
-                   "which a served teacher does not do yet; change those settings (e.g. "
-                   "algorithm.tcod_mode=f2b) or set teacher.engine=local")
-    if needs.teacher_scores == "token_logprobs" and config.algorithm.kd_temperature != 1.0:
-        raise fail(f"algorithm.kd_temperature: {config.algorithm.kd_temperature} with teacher.engine="
-                   f"{engine}, but a server returns log-probs at temperature 1 only (a realised "
-                   "token's log-prob at another temperature needs the full row); set "
-                   "algorithm.kd_temperature=1.0 or teacher.engine=local")
-    if config.algorithm.diagnostics_every:
-        raise fail(f"algorithm.diagnostics_every: the gradient diagnostics need the teacher's "
-                   f"hidden rows, which teacher.engine={engine} does not give; set it to 0")

@@ -1,6 +1,7 @@
 """The objective interface the trainer drives (docs/architecture.md, "The objective contract").
 
-An objective is one module in `algorithms/` that registers a class with:
+An objective is one module in `algorithms/` (or named in `algorithm.modules`) that registers a
+class (algorithms/catalog.py) with:
 
 - `settings_class`: its config section, a frozen dataclass extending `config.AlgorithmSection`
   with the objective's own fields (`algorithm.span_lambda`, ...), validated once, by its own
@@ -12,7 +13,10 @@ An objective is one module in `algorithms/` that registers a class with:
   (tokens, masks, alignment records...); it must set `teacher_rows`, the flat teacher rows whose
   hidden states the teacher hands back (teacher.py);
 - `kd_sums(x)`: named loss SUMS over the micro-batch and metrics, on device;
-- optionally `state_dict()` / `load_state_dict()`: host-side run state saved with checkpoints.
+- optionally: run state (`state_dict()` / `load_state_dict()`, saved with checkpoints, and
+  `after_micro_batch(metrics)` that updates it), a `gradient_comparison()` for the diagnostics,
+  and the capabilities `TurnCurriculum` / `TurnJudge` (subclass them) for turn-structured
+  episodes.
 
 The trainer adds the CE term, applies the SPEC §1 normalization to Σ_k weight_k · sum_k
 (÷ total student response tokens of the optimizer batch) and differentiates. A new objective
@@ -29,26 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from ctopd_jax import losses
-from ctopd_jax.config import AlgorithmSection, register_algorithm_settings
+from ctopd_jax.algorithms.catalog import register  # noqa: F401  (objective modules' decorator)
+from ctopd_jax.config import AlgorithmSection
 from ctopd_jax.kernels.token_rows import token_rows
-
-_REGISTRY: dict[str, type["Objective"]] = {}
-
-
-def register(name: str):
-    """Class decorator: the objective `algorithm.name: <name>`, its settings class known to config."""
-    def wrap(cls):
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"algorithm {name!r} registered twice")
-        cls.name = name
-        _REGISTRY[name] = cls
-        register_algorithm_settings(name, cls.settings_class)
-        return cls
-    return wrap
-
-
-def registry() -> dict[str, type["Objective"]]:
-    return dict(_REGISTRY)
 
 
 # The batch-shard mesh axes while the step runs an objective per batch shard (step.shards.per_shard).
@@ -133,6 +120,18 @@ class StepInputs:
     response_logprobs: Any
 
 
+@dataclass(frozen=True)
+class GradientComparison:
+    """What the gradient diagnostics (SPEC §6) compare: the gradients of the sums `trained` and
+    `compared` of `objective.kd_sums` (an objective of the same settings, which may add the
+    compared term), and, as a control, of `trained` on two random halves of the positions
+    weighted by the micro-batch array `weight`."""
+    objective: "Objective"
+    trained: str
+    compared: str
+    weight: str
+
+
 class Objective:
     name: ClassVar[str] = ""
     settings_class: ClassVar[type] = AlgorithmSection
@@ -142,9 +141,8 @@ class Objective:
     # the objective's sums that are distillation terms (the trained loss is
     # kd_ratio · Σ_k weight_k · sum_k + (1 − kd_ratio) · CE)
     response_logprob_grad: ClassVar[bool] = False
-    # a strict part (SPEC §4) the gradient diagnostics of SPEC §6 can compare with the span term;
-    # its top-k is `topk` (None: the full shared vocabulary)
-    has_strict_part: ClassVar[bool] = False
+    # what the demo (demo/compare.py) runs it with beside its pair's config: {dotted key: value}
+    demo_settings: ClassVar[dict[str, Any]] = {}
     # packed rows (algorithms/packing.py): every array of flat row indices `prepare` makes and
     # the side it indexes; None: the objective cannot pack and keeps one row per sample
     packed_rows: ClassVar[dict[str, str] | None] = None
@@ -152,11 +150,6 @@ class Objective:
     # state), "ratio" (its π_θ/π_rollout ratio), "tis" (truncated importance weights), or None:
     # one update of staleness is wrong for it, async refused
     stale_responses: ClassVar[str | None] = None
-
-    @property
-    def topk(self) -> int | None:
-        """k of the strict part's top-k (None: full shared vocabulary); see has_strict_part."""
-        return None
 
     def __init__(self, settings):
         if not isinstance(settings, self.settings_class):
@@ -180,7 +173,13 @@ class Objective:
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned."""
 
-    # -- host side ---------------------------------------------------------------------------
+    def after_micro_batch(self, metrics: dict) -> dict:
+        """Host, after each micro-batch's gradient (step.grad.micro_grad), in sample order: an
+        objective with run-state statistics takes them out of `metrics` (already combined over
+        the batch shards) and updates its state; returns the metrics to report."""
+        return metrics
+
+    # -- checks: one clear ValueError line, before any weight loads ----------------------------
     def check(self, overlap) -> None:
         """Raise one clear ValueError for settings that cannot work with this tokenizer pair."""
 
@@ -192,6 +191,7 @@ class Objective:
         """Raise one clear ValueError for settings that cannot work with the teacher's model
         config (models.ModelConfig, read from its files) and tokenizer (before any weight loads)."""
 
+    # -- the data of a micro-batch (host side) ---------------------------------------------------
     def prepare(self, host, start: int, stop: int) -> dict:
         raise NotImplementedError
 
@@ -200,34 +200,12 @@ class Objective:
         `micro_batches` micro-batches takes its responses from (RESPONSE_SOURCES)."""
         return [self.needs.responses] * micro_batches
 
-    # -- turn-structured episodes (host_episodes.EpisodeCollector, when needs.turns) ------------
-    def turn_limit(self, rollout_index: int) -> int | None:
-        """How many turns the student plays in rollout batch `rollout_index` (None: no limit)."""
+    # -- device side ---------------------------------------------------------------------------
+    def gradient_comparison(self) -> "GradientComparison | None":
+        """The two terms the gradient diagnostics of SPEC §6 compare (step/diagnostics.py), or
+        None: this objective has nothing to diagnose."""
         return None
 
-    def expert_prefix(self, rollout_index: int, length: int) -> int:
-        """How many of an expert path's `length` turns are replayed before the student starts
-        (needs.teacher_engine supplies expert paths a row lacks)."""
-        return 0
-
-    def uses_expert(self) -> bool:
-        """Whether rollouts replay expert turns first (then `expert_prefix` counts them)."""
-        return False
-
-    def judge_prompt_tokens(self, side, rollout) -> int:
-        """Prompt tokens a teacher judge call adds beyond an episode's context (0: no judge)."""
-        return 0
-
-    def annotate(self, turns, episodes, samples, collector) -> None:
-        """Add host-side labels to `turns` (turns.TurnRows) after collection."""
-
-    def after_micro_batch(self, metrics: dict) -> dict:
-        """Host, after each micro-batch's gradient (step.grad.micro_grad), in sample order: an
-        objective with run-state statistics takes them out of `metrics` (already combined over
-        the batch shards) and updates its state; returns the metrics to report."""
-        return metrics
-
-    # -- device side ---------------------------------------------------------------------------
     def kd_weights(self) -> dict[str, float]:
         """Coefficient of each distillation sum in the KD term."""
         raise NotImplementedError
@@ -260,3 +238,36 @@ class Objective:
         metrics = dict(metrics)
         metrics["logprob_gap"] = (jnp.sum(lp_w * gap), jnp.sum(lp_w))
         return sums, metrics
+
+
+# -- optional capabilities: an objective that has one also subclasses it; the host side checks
+# with isinstance (host_episodes.EpisodeCollector, build.context_room) ----------------------------
+
+class TurnCurriculum:
+    """Turn-structured episodes on a curriculum (needs.turns): how many turns the student plays,
+    and how many turns of an expert path are replayed before it starts (TCOD)."""
+
+    def turn_limit(self, rollout_index: int) -> int | None:
+        """How many turns the student plays in rollout batch `rollout_index` (None: no limit)."""
+        return None
+
+    def uses_expert(self) -> bool:
+        """Whether rollouts replay expert turns first (then `expert_prefix` counts them;
+        needs.teacher_engine supplies expert paths a row lacks)."""
+        return False
+
+    def expert_prefix(self, rollout_index: int, length: int) -> int:
+        """How many of an expert path's `length` turns are replayed before the student starts."""
+        return 0
+
+
+class TurnJudge:
+    """A judge that labels every student turn after collection (needs.turns; SAGE-OPD)."""
+
+    def judge_prompt_tokens(self, side, rollout) -> int:
+        """Prompt tokens a judge call adds beyond an episode's context (0: no judge call)."""
+        return 0
+
+    def annotate(self, turns, episodes, samples, collector) -> None:
+        """Add the labels to `turns` (turns.TurnRows) after collection."""
+

@@ -12,7 +12,8 @@ A partition P into consecutive spans gives ρ_i = B_c / W_c for i ∈ c (so Σ_i
 `grass_chunk` shrinks each chunk's rates towards its w-weighted mean by α_c from the exact
 LM-head Gram matrix H and a running noise estimate; `align` rotates rates against H (SPEC §8).
 
-Design (where each quantity lives):
+Design (where each quantity lives; the host credit math is mp_opd_credits.py, the device
+pieces mp_opd_device.py, this module the settings, the micro-batch arrays and the objective):
 - host, in `prepare`: atoms, partitions and chunks (they depend on w only), the seeded random
   partitions, the fail-closed counts;
 - device, in the gradient pass: the atoms' token log-probs (the trainer's full-vocabulary
@@ -43,9 +44,6 @@ Design (where each quantity lives):
 """
 from __future__ import annotations
 
-import hashlib
-import math
-import random
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,16 +53,15 @@ import numpy as np
 from jax.experimental import io_callback
 
 from ctopd_jax.algorithms import pack
-from ctopd_jax.algorithms.base import BASE_ROWS, Needs, Objective, register, shard_gather
+from ctopd_jax.algorithms.base import BASE_ROWS, Needs, Objective, register
+from ctopd_jax.algorithms.mp_opd_credits import GrassNoise, align_sample, sample_spans
+from ctopd_jax.algorithms.mp_opd_device import NOISE_KEY, grass_rates, lm_head_gram
 from ctopd_jax.align.atoms import FAIL_REASONS, mpopd_atoms
 from ctopd_jax.config import AlgorithmSection, require
 from ctopd_jax.kernels.token_rows import token_rows
 
 MODES = ("atomic", "fixed1", "fixed2", "fixed3", "fixed4", "fixed5", "random1-2", "random2-5",
          "grass_chunk", "align")
-RHO = 0.99             # noise EMA decay
-MIN_NOISE_PAIRS = 8    # adjacent in-chunk pairs a sample needs to update the noise estimate
-MAD_SCALE = 1.4826
 
 
 @dataclass(frozen=True)
@@ -82,147 +79,6 @@ class MpOpdSettings(AlgorithmSection):
         require(self.grass_chunk_atoms >= 1, "algorithm.grass_chunk_atoms",
                  f"{self.grass_chunk_atoms} must be >= 1 (atoms per GRASS/ALIGN chunk)")
 
-
-# -- partitions (host, float64) -------------------------------------------------------------------
-def seed_text(seed: int, row: int, w) -> str:
-    return f"{seed}:{row}:{[float(x) for x in w]}"
-
-
-def random_spans(w, row: int, seed: int, lo: int, hi: int) -> list[tuple[int, int]]:
-    """SPEC §8's seeded partition: rng = random.Random(first 8 bytes of sha256(seed text),
-    big-endian); per span hi' = min(hi, remaining), lo' = min(lo, hi'), length randint(lo', hi')."""
-    digest = hashlib.sha256(seed_text(seed, row, w).encode("utf-8")).digest()
-    rng = random.Random(int.from_bytes(digest[:8], "big"))
-    spans, i, n = [], 0, len(w)
-    while i < n:
-        top = min(hi, n - i)
-        length = rng.randint(min(lo, top), top)
-        spans.append((i, i + length))
-        i += length
-    return spans
-
-
-def fixed_spans(n: int, k: int) -> list[tuple[int, int]]:
-    return [(i, min(i + k, n)) for i in range(0, n, k)]
-
-
-def sample_spans(mode: str, w, row: int, seed: int, chunk_atoms: int) -> list[tuple[int, int]]:
-    """Consecutive spans (partition for partition modes, chunks for grass/align) of one sample."""
-    n = len(w)
-    if mode == "atomic":
-        return fixed_spans(n, 1)
-    if mode.startswith("fixed"):
-        return fixed_spans(n, int(mode[5:]))
-    if mode.startswith("random"):
-        lo, hi = (int(v) for v in mode[6:].split("-"))
-        return random_spans(w, row, seed, lo, hi)
-    return fixed_spans(n, chunk_atoms)
-
-
-def partition_rates(b, w, spans) -> np.ndarray:
-    """ρ_i = B_c / W_c for i in span c (float64)."""
-    b, w = np.asarray(b, np.float64), np.asarray(w, np.float64)
-    out = np.empty_like(b)
-    for s, e in spans:
-        out[s:e] = b[s:e].sum() / w[s:e].sum()
-    return out
-
-
-def lower_median(x) -> float:
-    x = np.sort(np.asarray(x, np.float64))
-    return float(x[(len(x) - 1) // 2])
-
-
-class GrassNoise:
-    """σ² estimate: EMA of (1.4826·MAD(z))² over samples, bias-corrected (SPEC §8)."""
-
-    def __init__(self, ema: float = 0.0, updates: int = 0):
-        self.ema, self.updates = float(ema), int(updates)
-
-    def observe(self, z) -> None:
-        if len(z) < MIN_NOISE_PAIRS:
-            return
-        med = lower_median(z)
-        self.add((MAD_SCALE * lower_median(np.abs(np.asarray(z, np.float64) - med))) ** 2)
-
-    def add(self, s2: float) -> None:
-        """One sample's statistic s² (no update unless s² > 0)."""
-        if s2 > 0:
-            self.ema = RHO * self.ema + (1.0 - RHO) * float(s2)
-            self.updates += 1
-
-    @property
-    def sigma2(self) -> float:
-        return self.ema / (1.0 - RHO ** self.updates) if self.updates else 0.0
-
-
-def grass_alpha(r, w, h, sigma2: float) -> float:
-    """α_c of one chunk (float64)."""
-    r, w, h = (np.asarray(a, np.float64) for a in (r, w, h))
-    if len(r) == 1:
-        return 0.0
-    big_w = w.sum()
-    mean = (w * r).sum() / big_w
-    d = r - mean
-    dd = float(d @ h @ d)
-    vv = sigma2 * (float((np.diag(h) / w).sum()) - float(h.sum()) / big_w)
-    if dd > 0:
-        return float(np.clip(vv / dd, 0.0, 1.0))
-    return 1.0 if vv > 0 else 0.0
-
-
-def shrink(r, w, alpha: float) -> np.ndarray:
-    r, w = np.asarray(r, np.float64), np.asarray(w, np.float64)
-    mean = (w * r).sum() / w.sum()
-    return r - alpha * (r - mean)
-
-
-def grass_sample(b, w, chunks, grams, noise: GrassNoise):
-    """(rates float64, alphas of multi-atom chunks, fell back) of one valid sample."""
-    b, w = np.asarray(b, np.float64), np.asarray(w, np.float64)
-    r = b / w
-    z = [(r[i + 1] - r[i]) / math.sqrt(1.0 / w[i] + 1.0 / w[i + 1])
-         for s, e in chunks for i in range(s, e - 1)]
-    noise.observe(z)
-    sigma2 = noise.sigma2
-    out, alphas = np.empty_like(r), []
-    for (s, e), h in zip(chunks, grams):
-        a = grass_alpha(r[s:e], w[s:e], h[:e - s, :e - s], sigma2)
-        if e - s > 1:
-            alphas.append(a)
-        out[s:e] = shrink(r[s:e], w[s:e], a)
-    error = abs(float((w * out).sum()) - float(b.sum()))
-    if not np.all(np.isfinite(out)) or error > 1e-6 * max(float(np.abs(w * r).sum()), 1.0):
-        return r, alphas, True
-    return out, alphas, False
-
-
-def align_chunk(r, h) -> np.ndarray:
-    """ALIGN's rates of one chunk (float32): A = diag(r); for each i and each j ≠ i in cyclic
-    order after i, skip r_j = 0 or H_jj ≤ 1e-12; if r_j·(AH)_ij < 0, A_ij −= (AH)_ij / H_jj; the
-    rates are A's column sums."""
-    r, h = np.asarray(r, np.float32), np.asarray(h, np.float32)
-    n = len(r)
-    a = np.diag(r).astype(np.float32)
-    for i in range(n):
-        for step in range(1, n):
-            j = (i + step) % n
-            if r[j] == 0 or h[j, j] <= np.float32(1e-12):
-                continue
-            ah = np.float32(a[i] @ h[:, j])
-            if r[j] * ah < 0:
-                a[i, j] = np.float32(a[i, j] - ah / h[j, j])
-    return a.sum(axis=0, dtype=np.float32)
-
-
-def align_sample(b, w, chunks, grams):
-    r = (np.asarray(b, np.float32) / np.asarray(w, np.float32)).astype(np.float32)
-    out = np.empty_like(r)
-    for (s, e), h in zip(chunks, grams):
-        out[s:e] = align_chunk(r[s:e], h[:e - s, :e - s])
-    if not np.all(np.isfinite(out)):
-        return r.astype(np.float64), True
-    return out.astype(np.float64), False
 
 
 # -- host arrays ------------------------------------------------------------------------------------
@@ -308,114 +164,6 @@ def atom_arrays(settings, host, start: int, stop: int, student_len: int, teacher
         valid[sp, sl] = 1.0
         out.update({"gram_rows": rows, "gram_targets": targets, "gram_pos": pos, "gram_valid": valid})
     return out
-
-
-# -- device -----------------------------------------------------------------------------------------
-NOISE_KEY = "_mp_opd_grass_noise"   # private metric: the micro-batch's (s², updated) per sample
-
-
-def segment_lower_median(values, valid, segment, num_segments: int):
-    """(lower median of the valid `values` of each segment, their count); sorted by
-    (segment, value), so segment k's values sit at [start_k, start_k + count_k)."""
-    key = jnp.where(valid, segment, num_segments).astype(jnp.int32)
-    _, ordered = jax.lax.sort((key, jnp.where(valid, values, 0.0)), num_keys=2)
-    count = jax.ops.segment_sum(valid.astype(jnp.int32), segment, num_segments=num_segments)
-    start = jnp.cumsum(count) - count
-    at = jnp.clip(start + (count - 1) // 2, 0, values.shape[0] - 1)
-    return ordered[at], count
-
-
-def grass_rates(b, w, live, span, pos, sample, span_sample, span_weight, grams, num_samples: int, noise_in):
-    """GRASS on one batch shard (SPEC §8): (rates, per-sample arrays, per-chunk arrays, the
-    micro-batch's (s², updated) sequence, this shard's index). `noise_in` = [ema, t] before the
-    micro-batch; `num_samples` the shard's sample slots (atom_sample indexes them)."""
-
-    num, spans, g = b.shape[0], span_weight.shape[0], grams.shape[1]
-    seg = lambda x, ids, n: jax.ops.segment_sum(x, ids, num_segments=n)  # noqa: E731
-    on = live > 0
-    r = b / w
-    # noise: adjacent in-chunk pairs (atom i and its predecessor), z, s² per sample
-    prev = lambda x: jnp.concatenate([x[:1], x[:-1]])  # noqa: E731
-    pair = on & prev(on) & (span == prev(span)) & (pos == prev(pos) + 1) & (jnp.arange(num) > 0)
-    z = (r - prev(r)) / jnp.sqrt(1.0 / prev(w) + 1.0 / w)
-    med, count = segment_lower_median(z, pair, sample, num_samples)
-    mad, _ = segment_lower_median(jnp.abs(z - med[sample]), pair, sample, num_samples)
-    s2 = (MAD_SCALE * mad) ** 2
-    updated = (count >= MIN_NOISE_PAIRS) & (s2 > 0)
-    # the sequential EMA over the whole micro-batch in sample order (block s = shard s)
-    # one gather for both (fewer collectives in the step)
-    both, index = shard_gather(jnp.stack([jnp.where(updated, s2, 0.0), updated.astype(jnp.float32)]))
-    all_s2, all_updated = both[:, 0].reshape(-1), both[:, 1].reshape(-1) > 0
-
-    def step(carry, x):
-        ema, t = carry
-        u, v = x
-        ema = jnp.where(u, RHO * ema + (1.0 - RHO) * v, ema)
-        t = t + u.astype(jnp.float32)
-        return (ema, t), (ema, t)
-
-    _, (ema_seq, t_seq) = jax.lax.scan(step, (noise_in[0], noise_in[1]), (all_updated, all_s2))
-    ema = jax.lax.dynamic_slice(ema_seq, (index * num_samples,), (num_samples,))
-    t = jax.lax.dynamic_slice(t_seq, (index * num_samples,), (num_samples,))
-    sigma2 = jnp.where(t > 0, ema / (1.0 - jnp.power(jnp.float32(RHO), t)), 0.0)
-    # α per chunk from D_c = dᵀHd and V_c, with chunk matrices [C, g] indexed by atom position
-    n_c = seg(live, span, spans)
-    big_w = seg(w * live, span, spans)
-    big_b = seg(b * live, span, spans)
-    safe_w = jnp.where(big_w > 0, big_w, 1.0)
-    mean = big_b / safe_w
-    d = (r - mean[span]) * live
-    dm = jnp.zeros((spans, g), jnp.float32).at[span, pos].add(d)
-    wm = jnp.ones((spans, g), jnp.float32).at[span, pos].add((w - 1.0) * live)
-    hi = jax.lax.Precision.HIGHEST
-    dd = jnp.einsum("ci,ci->c", jnp.einsum("ci,cij->cj", dm, grams, precision=hi), dm, precision=hi)
-    diag = jnp.diagonal(grams, axis1=1, axis2=2)
-    vv = sigma2[span_sample] * (jnp.sum(diag / wm, axis=1) - jnp.sum(grams, axis=(1, 2)) / safe_w)
-    alpha = jnp.where(dd > 0, jnp.clip(vv / jnp.where(dd > 0, dd, 1.0), 0.0, 1.0), jnp.where(vv > 0, 1.0, 0.0))
-    alpha = jnp.where(n_c > 1, alpha, 0.0)
-    shrunk = r - alpha[span] * (r - mean[span])
-    # conservation, chunk by chunk: Σ_c (Σ_{i∈c} w_i r̃_i − B_c) per sample
-    e_c = (seg(w * shrunk * live, span, spans) - big_b) * span_weight
-    err = jnp.abs(seg(e_c, span_sample, num_samples))
-    scale = seg(jnp.abs(w * r) * live, sample, num_samples)
-    bad = seg(jnp.where(on, ~jnp.isfinite(shrunk), False).astype(jnp.float32), sample, num_samples) > 0
-    valid = seg(live, sample, num_samples) > 0
-    fell = valid & (bad | (err > 1e-6 * jnp.maximum(scale, 1.0)))
-    rates = jnp.where(fell[sample], r, shrunk)
-    multi = (n_c > 1) & (span_weight > 0)
-    return rates, {"valid": valid, "fell": fell, "sigma2": sigma2, "updated": updated}, \
-        {"alpha": alpha, "multi": multi}, (all_s2, all_updated), index
-
-
-def lm_head_gram(hidden, lm_head, rows, targets, pos, valid, atoms_per_chunk: int, chunk_rows: int):
-    """H [C, g, g] per chunk: H_ij = Σ_{t∈i,u∈j} (δ_t·δ_u)(x_t·x_u), δ_t = p_t − e_{y_t} (full
-    softmax, τ = 1), x_t the LM-head input; δ_t·δ_u = p_t·p_u − p_t[y_u] − p_u[y_t] + [y_t = y_u].
-    float32 with Precision.HIGHEST, [blocks, K, V] logits at a time, symmetrised, no gradient."""
-    hidden, lm_head = jax.lax.stop_gradient((hidden, lm_head))
-    num, k = rows.shape
-    per = max(1, min(num, chunk_rows // max(k, 1)))
-    pad = (-num) % per
-    padf = lambda x: jnp.pad(x, [(0, pad), (0, 0)])  # noqa: E731
-    xs = tuple(padf(x).reshape(-1, per, k) for x in (rows, targets, pos, valid))
-    hi = jax.lax.Precision.HIGHEST
-    w32 = lm_head.astype(jnp.float32)
-
-    def block(args):
-        r, y, p_, v = args
-        x = jnp.take(hidden, r, axis=0).astype(jnp.float32)              # [c, K, H]
-        z = jnp.einsum("ckh,hv->ckv", x, w32, precision=hi)
-        p = jax.nn.softmax(z, axis=-1)
-        pp = jnp.einsum("ckv,clv->ckl", p, p, precision=hi)
-        py = jnp.take_along_axis(p, jnp.broadcast_to(y[:, None, :], pp.shape), axis=2)  # p_k[y_l]
-        dd = pp - py - jnp.swapaxes(py, 1, 2) + (y[:, :, None] == y[:, None, :]).astype(jnp.float32)
-        xx = jnp.einsum("ckh,clh->ckl", x, x, precision=hi)
-        g = dd * xx * v[:, :, None] * v[:, None, :]
-        m = jax.nn.one_hot(p_, atoms_per_chunk, dtype=jnp.float32) * v[..., None]  # [c, K, g]
-        h = jnp.einsum("cki,ckl,clj->cij", m, g, m, precision=hi)
-        return 0.5 * (h + jnp.swapaxes(h, 1, 2))
-
-    out = jax.lax.map(block, xs)
-    return out.reshape(-1, atoms_per_chunk, atoms_per_chunk)[:num]
 
 
 @register("mp_opd")

@@ -66,6 +66,7 @@ def opd2_advantages(lp_s, lp_t, lp_b, centre_opd, centre_delta, disagree="drop")
 class Opd2(SameTokenizerObjective):
     settings_class = Opd2Settings
     stale_responses = None   # −stop_grad(A)·log π_θ on-policy, no rollout log-probs to correct it
+    demo_settings = {"rollout.temperature": 0.7}   # the paper's sampling temperature (SPEC §9)
     needs = Needs(responses="student", teacher=True, teacher_base=True, rollout_logprobs=False,
                   reuse_sampled_ids=True, episodes=True)
     response_logprob_grad = True

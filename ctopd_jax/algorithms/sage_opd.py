@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ctopd_jax.algorithms.base import Needs, register
+from ctopd_jax.algorithms.base import Needs, TurnJudge, register
 from ctopd_jax.algorithms.same_tokenizer import SameTokenizerSettings, full_vocab_sum
 from ctopd_jax.algorithms.turn_based import TurnObjective, segment_means
 from ctopd_jax.config import require
@@ -70,10 +70,12 @@ class SageSettings(SameTokenizerSettings):
 
 
 @register("sage_opd")
-class SageOpd(TurnObjective):
+class SageOpd(TurnObjective, TurnJudge):
     settings_class = SageSettings
     response_logprob_grad = False
     stale_responses = "none"   # weighted full-vocabulary KL per state
+    # the demo's tiny teacher cannot read a judge prompt: the demo judges with the labelled proxy
+    demo_settings = {"algorithm.sage_judge": "proxy"}
 
     @property
     def needs(self) -> Needs:   # a teacher judge samples through an engine of its own

@@ -58,6 +58,18 @@ def require_served_teacher(config, name: str, exact: str) -> None:
             f"with teacher.url)")
 
 
+class ServedTopkInputs:
+    """`prepare` of both objectives: the exact objective's micro-batch arrays (`exact_inputs`:
+    arrays, the flat rows of the collected teacher batch it reads the teacher at, the row count
+    to pad to), then the served top-k at those rows as micro-batch arrays (`served_arrays`)."""
+
+    def prepare(self, host, start, stop):
+        arrays, rows, size = self.exact_inputs(host, start, stop)
+        served = host.served_teacher_rows
+        arrays.update(self.served_arrays(host, rows, served.topk_ids[rows], served.topk_logprobs[rows], size))
+        return arrays
+
+
 # ---------------------------------------------------------------------- teacher-top-k strict
 
 def overlap_table(overlap) -> tuple:
@@ -68,7 +80,7 @@ def overlap_table(overlap) -> tuple:
 
 
 @register("teacher_topk_strict")
-class TeacherTopkStrict(Objective):
+class TeacherTopkStrict(ServedTopkInputs, Objective):
     packed_rows = STRICT_ROWS
     settings_class = AlgorithmSection
     stale_responses = "none"   # a top-k divergence per state
@@ -86,15 +98,14 @@ class TeacherTopkStrict(Objective):
                 "topk_valid": pack.padded_rows(cols.valid, size, False),
                 "topk_teacher_mass": pack.padded(cols.teacher_mass, size, np.float32)[0]}
 
-    def prepare(self, host, start, stop):
-        arrays = strict_inputs(host, start, stop)
-        a, served = host.alignment, host.served_teacher_rows
-        teacher_rows = a.teacher_rows[(a.pair_sample >= start) & (a.pair_sample < stop)]
+    def exact_inputs(self, host, start, stop):
+        arrays, a = strict_inputs(host, start, stop), host.alignment
+        pairs = a.teacher_rows[(a.pair_sample >= start) & (a.pair_sample < stop)]
+        return arrays, pairs, arrays["strict_weight"].shape[0]
+
+    def served_arrays(self, host, rows, topk_ids, topk_logprobs, size):
         table = host.once("teacher_topk_overlap", lambda h: overlap_table(h.overlap))
-        arrays.update(self.served_columns(served.topk_ids[teacher_rows],
-                                          served.topk_logprobs[teacher_rows], table,
-                                          arrays["strict_weight"].shape[0]))
-        return arrays
+        return self.served_columns(topk_ids, topk_logprobs, table, size)
 
     def kd_weights(self):
         return {"teacher_topk_strict": 1.0}
@@ -127,7 +138,7 @@ class TopkGkdSettings(GkdSettings):
 
 
 @register("topk_gkd")
-class TopkGkd(Gkd):
+class TopkGkd(ServedTopkInputs, Gkd):
     settings_class = TopkGkdSettings
 
     @property
@@ -147,14 +158,14 @@ class TopkGkd(Gkd):
                 "topk_teacher_logprobs": pack.padded_rows(support.teacher_logprobs, size, -np.inf),
                 "topk_valid": pack.padded_rows(support.valid, size, False)}
 
-    def prepare(self, host, start, stop):
+    def exact_inputs(self, host, start, stop):
         arrays = same_inputs(host, start, stop)
-        rows, served = pack.response_batch_rows(host.teacher, start, stop), host.served_teacher_rows
-        arrays.update(self.served_support(
-            served.topk_ids[rows], served.topk_logprobs[rows],
-            host.teacher.labels.reshape(-1)[rows], served.token_logprobs[rows],
-            arrays["response_rows"].shape[0]))
-        return arrays
+        return arrays, pack.response_batch_rows(host.teacher, start, stop), arrays["response_rows"].shape[0]
+
+    def served_arrays(self, host, rows, topk_ids, topk_logprobs, size):
+        sampled = host.teacher.labels.reshape(-1)[rows]
+        return self.served_support(topk_ids, topk_logprobs, sampled,
+                                   host.served_teacher_rows.token_logprobs[rows], size)
 
     def kd_weights(self):
         return {"topk_gkd": 1.0}

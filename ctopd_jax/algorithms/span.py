@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ctopd_jax.algorithms import pack
-from ctopd_jax.algorithms.base import Objective, register
-from ctopd_jax.algorithms.strict import STRICT_ROWS, StrictSettings, check_topk, strict_inputs, strict_sum
+from ctopd_jax.algorithms.base import GradientComparison, Objective, register
+from ctopd_jax.algorithms.strict import (STRICT_ROWS, StrictSettings, check_topk, span_comparison,
+                                         strict_inputs, strict_sum)
 from ctopd_jax.config import require
 from ctopd_jax.kernels.token_rows import token_rows
 
@@ -106,11 +107,13 @@ class SpanLoss(Objective):
     settings_class = SpanSettings
     stale_responses = "none"   # divergences per position and per span
     response_logprob_grad = True  # the span term differentiates the student's token log-probs
-    has_strict_part = True
 
     @property
     def topk(self) -> int | None:
         return int(self.settings.ctkd_topk) if self.settings.span_base == "topk_strict" else None
+
+    def gradient_comparison(self) -> GradientComparison:
+        return span_comparison(self.settings, self.topk)
 
     def check(self, overlap) -> None:
         check_topk(self.topk, overlap.shared)

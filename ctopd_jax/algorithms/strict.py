@@ -7,12 +7,14 @@ of either model exist.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax.numpy as jnp
 
 from ctopd_jax.algorithms import pack
-from ctopd_jax.algorithms.base import BASE_ROWS, Objective, register
+from ctopd_jax.algorithms.base import BASE_ROWS, GradientComparison, Objective, register
+from ctopd_jax.algorithms.catalog import objective_class
 from ctopd_jax.config import AlgorithmSection, require
 from ctopd_jax.kernels import strict_kd_rows
 
@@ -55,6 +57,19 @@ def strict_sum(settings, topk, x, teacher_hidden, weight=None):
                           skl_lambda=s.skl_lambda, akl_alpha=s.akl_alpha)
 
 
+def span_comparison(settings, topk: int | None) -> GradientComparison:
+    """SPEC §6 for an objective with a strict part (`settings`, top-k `topk`, None: full): its
+    strict part (same divergence and kernel) against the span term, both from the span objective
+    with the run's settings, so a `strict` run can be diagnosed too. The span objective comes
+    from the registry: span.py builds on this module."""
+    span = objective_class("span")
+    own = {f.name for f in dataclasses.fields(span.settings_class)}
+    fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name in own}
+    fields.update(name="span", span_base="strict" if topk is None else "topk_strict")
+    return GradientComparison(span(span.settings_class(**fields)), trained="strict", compared="span",
+                              weight="strict_weight")
+
+
 def check_topk(topk: int | None, shared_size: int) -> None:
     if topk is not None and topk > shared_size:
         raise ValueError(f"algorithm.ctkd_topk={topk} exceeds the shared vocabulary |V∩|="
@@ -66,7 +81,14 @@ class StrictFull(Objective):
     packed_rows = STRICT_ROWS
     settings_class = StrictSettings
     stale_responses = "none"   # a divergence per state
-    has_strict_part = True
+
+    @property
+    def topk(self) -> int | None:
+        """k of the top-k (None: the full shared vocabulary)."""
+        return None
+
+    def gradient_comparison(self) -> GradientComparison:
+        return span_comparison(self.settings, self.topk)
 
     def check(self, overlap) -> None:
         check_topk(self.topk, overlap.shared)

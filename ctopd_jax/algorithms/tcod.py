@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from ctopd_jax.algorithms.base import Needs, register
+from ctopd_jax.algorithms.base import Needs, TurnCurriculum, register
 from ctopd_jax.algorithms.opd import OpdSettings
 from ctopd_jax.algorithms.turn_based import TurnObjective
 from ctopd_jax.config import require
@@ -47,7 +47,7 @@ def b2f_prefix(n: int, period: int, length: int) -> int:
 
 
 @register("tcod")
-class Tcod(TurnObjective):
+class Tcod(TurnObjective, TurnCurriculum):
     settings_class = TcodSettings
 
     def kd_weights(self):

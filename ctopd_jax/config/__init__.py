@@ -13,8 +13,7 @@ hint), `overrides` (`--set` parsing), `loading` (`load_config`, `from_dict`), `v
 whole config's checks), `teachers` (per-teacher views), `served` (the served-engine settings the
 teacher client shares), `algorithm_settings` (each objective's settings class, by name).
 """
-from ctopd_jax.config.algorithm_settings import (algorithm_class, objectives_defining,
-                                                 register_algorithm_settings)
+from ctopd_jax.config.algorithm_settings import algorithm_class, objectives_defining
 from ctopd_jax.config.errors import ConfigError, require
 from ctopd_jax.config.loading import PATH_FIELDS, from_dict, load_config
 from ctopd_jax.config.overrides import parse_override
@@ -33,5 +32,5 @@ __all__ = ["LORA_TARGETS", "PATH_FIELDS", "SEED_LIMIT", "AlgorithmSection", "Che
            "NamedTeacherSection", "OptimizerSection", "RolloutSection", "TeacherSection",
            "TrainConfig", "YamlLoader", "algorithm_class", "default_teacher",
            "device_count_hint", "from_dict", "load_config", "load_yaml", "objectives_defining",
-           "parse_override", "register_algorithm_settings", "require", "teacher_views",
+           "parse_override", "require", "teacher_views",
            "validate"]

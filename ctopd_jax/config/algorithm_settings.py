@@ -1,37 +1,36 @@
-"""algorithm.name -> that objective's settings class (its config section)."""
+"""algorithm.name -> that objective's settings class (its config section), read from the one
+registry of objectives (algorithms/catalog.py, which imports nothing of the project)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
+from ctopd_jax.algorithms import catalog
 from ctopd_jax.config.errors import ConfigError
 
-# algorithm.name -> that objective's settings class (its config section). Each objective
-# registers its class here (algorithms.base.register), so config never imports the objectives;
-# importing the package `ctopd_jax` registers them all (ctopd_jax/__init__.py).
-_ALGORITHM_SETTINGS: dict[str, type] = {}
+
+def algorithm_class(name: Any, modules: Sequence[str] = ()) -> type:
+    """The settings class of the objective `algorithm.name` (its own config section), from the
+    objectives' registry (after importing `algorithm.modules`)."""
+    if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
+        raise ConfigError(f"algorithm.modules: {modules!r} must be a list of module names, e.g. "
+                          "[my_pkg.my_objective]")
+    try:
+        return catalog.objective_class(name, modules).settings_class
+    except catalog.UnknownObjective as err:
+        raise ConfigError(str(err)) from None
 
 
-def register_algorithm_settings(name: str, settings_class: type) -> None:
-    """Make `algorithm.name: <name>` read its section as `settings_class`."""
-    _ALGORITHM_SETTINGS[name] = settings_class
-
-
-def algorithm_class(name: Any) -> type:
-    """The settings class of the objective `algorithm.name` (its own config section)."""
-    if name not in _ALGORITHM_SETTINGS:
-        raise ConfigError(f"algorithm.name: {name!r} is not a registered objective; choose one of "
-                          f"{', '.join(sorted(_ALGORITHM_SETTINGS))}")
-    return _ALGORITHM_SETTINGS[name]
-
-
-def is_registered(name: Any) -> bool:
-    """Whether `algorithm.name: <name>` names a registered objective."""
-    return name in _ALGORITHM_SETTINGS
+def is_registered(name: Any, modules: Sequence[str] = ()) -> bool:
+    """Whether `algorithm.name: <name>` names a registered objective (a module of
+    `algorithm.modules` that cannot import is reported when the section is built)."""
+    try:
+        return name in catalog.registry(modules)
+    except catalog.UnknownObjective:
+        return False
 
 
 def objectives_defining(key: str) -> list[str]:
     """The registered objectives whose config section has the field `key` (sorted)."""
-    return sorted(name for name, cls in _ALGORITHM_SETTINGS.items()
-                  if key in {f.name for f in dataclasses.fields(cls)})
-
+    return sorted(name for name, cls in catalog.registry().items()
+                  if key in {f.name for f in dataclasses.fields(cls.settings_class)})

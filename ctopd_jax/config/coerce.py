@@ -79,7 +79,7 @@ def build_section(cls: type, values: Any, prefix: str = "") -> Any:
     if not isinstance(values, Mapping):
         raise ConfigError(f"{where}: expected a mapping of keys, got {values!r}")
     if cls is AlgorithmSection:
-        cls = algorithm_class(values.get("name", AlgorithmSection.name))
+        cls = algorithm_class(values.get("name", AlgorithmSection.name), values.get("modules") or ())
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     not_names = [k for k in values if not isinstance(k, str)]

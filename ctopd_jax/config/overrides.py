@@ -75,9 +75,10 @@ def drop_other_objectives_keys(tree: dict, file_algorithm: Mapping[str, Any],
     name = section.get("name", AlgorithmSection.name)
     if name == file_algorithm.get("name", AlgorithmSection.name):
         return
-    if not is_registered(name):
-        return  # `build_section` reports the unknown algorithm.name
-    own = {f.name for f in dataclasses.fields(algorithm_class(name))}
+    modules = section.get("modules") or ()
+    if not is_registered(name, modules):
+        return  # `build_section` reports the unknown algorithm.name (or module)
+    own = {f.name for f in dataclasses.fields(algorithm_class(name, modules))}
     for key in file_algorithm:
         if key not in own and key not in set_keys and key in section and objectives_defining(key):
             del section[key]

@@ -167,6 +167,9 @@ class AlgorithmSection:
     with its fields and checks (`algorithms/<name>.py`, `settings_class`); `algorithm.name`
     picks the class, so `algorithm.span_lambda` is known exactly when the objective is `span`."""
     name: str = "topk_strict"            # registry name, see ctopd_jax.algorithms
+    # modules to import for objectives of your own (e.g. [my_pkg.my_objective]; each registers
+    # its class, docs/objectives.md); the package's own objectives are always found
+    modules: tuple[str, ...] = ()
     # the divergence D of the distillation terms (SPEC §5)
     kd_loss_fn: Literal["kl", "rkl", "jsd", "skl", "srkl", "akl", "tvd", "top1_ce"] = "rkl"
     kd_ratio: float = 1.0                # (1 - kd_ratio) * CE + kd_ratio * KD

@@ -104,19 +104,22 @@ def pair_of(name: str) -> str:
 
 def config_tree(name: str, base: Path | None = None, pair: str | None = None) -> dict:
     """The demo config of objective `name` as a tree: its pair's YAML, algorithm.name = name,
-    algorithm keys the objective does not know dropped."""
+    algorithm keys the objective does not know dropped, its `demo_settings` set."""
 
     pair = pair or pair_of(name)
     path = base or PAIRS[pair][0]
     tree = load_yaml(path.read_text(encoding="utf-8")) or {}
-    known = {f.name for f in dataclasses.fields(registry()[name].settings_class)}
+    objective = registry()[name]
+    known = {f.name for f in dataclasses.fields(objective.settings_class)}
     algo = {k: v for k, v in (tree.get("algorithm") or {}).items() if k in known}
     algo["name"] = name
-    if name == "sage_opd" and pair == "tools":
-        algo["sage_judge"] = "proxy"
     tree["algorithm"] = algo
-    if name == "opd2":
-        tree.setdefault("rollout", {})["temperature"] = 0.7
+    for dotted, value in objective.demo_settings.items():   # the objective's own demo settings
+        *head, key = dotted.split(".")
+        node = tree
+        for part in head:
+            node = node.setdefault(part, {})
+        node[key] = value
     return tree
 
 

@@ -1,4 +1,6 @@
-"""Gradient diagnostics of SPEC §6 (paper §5), for any objective with a strict part.
+"""Gradient diagnostics of SPEC §6 (paper §5), for any objective that names two terms to compare
+(`Objective.gradient_comparison`: its trained term, the term to compare it with, and the weights
+whose positions the control splits; below for the strict objectives and span).
 
 On a fixed replay set — `algorithm.diagnostics_prompts` prompts drawn once with a seed from the
 run's seed, and their responses sampled once by the student the first time the diagnostics run
@@ -10,23 +12,22 @@ run's seed, and their responses sampled once by the student the first time the d
     grad_cos_control  = cos(∇ L_strict on half A of the strict pairs, ∇ on half B)
 
 with the halves a seeded random split of the unit's strict pairs. Reported: medians over units.
-L_strict is the trained objective's strict part (full or top-k, same divergence and kernel);
-L_span is SPEC §6's span term, whatever the trained objective (so `strict` runs can be
-diagnosed too). Decision: after a resume the replay responses are sampled again by the resumed
-student (they are not stored in checkpoints).
+For the strict objectives and span: L_strict is the trained objective's strict part (full or
+top-k, same divergence and kernel); L_span is SPEC §6's span term, whatever the trained
+objective (so `strict` runs can be diagnosed too). Decision: after a resume the replay
+responses are sampled again by the resumed student (they are not stored in checkpoints).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ctopd_jax.algorithms import objectives_that
 from ctopd_jax.mesh_arrays import replicated, to_global
 from ctopd_jax.step.grad import objective_sums, scalar
-from ctopd_jax.algorithms.span import SpanLoss, SpanSettings
 from ctopd_jax.config import ConfigError
 from ctopd_jax.metrics import StepTimer
 from ctopd_jax.teacher import teacher_hidden_rows
@@ -46,20 +47,23 @@ def cosine_and_ratio(g, h):
     return cos, ratio
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "objective"))
-def unit_statistics(params, rest, batch, t_hidden, t_lm_head, overlap, half_a, *, graphdef, objective):
-    """(cos mismatch, norm ratio, cos control) of one replay unit."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "comparison"))
+def unit_statistics(params, rest, batch, t_hidden, t_lm_head, overlap, half_a, *, graphdef, comparison):
+    """(cos mismatch, norm ratio, cos control) of one replay unit (`comparison`:
+    base.GradientComparison)."""
+    c = comparison
+
     def grad_of(name, weight):
         def f(p):
-            b = dict(batch, strict_weight=weight)
+            b = dict(batch, **{c.weight: weight})
             return objective_sums(p, rest, b, t_hidden, t_lm_head, overlap, graphdef=graphdef,
-                                  objective=objective)[0][name]
+                                  objective=c.objective)[0][name]
         return jax.grad(f)(params)
 
-    w = batch["strict_weight"]
-    g_strict, g_mis = grad_of("strict", w), grad_of("span", w)
-    cos_mis, ratio = cosine_and_ratio(g_strict, g_mis)
-    cos_control, _ = cosine_and_ratio(grad_of("strict", w * half_a), grad_of("strict", w * (1 - half_a)))
+    w = batch[c.weight]
+    g_trained, g_compared = grad_of(c.trained, w), grad_of(c.compared, w)
+    cos_mis, ratio = cosine_and_ratio(g_trained, g_compared)
+    cos_control, _ = cosine_and_ratio(grad_of(c.trained, w * half_a), grad_of(c.trained, w * (1 - half_a)))
     return cos_mis, ratio, cos_control
 
 
@@ -68,14 +72,11 @@ class Diagnostics:
 
     def __init__(self, config, objective, prompts):
         c = config
-        topk = objective.topk
-        if not objective.has_strict_part:
-            raise ConfigError(f"algorithm.diagnostics_every: objective {c.algorithm.name!r} has no strict "
-                              "part to diagnose; use strict, topk_strict or span, or set it to 0")
-        fields = {f.name: getattr(c.algorithm, f.name) for f in dataclasses.fields(c.algorithm)
-                  if f.name in {g.name for g in dataclasses.fields(SpanSettings)}}
-        fields.update(name="span", span_base="strict" if topk is None else "topk_strict")
-        self.objective = SpanLoss(SpanSettings(**fields))
+        self.comparison = objective.gradient_comparison()
+        if self.comparison is None:
+            can = objectives_that(lambda o: o.gradient_comparison() is not None)
+            raise ConfigError(f"algorithm.diagnostics_every: objective {c.algorithm.name!r} has no "
+                              f"terms to compare; use {', '.join(can)}, or set it to 0")
         self.config, self.every = c, c.algorithm.diagnostics_every
         rng = np.random.default_rng([c.seed, 6])
         pool = prompts
@@ -98,8 +99,8 @@ class Diagnostics:
         rows = []
         for unit, start in enumerate(range(0, host.size, micro)):
             stop = min(start + micro, host.size)
-            arrays = self.objective.prepare(host, start, stop)
-            weight = arrays["strict_weight"]
+            arrays = self.comparison.objective.prepare(host, start, stop)
+            weight = arrays[self.comparison.weight]
             split = np.random.default_rng([self.config.seed, 7, unit]).permutation(int(weight.sum()))
             half_a = np.zeros_like(weight)
             half_a[split[: len(split) // 2]] = 1.0
@@ -108,7 +109,7 @@ class Diagnostics:
                                            batch["teacher_mask"], batch["teacher_rows"])
             stats = unit_statistics(params, rest, batch, t_hidden, t_lm_head, overlap,
                                     replicated(half_a, mesh), graphdef=graphdef,
-                                    objective=self.objective)
+                                    comparison=self.comparison)
             rows.append([scalar(v) for v in stats])
         med = np.median(np.asarray(rows), axis=0)
         return {"grad_cos_mismatch": float(med[0]), "grad_norm_ratio": float(med[1]),

@@ -19,9 +19,11 @@ import torch
 from flax import nnx
 
 from ctopd_jax.algorithms import pack
-from ctopd_jax.step.diagnostics import unit_statistics
+from ctopd_jax.step.diagnostics import Diagnostics, unit_statistics
 from ctopd_jax.algorithms.span import SpanLoss, SpanSettings
+from ctopd_jax.algorithms import get_objective
 from ctopd_jax.align import strict_align
+from ctopd_jax.config import ConfigError, load_config
 from ctopd_jax.host import HostBatch
 from ctopd_jax.tokenization.retokenize import retokenize_pair
 
@@ -110,7 +112,8 @@ def _jax_stats(model, arrays, t_hidden, t_head, s_ids, t_ids, half_a, objective)
     batch = {k: jnp.asarray(v) for k, v in arrays.items()}
     overlap = {"s_ids": jnp.asarray(s_ids), "t_ids": jnp.asarray(t_ids)}
     stats = unit_statistics(params, rest, batch, jnp.asarray(t_hidden), jnp.asarray(t_head), overlap,
-                            jnp.asarray(half_a), graphdef=graphdef, objective=objective)
+                            jnp.asarray(half_a), graphdef=graphdef,
+                            comparison=objective.gradient_comparison())
     return [float(s) for s in stats], params
 
 
@@ -168,3 +171,17 @@ def test_identical_halves_give_control_cosine_one(setup):
     assert cos_ctl == pytest.approx(1.0, abs=1e-5)
     # and the duplicated unit is still a real one: span and strict gradients exist and differ
     assert ratio > 0 and abs(cos_mis) < 0.999
+
+
+def test_an_objective_with_nothing_to_compare_is_refused_naming_those_that_have():
+    """The diagnostics take their two terms from the objective (gradient_comparison); one
+    without is one line, listing the objectives that have them (read from the registry)."""
+    config = load_config(None, ["algorithm.name=simct", "algorithm.diagnostics_every=1"])
+    with pytest.raises(ConfigError, match=r"^algorithm\.diagnostics_every: objective 'simct' has no "
+                                          r"terms to compare; use span, strict, topk_strict, or set it to 0$"):
+        Diagnostics(config, get_objective(config.algorithm), prompts=[])
+    for name in ("strict", "topk_strict", "span"):
+        c = get_objective(load_config(None, [f"algorithm.name={name}"]).algorithm).gradient_comparison()
+        assert (c.objective.name, c.trained, c.compared, c.weight) == ("span", "strict", "span", "strict_weight")
+        assert c.objective.settings.span_base == ("topk_strict" if name == "topk_strict" else "strict")
+

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "align"))
 import torch_mp_opd  # noqa: E402
 from _align_oracle import atoms_oracle  # noqa: E402
 
-from ctopd_jax.algorithms import get_objective, mp_opd  # noqa: E402
+from ctopd_jax.algorithms import get_objective, mp_opd_credits, mp_opd_device  # noqa: E402
 from ctopd_jax.algorithms.base import StepInputs  # noqa: E402
 from ctopd_jax.align import strict_align  # noqa: E402
 from ctopd_jax.config import ConfigError, from_dict  # noqa: E402
@@ -32,16 +32,16 @@ TEXTS = ["Tom has 12 apples and buys 7 more, so he has 12 + 7 = 19 apples; then 
 # -- SPEC check values ---------------------------------------------------------------------------
 def test_spec_check_values():
     b, w = [0.6, -0.2, 0.3], [1, 2, 1]
-    np.testing.assert_allclose(mp_opd.partition_rates(b, w, mp_opd.sample_spans("atomic", w, 0, 43, 2)),
+    np.testing.assert_allclose(mp_opd_credits.partition_rates(b, w, mp_opd_credits.sample_spans("atomic", w, 0, 43, 2)),
                                [0.6, -0.1, 0.3])
-    np.testing.assert_allclose(mp_opd.partition_rates(b, w, mp_opd.sample_spans("fixed2", w, 0, 43, 2)),
+    np.testing.assert_allclose(mp_opd_credits.partition_rates(b, w, mp_opd_credits.sample_spans("fixed2", w, 0, 43, 2)),
                                [0.1333333, 0.1333333, 0.3], rtol=1e-6)
     r, wr = np.array([1.0, -0.5, 2.0]), np.array([1.0, 2.0, 1.0])
-    shrunk = mp_opd.shrink(r, wr, 0.4)
+    shrunk = mp_opd_credits.shrink(r, wr, 0.4)
     np.testing.assert_allclose(shrunk, [0.8, -0.1, 1.4])
     assert (wr * r).sum() / wr.sum() == 0.5
     np.testing.assert_allclose((wr * shrunk).sum(), 2.0)  # = Σ b = Σ w·r
-    assert mp_opd.seed_text(43, 0, [1, 2, 1]) == "43:0:[1.0, 2.0, 1.0]"
+    assert mp_opd_credits.seed_text(43, 0, [1, 2, 1]) == "43:0:[1.0, 2.0, 1.0]"
 
 
 def _spec_seed_rule(w, row, seed, lo, hi):  # written again from SPEC §8, beside the reference's
@@ -60,7 +60,7 @@ def _spec_seed_rule(w, row, seed, lo, hi):  # written again from SPEC §8, besid
 @given(st.lists(st.integers(1, 6), min_size=1, max_size=30), st.integers(0, 7), st.integers(0, 1000),
        st.sampled_from([(1, 2), (2, 5)]))
 def test_random_partition_follows_the_seed_rule(w, row, seed, bounds):
-    got = mp_opd.random_spans(w, row, seed, *bounds)
+    got = mp_opd_credits.random_spans(w, row, seed, *bounds)
     assert got == _spec_seed_rule(w, row, seed, *bounds)
     assert [list(range(a, b)) for a, b in got] == torch_mp_opd.seeded_partition(w, row, seed, *bounds)
     assert got[0][0] == 0 and got[-1][1] == len(w) and all(a[1] == b[0] for a, b in zip(got, got[1:]))
@@ -75,23 +75,23 @@ def test_credit_conserving_modes_keep_the_sum(atoms, mode, row, chunk, noise_ema
     """Σ_i w_i·rate_i = Σ_i b_i for every partition and for GRASS (any PSD H, any noise)."""
     b = np.array([a[0] for a in atoms])
     w = np.array([a[1] for a in atoms], float)
-    spans = mp_opd.sample_spans(mode, w.tolist(), row, 43, chunk)
+    spans = mp_opd_credits.sample_spans(mode, w.tolist(), row, 43, chunk)
     if mode == "grass_chunk":
         rng = np.random.default_rng(seed % 1000)
         grams = []
         for s, e in spans:
             g = rng.normal(size=(e - s, 3))
             grams.append(g @ g.T)
-        noise = mp_opd.GrassNoise(noise_ema, 3)
-        rates, _, _ = mp_opd.grass_sample(b, w, spans, grams, noise)
+        noise = mp_opd_credits.GrassNoise(noise_ema, 3)
+        rates, _, _ = mp_opd_credits.grass_sample(b, w, spans, grams, noise)
     else:
-        rates = mp_opd.partition_rates(b, w, spans)
+        rates = mp_opd_credits.partition_rates(b, w, spans)
     np.testing.assert_allclose((w * rates).sum(), b.sum(), atol=1e-9 * max(1, np.abs(b).sum()))
 
 
 def test_grass_noise_ema_and_alpha_by_hand():
     """≥ 8 in-chunk pairs update the EMA with (1.4826·MAD)², lower medians, bias-corrected."""
-    noise = mp_opd.GrassNoise()
+    noise = mp_opd_credits.GrassNoise()
     z = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 10.0]
     noise.observe(z[:7])
     assert noise.updates == 0 and noise.sigma2 == 0.0
@@ -103,8 +103,8 @@ def test_grass_noise_ema_and_alpha_by_hand():
     r, w = np.array([1.0, -1.0]), np.array([1.0, 1.0])
     d = r - 0.0
     want = np.clip(noise.sigma2 * (2.0 + 1.0 - 4.0 / 2) / (d @ h @ d), 0, 1)
-    assert mp_opd.grass_alpha(r, w, h, noise.sigma2) == pytest.approx(want)
-    assert mp_opd.grass_alpha(r[:1], w[:1], h[:1, :1], noise.sigma2) == 0.0
+    assert mp_opd_credits.grass_alpha(r, w, h, noise.sigma2) == pytest.approx(want)
+    assert mp_opd_credits.grass_alpha(r[:1], w[:1], h[:1, :1], noise.sigma2) == 0.0
 
 
 def test_lm_head_gram_against_brute_force():
@@ -122,7 +122,7 @@ def test_lm_head_gram_against_brute_force():
             for t in toks:
                 rows[c, slot], pos[c, slot], valid[c, slot] = t, i, 1
                 slot += 1
-    got = np.asarray(mp_opd.lm_head_gram(jnp.asarray(hidden), jnp.asarray(head), jnp.asarray(rows), jnp.asarray(targets),
+    got = np.asarray(mp_opd_device.lm_head_gram(jnp.asarray(hidden), jnp.asarray(head), jnp.asarray(rows), jnp.asarray(targets),
                                          jnp.asarray(pos), jnp.asarray(valid), 2, chunk_rows=8))
     for c, atoms in enumerate(chunks):
         p = torch.softmax(torch.tensor(hidden[rows[c]], dtype=torch.float64) @ torch.tensor(head, dtype=torch.float64), -1)
