@@ -144,6 +144,17 @@ def check_settings(rollout) -> None:
                                   "outside [1, 64]; set a value in that range")
     if not 1 <= rollout.server_gpus <= 64:
         raise TeacherSettingError(f"rollout.server_gpus: {rollout.server_gpus} is outside [1, 64]")
+    if rollout.async_staleness not in (0, 1):
+        raise TeacherSettingError(f"rollout.async_staleness: {rollout.async_staleness} is not 0 or 1 "
+                                  "(updates between the generating and the trained weights); set 0 or 1")
+    if not rollout.async_tis_cap >= 1.0:
+        raise TeacherSettingError(f"rollout.async_tis_cap: {rollout.async_tis_cap} must be >= 1 (it "
+                                  "truncates importance weights from above); set e.g. 2.0")
+    if rollout.async_rollouts and not served:
+        raise TeacherSettingError(f"rollout.async_rollouts: needs a rollout server, but rollout.engine "
+                                  f"is {rollout.engine} (it shares the trainer's device); set "
+                                  "rollout.engine: vllm_server or sglang_server, or "
+                                  "rollout.async_rollouts: false")
     if not served:
         for name in fields:
             if getattr(rollout, name):

@@ -58,7 +58,7 @@ import numpy as np
 from ctopd_jax.config.served import check_settings, server_urls, settings_for
 from ctopd_jax.models import lora
 from ctopd_jax.models.weights import export_hf_checkpoint, hf_named_tensors
-from ctopd_jax.rollout import staleness, weight_transfer
+from ctopd_jax.rollout import weight_transfer
 from ctopd_jax.rollout.base import (RolloutConfigError, RolloutEngine, RolloutResult, SamplingParams,
                                     check_prompts, finish_sample, normalize_eos_ids)
 from ctopd_jax.rollout.logprob_gap import response_logprobs
@@ -80,9 +80,9 @@ class ServedRolloutError(TeacherServiceError):
 
 def check_rollout_settings(rollout) -> None:
     """One ValueError line for the first bad rollout-server field: the settings' own ranges
-    (config/served.py), the async fields and the weight-push path (preflight and the engine)."""
+    (config/served.py), then the weight-push path against this machine (preflight and the
+    engine)."""
     check_settings(rollout)
-    staleness.check_settings(rollout)
     gpu_path = rollout.weight_sync in ("nccl", "ipc")
     weight_transfer.check(rollout, jax.default_backend() if gpu_path else "")
 

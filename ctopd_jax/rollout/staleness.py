@@ -95,17 +95,3 @@ def check_async(config, objective) -> None:
         raise ValueError("optimizer.offload_during_rollout: the rollout runs beside training with "
                          "rollout.async_rollouts, so the optimizer state stays on the device; set "
                          "optimizer.offload_during_rollout=false")
-
-
-def check_settings(rollout) -> None:
-    """One ValueError line for the first bad async field (served.check_settings calls it)."""
-    if rollout.async_staleness not in (0, 1):
-        raise ValueError(f"rollout.async_staleness: {rollout.async_staleness} is not 0 or 1 (updates "
-                         "between the generating and the trained weights); set 0 or 1")
-    if not rollout.async_tis_cap >= 1.0:
-        raise ValueError(f"rollout.async_tis_cap: {rollout.async_tis_cap} must be >= 1 (it truncates "
-                         "importance weights from above); set e.g. 2.0")
-    if rollout.async_rollouts and rollout.engine not in ("vllm_server", "sglang_server"):
-        raise ValueError(f"rollout.async_rollouts: needs a rollout server, but rollout.engine is "
-                         f"{rollout.engine} (it shares the trainer's device); set rollout.engine: "
-                         "vllm_server or sglang_server, or rollout.async_rollouts: false")
