@@ -5,7 +5,7 @@ class (algorithms/catalog.py) with:
 
 - `settings_class`: its config section, a frozen dataclass extending `config.AlgorithmSection`
   with the objective's own fields (`algorithm.span_lambda`, ...), validated once, by its own
-  `validate()`, when the config is built (config.py looks the class up by `algorithm.name`);
+  `validate()`, when the config is built (config/ looks the class up by `algorithm.name`);
 - `needs`: what the host side must collect (where responses come from, which models run,
   rollout-time log-probs, whether sampled ids are reused);
 - `check(overlap)`: settings that depend on the tokenizer pair (before any model loads);
