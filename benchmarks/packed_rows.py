@@ -10,7 +10,9 @@ Workloads:
   demo.compare.write_config), collected once by the demo student;
 - long_tail: 64 synthetic samples on the tiny random pair (tests/trainer/conftest.py's models),
   lengths 16..1,024 drawn from a long tail (a math-reasoning run at small scale: most responses
-  short, a few near the limit), ordered longest first as host.sort_by_length orders a batch.
+  short, a few near the limit), ordered as host.sort_by_length orders a batch: longest first
+  for the unpacked passes, in first-fit-decreasing micro-batches (packing.order) for the packed
+  ones (the same lengths and tokens; the synthetic ids are drawn per layout).
 
 Unpacked: `optimizer.micro_batch_size` samples per micro-batch, each in its own row padded to
 the micro-batch's length bucket (pack.py). Packed: consecutive samples within
@@ -37,17 +39,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def demo_workload(out: Path):
+def demo_workload(out: Path, budget: int):
     from ctopd_jax.config import load_config
     from ctopd_jax.demo.compare import write_config
 
     config = load_config(write_config("strict", out / "configs"), [
         f"output_dir={out / 'demo'}", "evaluation.dataset=", "logging.tensorboard=false",
-        "rollout.rollout_batch_size=64", "optimizer.train_batch_size=64", "optimizer.micro_batch_size=8"])
+        "rollout.rollout_batch_size=64", "optimizer.train_batch_size=64", "optimizer.micro_batch_size=8",
+        f"optimizer.micro_batch_tokens={budget}"])   # the collector orders the batch for it
     return config, None
 
 
-def long_tail_workload(out: Path):
+def long_tail_workload(out: Path, budget: int):
     sys.path.insert(0, str(ROOT / "tests" / "trainer"))
     from conftest import tiny_tree
     from ctopd_jax.config import from_dict
@@ -59,16 +62,20 @@ def long_tail_workload(out: Path):
     return from_dict(tree), long_tail_host
 
 
-def long_tail_host(trainer, n: int = 64, seed: int = 0):
+def long_tail_host(trainer, budget: int, n: int = 64, seed: int = 0):
     """`n` samples, lengths 16 + 1,008 · u⁴ (median ~80, a few near 1,024), both sides, with a
-    strict pair at every third response position; longest first."""
+    strict pair at every third response position; longest first, or with a `budget` in
+    packing.order's first-fit-decreasing micro-batches of it."""
     import numpy as np
 
+    from ctopd_jax.algorithms.packing import order
     from ctopd_jax.host import HostBatch
 
     rng = np.random.default_rng(seed)
     lengths = np.sort(16 + (1008 * rng.uniform(size=n) ** 4).astype(int))[::-1]
     width, prompt = int(lengths.max()), 8
+    if budget:
+        lengths = lengths[order(lengths[:, None], budget, [-(-width // 64) * 64])]
 
     def side(vocab):
         ids = np.zeros((n, width), np.int32)
@@ -134,19 +141,21 @@ def compare(name: str, make, budget: int, repeats: int) -> None:
     from ctopd_jax.trainer import Trainer
 
     out = Path(tempfile.mkdtemp(prefix=f"packed_rows_{name}_"))
-    config, synthetic = make(out)
+    config, synthetic = make(out, budget)
     trainer = Trainer(config)
     if synthetic is None:
         host, = teacher_batches.collect(trainer.teachers, config, trainer.objective, trainer.stream.next_batch(),
                                         config.seed, StepTimer(), 0).values()
+        hosts = (host, host)
     else:
-        host = synthetic(trainer)
-    lengths = host.student.attention_mask.sum(axis=1)
-    tokens = host.tokens(0, host.size)
-    print(f"{name}: {host.size} samples, student lengths {lengths.min()}..{lengths.max()} "
+        hosts = (synthetic(trainer, 0), synthetic(trainer, budget))
+    lengths = hosts[0].student.attention_mask.sum(axis=1)
+    tokens = hosts[0].tokens(0, hosts[0].size)
+    assert tokens == hosts[1].tokens(0, hosts[1].size)
+    print(f"{name}: {len(lengths)} samples, student lengths {lengths.min()}..{lengths.max()} "
           f"(median {int(sorted(lengths)[len(lengths) // 2])}), {tokens:.0f} response tokens", flush=True)
-    unpacked = passes(trainer, host, 0, repeats)
-    packed = passes(trainer, host, budget, repeats)
+    unpacked = passes(trainer, hosts[0], 0, repeats)
+    packed = passes(trainer, hosts[1], budget, repeats)
     for label, (seconds, padding, micro) in (("unpacked", unpacked), (f"packed {budget}", packed)):
         print(f"  {label:<14} {micro:3d} micro-batches  {seconds:7.3f} s  {tokens / seconds:9.1f} "
               f"response tokens/s  padding {100 * padding:5.1f} %", flush=True)

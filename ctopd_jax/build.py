@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from ctopd_jax import mesh as mesh_lib
+from ctopd_jax.algorithms import packing
 from ctopd_jax import sources
 
 
@@ -435,8 +436,10 @@ def make_collector(config, objective, s_tok, t_tok, engine, teacher, mesh):
     with a second engine over the teacher when the objective may need teacher responses."""
     from ctopd_jax.host import Collector, SameTokenizerCollector
 
-    if not objective.needs.reuse_sampled_ids:
-        return Collector(s_tok, t_tok, engine, config.rollout)
+    if not objective.needs.reuse_sampled_ids:   # packing: each optimizer batch in packed micro-batches
+        budget = packing.budget(config) if objective.packed_rows is not None else 0
+        return Collector(s_tok, t_tok, engine, config.rollout, config.optimizer.train_batch_size if budget else 1,
+                         budget)
     teacher_engine = None
     if objective.needs.teacher_engine:
         # (preflight checked the objective's teacher calls fit the teacher's positions: check_models)

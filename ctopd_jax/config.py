@@ -328,10 +328,13 @@ class OptimizerSection:
     min_lr: float = 1e-8                 # the cosine schedule's floor
     train_batch_size: int = 8            # responses per optimizer step
     micro_batch_size: int = 8            # responses per forward/backward
-    # > 0: packed rows (algorithms/packing.py): a micro-batch is the consecutive responses that
-    # fit, several per row, rows of this many tokens in all, on both models' sides;
-    # objectives that cannot pack (packed_rows None) keep micro_batch_size rows of one sample
-    micro_batch_tokens: int = 0
+    # packed rows (algorithms/packing.py): a micro-batch is the consecutive responses that fit,
+    # several per row, rows of this many tokens in all, on both models' sides. auto:
+    # micro_batch_size x the longest row (rollout.max_prompt_len + generate_max_len + 1, rounded
+    # up to 64), so a packed micro-batch never holds more tokens than an unpacked one can;
+    # 0: one row per response, micro_batch_size of them. Objectives that cannot pack (packed_rows
+    # None) keep micro_batch_size rows of one sample, and the run says so in one line
+    micro_batch_tokens: int | Literal["auto"] = "auto"
     mu_dtype: Literal["float32", "bfloat16"] = "float32"  # AdamW first moment (bf16 halves it)
     offload_during_rollout: bool = False  # AdamW state in host memory while the rollout runs
 
@@ -695,8 +698,8 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     require(0 <= o.warmup_ratio < 1, "optimizer.warmup_ratio", "must be in [0, 1)")
     require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", "must be in [0, optimizer.lr]")
     require(o.micro_batch_size >= 1, "optimizer.micro_batch_size", "must be >= 1")
-    require(o.micro_batch_tokens >= 0, "optimizer.micro_batch_tokens",
-            "must be >= 0 (0: one row per response, micro_batch_size of them)")
+    require(o.micro_batch_tokens == "auto" or o.micro_batch_tokens >= 0, "optimizer.micro_batch_tokens",
+            "must be auto or >= 0 (0: one row per response, micro_batch_size of them)")
     require(o.train_batch_size >= 1, "optimizer.train_batch_size", "must be >= 1")
     require(o.train_batch_size % o.micro_batch_size == 0, "optimizer.train_batch_size",
              f"{o.train_batch_size} must be a multiple of optimizer.micro_batch_size "

@@ -72,6 +72,9 @@ class SageSettings(SameTokenizerSettings):
 class SageOpd(TurnObjective):
     settings_class = SageSettings
     response_logprob_grad = False
+    # cannot pack: the weights are rescaled to mean 1 over each micro-batch, so a token budget
+    # (other micro-batch boundaries) would change the loss, not only its layout
+    packed_rows = None
 
     @property
     def needs(self) -> Needs:   # a teacher judge samples through an engine of its own
