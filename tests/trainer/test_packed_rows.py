@@ -68,10 +68,10 @@ def loss_and_grads(trainer, host, packed):
     return float(loss), jax.tree.leaves(jax.device_get(grads))
 
 
-def assert_same(trainer):
+def assert_same(trainer, samples=7):
     host, = teacher_batches.collect(trainer.teachers, trainer.config, trainer.objective,
                                     trainer.stream.next_batch(), 5, StepTimer(), 0).values()
-    assert host.size == 7
+    assert host.size == samples
     ref_loss, ref = loss_and_grads(trainer, host, packed=False)
     got_loss, got = loss_and_grads(trainer, host, packed=True)
     assert_close(got_loss, ref_loss, got, ref)
@@ -133,12 +133,7 @@ def test_packed_rows_on_a_mesh_give_the_unpacked_loss_and_gradient(tmp_path):
     (rows enough for them), against one row per sample."""
     trainer = trainer_for("strict", tmp_path, samples=16)
     assert trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"] == 8
-    host, = teacher_batches.collect(trainer.teachers, trainer.config, trainer.objective,
-                                    trainer.stream.next_batch(), 5, StepTimer(), 0).values()
-    assert host.size == 16
-    ref_loss, ref = loss_and_grads(trainer, host, packed=False)
-    got_loss, got = loss_and_grads(trainer, host, packed=True)
-    assert_close(got_loss, ref_loss, got, ref)
+    assert_same(trainer, samples=16)
 
 
 @pytest.mark.parametrize("name,extra", [
