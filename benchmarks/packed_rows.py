@@ -22,7 +22,9 @@ Padding fraction: pad slots ÷ all slots over both models' passes. Seconds: the 
 
 --memory: XLA's temporary bytes of d(hidden states)/d(params) for the seed config's student
 (configs/single_gpu_full_workload.yaml: Llama-3.2-3B shapes, bf16, scan + full remat, blockwise
-attention) at [micro_batch_size 2, 10,240] against one packed row of 20,480 (compile only).
+attention) at its unpacked micro-batch (micro_batch_size rows of the longest sequence) against
+the packed micro-batches its default budget (micro_batch_tokens auto) makes of full-length,
+2,048-token and 1,000-token samples (compile only).
 """
 from __future__ import annotations
 
@@ -163,20 +165,32 @@ def compare(name: str, make, budget: int, repeats: int) -> None:
 
 
 def memory() -> None:
+    import numpy as np
+
+    from ctopd_jax.algorithms.pack import micro_length
+    from ctopd_jax.algorithms.packing import budget, place
+    from ctopd_jax.config import load_config
     from ctopd_jax.models.config import llama3_2_3b
     from ctopd_jax.models.memory_probe import student_grad_temp_bytes
 
+    seed = load_config(ROOT / "configs" / "single_gpu_full_workload.yaml")
+    tokens, r = budget(seed), seed.rollout
+    cap = -(-(r.max_prompt_len + r.generate_max_len + 1) // 64) * 64   # the padded sequence length
     # the seed config's model section (its checkpoint is Llama-3.2-3B-Instruct)
     cfg = llama3_2_3b(dtype="bfloat16", param_dtype="float32", scan_layers=True, remat_policy="full",
                       mlp_chunk=1024, attention="blockwise")
-    # the seed's micro-batch (2 x 10,240) and, at its budget of 20,480 tokens, packed micro-batches
-    # of full-length samples (2 rows of 10,240) and of 2,048-token ones (10 rows of 2,048)
-    unpacked = student_grad_temp_bytes(cfg, 2, 10240)
-    print(f"seed student gradient, compile-only temporaries: [2, 10240] one row per sample "
-          f"{unpacked / 2**30:.2f} GiB", flush=True)
-    for rows, width in ((2, 10240), (10, 2048)):
+    full = SimpleNamespace(attention_mask=np.ones((2, cap), bool), seq_len=cap)
+    width = micro_length(full, 0, 2, 64)   # unpacked: micro_batch_size rows of the longest's bucket
+    unpacked = student_grad_temp_bytes(cfg, seed.optimizer.micro_batch_size, width)
+    print(f"seed student gradient, compile-only temporaries: [{seed.optimizer.micro_batch_size}, {width}] "
+          f"one row per sample {unpacked / 2**30:.2f} GiB; packed at micro_batch_tokens auto = {tokens}",
+          flush=True)
+    # packed micro-batches of full-length samples, of 2,048-token ones and of 1,000-token ones
+    for length, count in ((cap - 63, 2), (2048, 10), (1000, 20)):
+        rows, width, _, _ = place([length] * count, tokens, cap)
         packed = student_grad_temp_bytes(cfg, rows, width, packed=True)
-        print(f"  packed [{rows}, {width}]: {packed / 2**30:.2f} GiB (ratio {packed / unpacked:.2f})", flush=True)
+        print(f"  packed {count} x {length} tokens -> [{rows}, {width}]: {packed / 2**30:.2f} GiB "
+              f"(ratio {packed / unpacked:.2f})", flush=True)
 
 
 def main() -> None:

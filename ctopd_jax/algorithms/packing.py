@@ -10,7 +10,7 @@ rows of the longest sequence the rollout allows, so a packed micro-batch never h
 tokens than an unpacked one may).
 
 Layout, per side (`student_*`, `teacher_*`): rows of width W = the micro-batch's longest
-sample rounded up to a width bucket (multiples of 32 up to 256, of 64 up to 512, then
+sample rounded up to a width bucket (multiples of 16 up to 128, of 64 up to 512, then
 pack.length_bucket's 1.5x / 2x steps; never wider than unpacked's bucket, at most the side's
 padded length); the samples go first-fit into at most budget // W such rows, in order; the
 rows used, rounded up to a power of two or 1.5 times one (`row_count`), are the array's rows
@@ -54,7 +54,7 @@ class PackingError(ValueError):
     """Arrays that cannot be packed as declared (a programming error of an objective)."""
 
 
-ROW_MULTIPLE = 32   # packed row widths step by 32 where unpacked's buckets step by 64
+ROW_MULTIPLE = 16   # packed row widths step by 16 where unpacked's buckets step by 64
 ROUNDING = 64       # each side's padded length (the objectives' arrays), as host_micro_ranges
 
 

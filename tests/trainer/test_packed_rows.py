@@ -156,13 +156,13 @@ def test_an_undeclared_row_array_is_refused():
 
 
 def test_rows_move_to_their_sample_in_the_packed_row():
-    """Samples of lengths 3, 1, 4 (arrays of 64 per sample) -> one row of 32 (the narrowest
+    """Samples of lengths 3, 1, 4 (arrays of 64 per sample) -> one row of 16 (the narrowest
     width bucket): offsets 0, 3, 4 (hand-written)."""
     mask = np.arange(64)[None] < np.array([3, 1, 4])[:, None]
     ids = np.where(mask, np.arange(1, 193).reshape(3, 64), 0).astype(np.int32)
     out = pack_rows({"student_ids": ids, "student_mask": mask,
                      "response_rows": np.array([1, 64, 128, 131], np.int32)}, {"response_rows": "student"}, 64)
-    assert out["student_ids"].shape == (1, 32)
+    assert out["student_ids"].shape == (1, 16)
     assert out["student_ids"][0, :9].tolist() == [1, 2, 3, 65, 129, 130, 131, 132, 0]
     assert out["student_mask"][0, :9].tolist() == [1, 1, 1, 2, 3, 3, 3, 3, 0]
     assert out["response_rows"].tolist() == [1, 3, 4, 7]
@@ -172,19 +172,20 @@ def test_rows_move_to_their_sample_in_the_packed_row():
 
 
 def test_samples_go_first_fit_into_rows_of_their_bucket():
-    """Lengths 40, 30, 20 (bucket 64), budget 128: two rows; 40 -> row 0, 30 does not fit
-    beside it -> row 1, 20 fits after the 40 -> row 0 at 40 (hand-written)."""
-    mask = np.arange(64)[None] < np.array([40, 30, 20])[:, None]
+    """Lengths 40, 30, 8 (width bucket 48), budget 128: two rows; 40 -> row 0, 30 does not fit
+    beside it -> row 1, 8 fits after the 40 -> row 0 at 40 (hand-written)."""
+    mask = np.arange(64)[None] < np.array([40, 30, 8])[:, None]
     ids = np.where(mask, 7, 0).astype(np.int32)
-    rows = np.array([0, 39, 64, 64 + 29, 128, 128 + 19], np.int32)   # first and last of each
+    rows = np.array([0, 39, 64, 64 + 29, 128, 128 + 7], np.int32)   # first and last of each
     out = pack_rows({"student_ids": ids, "student_mask": mask, "response_rows": rows},
                     {"response_rows": "student"}, 128)
-    assert out["student_mask"].shape == (2, 64)
-    assert out["response_rows"].tolist() == [0, 39, 64, 64 + 29, 40, 59]
-    assert (out["student_mask"][0, :60] == np.repeat([1, 3], [40, 20])).all()
+    assert out["student_mask"].shape == (2, 48)
+    assert out["response_rows"].tolist() == [0, 39, 48, 48 + 29, 40, 47]
+    assert (out["student_mask"][0] == np.repeat([1, 3], [40, 8])).all()
     assert (out["student_mask"][1, :30] == 2).all() and not out["student_mask"][1, 30:].any()
+    # 40, 30 fill the two rows of 48; 20 and 50 (rows of 64) start the next micro-batch
     assert micro_ranges(np.array([[40, 40], [30, 30], [20, 20], [50, 10]]), 10, 128, (64, 64)) == [
-        (10, 13), (13, 14)]
+        (10, 12), (12, 14)]
 
 
 def test_micro_batches_are_first_fit_decreasing_bins_of_the_whole_batch():
@@ -199,11 +200,12 @@ def test_micro_batches_are_first_fit_decreasing_bins_of_the_whole_batch():
 
 
 def test_packed_rows_round_to_a_few_shapes():
-    """Rows used -> 1, 2, 3, 4, 6, 8, 12, ...; widths step by 32 up to 256, by 64 up to 512,
+    """Rows used -> 1, 2, 3, 4, 6, 8, 12, ...; widths step by 16 up to 128, by 64 up to 512,
     never past unpacked's bucket or the side's padded length (hand-written)."""
     assert [packing.row_count(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
     width = lambda n, cap=4096: packing.place([n], 4096, cap)[1]
-    assert [width(n) for n in (1, 33, 250, 257, 300, 500, 513, 1000)] == [32, 64, 256, 320, 320, 512, 768, 1024]
+    assert [width(n) for n in (1, 33, 100, 129, 250, 257, 500, 513, 1000)] == [
+        16, 48, 112, 192, 256, 320, 512, 768, 1024]
     assert width(700, cap=704) == 704
     rows, _, row, offset = packing.place([30] * 7, 1024, 4096)   # 7 rows of 32 used of 32 allowed
     assert (rows, row.tolist(), offset.tolist()) == (8, list(range(7)), [0] * 7)
