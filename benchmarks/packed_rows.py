@@ -18,7 +18,8 @@ Unpacked: `optimizer.micro_batch_size` samples per micro-batch, each in its own 
 the micro-batch's length bucket (pack.py). Packed: consecutive samples within
 `optimizer.micro_batch_tokens` student tokens, one row per side (algorithms/packing.py).
 Padding fraction: pad slots ÷ all slots over both models' passes. Seconds: the best of
-`--repeats` timed passes over the batch after one untimed pass (compilation).
+`--repeats` timed passes over the batch after one untimed pass (compilation), the two layouts'
+passes taking turns (a shared machine's load falls on both alike).
 
 --memory: XLA's temporary bytes of d(hidden states)/d(params) for the seed config's student
 (configs/single_gpu_full_workload.yaml: Llama-3.2-3B shapes, bf16, scan + full remat, blockwise
@@ -96,45 +97,55 @@ def long_tail_host(trainer, budget: int, n: int = 64, seed: int = 0):
                                            num_pairs=len(rows)), None, [], [])
 
 
-def passes(trainer, host, tokens: int, repeats: int):
-    """(seconds, padding fraction, micro-batches) of the batch's passes at micro_batch_tokens."""
+def layout(trainer, host, tokens: int):
+    """(run, padding fraction, micro-batches) of the batch's passes at micro_batch_tokens;
+    run() runs them once."""
     import dataclasses
 
     import jax
-    import numpy as np
 
     from ctopd_jax.algorithms.packing import pack_rows
     from ctopd_jax.metrics import StepTimer
     from ctopd_jax.step.grad import zero_grads
 
-    c = trainer.config
-    trainer.config = dataclasses.replace(c, optimizer=dataclasses.replace(c.optimizer, micro_batch_tokens=tokens))
-    ranges = trainer.micro_ranges(host, 0, host.size)
-    teacher = trainer.default_parts
+    base = trainer.config
+    config = dataclasses.replace(base, optimizer=dataclasses.replace(base.optimizer, micro_batch_tokens=tokens))
+    trainer.config = config
+    ranges, packed, teacher = trainer.micro_ranges(host, 0, host.size), trainer.packing, trainer.default_parts
+    trainer.config = base
     real = slots = 0
     for start, stop in ranges:
         arrays = trainer.objective.prepare(host, start, stop)
-        if trainer.packing:
+        if packed:
             arrays = pack_rows(arrays, trainer.objective.packed_rows, tokens)
         for side in ("student", "teacher"):
             real += int((arrays[f"{side}_mask"] > 0).sum())
             slots += arrays[f"{side}_mask"].size
 
     def run():
+        trainer.config = config
         grads, total = zero_grads(trainer.params), host.tokens(0, host.size)
         for start, stop in ranges:
             _, _, _, grads = trainer.micro_batch(teacher, host, start, stop, total, 1, grads, StepTimer(),
-                                                 None, trainer.packing)
+                                                 None, packed)
         jax.block_until_ready(grads)
+        trainer.config = base
 
-    run()   # compiles every shape of this batch
-    best = float("inf")
-    for _ in range(repeats):
-        began = time.perf_counter()
+    return run, 1.0 - real / slots, len(ranges)
+
+
+def timed(runs, repeats: int) -> list[float]:
+    """The best seconds of each run over `repeats` rounds that run each once in turn (so a
+    shared machine's load falls on all alike), after one untimed round (compilation)."""
+    for run in runs:
         run()
-        best = min(best, time.perf_counter() - began)
-    trainer.config = c
-    return best, 1.0 - real / slots, len(ranges)
+    best = [float("inf")] * len(runs)
+    for _ in range(repeats):
+        for i, run in enumerate(runs):
+            began = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - began)
+    return best
 
 
 def compare(name: str, make, budget: int, repeats: int) -> None:
@@ -156,8 +167,9 @@ def compare(name: str, make, budget: int, repeats: int) -> None:
     assert tokens == hosts[1].tokens(0, hosts[1].size)
     print(f"{name}: {len(lengths)} samples, student lengths {lengths.min()}..{lengths.max()} "
           f"(median {int(sorted(lengths)[len(lengths) // 2])}), {tokens:.0f} response tokens", flush=True)
-    unpacked = passes(trainer, hosts[0], 0, repeats)
-    packed = passes(trainer, hosts[1], budget, repeats)
+    (run_u, pad_u, micro_u), (run_p, pad_p, micro_p) = layout(trainer, hosts[0], 0), layout(trainer, hosts[1], budget)
+    seconds = timed([run_u, run_p], repeats)
+    unpacked, packed = (seconds[0], pad_u, micro_u), (seconds[1], pad_p, micro_p)
     for label, (seconds, padding, micro) in (("unpacked", unpacked), (f"packed {budget}", packed)):
         print(f"  {label:<14} {micro:3d} micro-batches  {seconds:7.3f} s  {tokens / seconds:9.1f} "
               f"response tokens/s  padding {100 * padding:5.1f} %", flush=True)
