@@ -39,7 +39,7 @@ from flax import nnx
 
 from ctopd_jax import build, host_offload, teacher_batches
 from ctopd_jax.build import TrainerSetupError  # noqa: F401  (re-exported for callers)
-from ctopd_jax.algorithms.packing import budget as packing_budget, host_micro_ranges, pack_rows
+from ctopd_jax.algorithms.packing import budget as packing_budget, host_micro_ranges, pack_rows, pack_shards
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig, default_teacher
 from ctopd_jax.evaluation import evaluate_during_training
@@ -139,8 +139,8 @@ class Trainer:
         with timer("prepare"):   # host work, hidden under the device's previous micro-batch
             parts = [self.objective.prepare(host, a, a + step) for a in range(start, stop, step)]
             if packed:   # one micro-batch: rows of the budget; a shard's part: rows enough for it
-                budget = packing_budget(self.config) if shards == 1 else None
-                parts = [pack_rows(part, self.objective.packed_rows, budget) for part in parts]
+                parts = ([pack_rows(parts[0], self.objective.packed_rows, packing_budget(self.config))]
+                         if shards == 1 else pack_shards(parts, self.objective.packed_rows))
             batch = build.to_global(stack_shards(parts), self.mesh)
         mesh = self.mesh if shards > 1 else None
         t_graphdef, t_state, t_lm_head = teacher.scoring

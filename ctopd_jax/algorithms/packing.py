@@ -185,9 +185,19 @@ def move_rows(rows: np.ndarray, width: int, flat_start: np.ndarray, lengths: np.
     return (flat_start[b] + p).astype(np.asarray(rows).dtype)
 
 
+def pack_shards(parts: list[dict[str, np.ndarray]], row_keys: dict[str, str]) -> list[dict[str, np.ndarray]]:
+    """The batch shards' parts of a micro-batch, each packed into rows enough for it, all of one
+    width per side (the widest part's), so that stacking them (shards.stack_shards) pads rows
+    only, never a row's width, which would move every flat row index past the first row."""
+    packed = [pack_rows(part, row_keys, None) for part in parts]
+    widths = {side: max(p[f"{side}_ids"].shape[1] for p in packed) for side in SIDES if f"{side}_ids" in parts[0]}
+    return [pack_rows(part, row_keys, None, widths) for part in parts]
+
+
 def pack_rows(arrays: dict[str, np.ndarray], row_keys: dict[str, str],
-              budget: int | None) -> dict[str, np.ndarray]:
-    """`arrays` of one micro-batch (one sample per row) with both sides packed (module doc)."""
+              budget: int | None, widths: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+    """`arrays` of one micro-batch (one sample per row) with both sides packed (module doc);
+    `widths`: each side's row width, at least its own (pack_shards)."""
     undeclared = sorted(k for k in arrays if k.endswith("_rows") and k not in row_keys)
     if undeclared:
         raise PackingError(f"row arrays {undeclared} are not in the objective's packed_rows")
@@ -200,6 +210,7 @@ def pack_rows(arrays: dict[str, np.ndarray], row_keys: dict[str, str],
         if placed is None:
             raise PackingError(f"the {side} samples do not fit rows of {budget} tokens (micro_ranges)")
         rows, width, row, offset = placed
+        width = max(width, (widths or {}).get(side, 0))
         packed, segments = np.zeros((rows, width), ids.dtype), np.zeros((rows, width), np.int32)
         for b, (r, at, n) in enumerate(zip(row, offset, lengths)):
             packed[r, at:at + n] = ids[b, :n]
