@@ -2,15 +2,21 @@
 this tree and in a `git worktree` of the baseline, on the same seed and config file.
 
     python benchmarks/same_as_baseline.py --baseline c714c0a [--steps 3] [--objectives strict,opd]
+        [--set optimizer.micro_batch_tokens=0 ...]
 
 For every objective (default: all registered) the config is the one `demo --algorithm NAME`
 runs (demo.compare.write_config, written once here and given to both trees), with `steps`
-iterations, a checkpoint at every step, no HF export. Compared exactly (==, not a tolerance):
+iterations, a checkpoint at every step, no HF export, and the `--set` overrides (given to
+both trees: e.g. a default changed since the baseline, set to its old value). Compared exactly
+(==, not a tolerance):
 every metrics.jsonl value except wall-clock ones (time_*, wall_time, elapsed_s, tokens_per_s,
 peak memory), and the final checkpoint's parameters; metrics renamed since are compared under
 their new names (RENAMED). Then, in this tree only, the first objective's run is SIGKILLed once
 its step-1 checkpoint is on disk and resumed to `steps`, which must equal the baseline's
-straight run. Prints one line per check and exits 1 on any difference.
+straight run (killed once the metrics row of step 1 is written, which the loop does after
+that step's checkpoint is saved, and the checkpoint folder is committed: the state a resume
+needs, and the row the comparison reads). Prints one line per check and exits 1 on any
+difference.
 """
 from __future__ import annotations
 
@@ -32,26 +38,41 @@ RENAMED = {"tcod_turn_limit": "turn_limit", "tcod_prefix_turns": "expert_prefix_
            "tcod_teacher_expert": "teacher_expert_samples"}
 
 
-def train(tree: Path, config: Path, out: Path, steps: int, resume: bool = False,
-          kill_after_checkpoint: int = 0) -> None:
-    """`ctopd_jax.train` of `tree`; `kill_after_checkpoint`: SIGKILL it once that step's
-    checkpoint is on disk (saved synchronously, so a present folder is a whole one)."""
+def train(tree: Path, config: Path, out: Path, steps: int, overrides: list[str], resume: bool = False,
+          kill_after_step: int = 0) -> None:
+    """`ctopd_jax.train` of `tree`; `kill_after_step`: SIGKILL it once that step is logged and
+    checkpointed (`finished`)."""
     cmd = [sys.executable, "-m", "ctopd_jax.train", "--config", str(config),
            "--set", f"output_dir={out}", "--set", f"steps={steps}", "--set", "checkpoint.every=1",
            "--set", "checkpoint.export_hf=false", "--set", "checkpoint.async_save=false",
-           "--set", "logging.tensorboard=false", "--set", "logging.progress=false"]
+           "--set", "logging.tensorboard=false", "--set", "logging.progress=false",
+           *[arg for item in overrides for arg in ("--set", item)]]
     env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(cmd + (["--resume"] if resume else []), cwd=tree, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if kill_after_checkpoint:
-        while proc.poll() is None and not (out / "checkpoints" / str(kill_after_checkpoint)).is_dir():
+    if kill_after_step:
+        while proc.poll() is None and not finished(out, kill_after_step):
             time.sleep(0.05)
+        if proc.poll() is not None:
+            raise RuntimeError(f"{tree.name}: the run ended (exit {proc.returncode}) before step "
+                               f"{kill_after_step} was logged and checkpointed:\n{proc.stderr.read()[-2000:]}")
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         return
     _, err = proc.communicate()
     if proc.returncode != 0:
         raise RuntimeError(f"{tree.name}: {' '.join(cmd[2:])} exited {proc.returncode}:\n{err[-2000:]}")
+
+
+def finished(run: Path, step: int) -> bool:
+    """The metrics row of `step` is whole in metrics.jsonl (a line ended by its newline) and
+    its checkpoint is committed (Orbax renames `<step>.orbax-checkpoint-tmp*` to `<step>` once
+    the write is complete; the loop logs the row after the synchronous save returns)."""
+    path = run / "metrics.jsonl"
+    text = path.read_text() if path.is_file() else ""
+    logged = any(json.loads(line).get("step") == step for line in text.splitlines(keepends=True)
+                 if line.endswith("\n"))
+    return logged and (run / "checkpoints" / str(step)).is_dir()
 
 
 def rows(run: Path) -> list[dict]:
@@ -77,6 +98,8 @@ def main() -> int:
     parser.add_argument("--baseline", required=True, help="a commit of this repository")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--objectives", default="", help="comma-separated (default: all)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override given to both trees (repeatable)")
     args = parser.parse_args()
     from ctopd_jax.algorithms import registry
     from ctopd_jax.demo.compare import write_config
@@ -93,7 +116,7 @@ def main() -> int:
             runs = {}
             for label, tree in (("baseline", base), ("this tree", ROOT)):
                 runs[label] = work / label.replace(" ", "_") / name
-                train(tree, config, runs[label], args.steps)
+                train(tree, config, runs[label], args.steps, args.set)
             same_rows = rows(runs["baseline"]) == rows(runs["this tree"])
             same_params = params(runs["baseline"]) == params(runs["this tree"])
             failed += not (same_rows and same_params)
@@ -102,12 +125,12 @@ def main() -> int:
         name = names[0]
         resumed = work / "resumed" / name
         config = work / "configs" / f"config_{name}.yaml"
-        train(ROOT, config, resumed, args.steps, kill_after_checkpoint=1)
-        train(ROOT, config, resumed, args.steps, resume=True)
+        train(ROOT, config, resumed, args.steps, args.set, kill_after_step=1)
+        train(ROOT, config, resumed, args.steps, args.set, resume=True)
         same = (rows(resumed) == rows(work / "baseline" / name)
                 and params(resumed) == params(work / "baseline" / name))
         failed += not same
-        print(f"{name:<12} killed after its step-1 checkpoint, resumed here == baseline run: "
+        print(f"{name:<12} killed after its step-1 row and checkpoint, resumed here == baseline run: "
               f"{'equal' if same else 'DIFFER'}", flush=True)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from ctopd_jax import mesh as mesh_lib, sources
+from ctopd_jax.algorithms import packing
 from ctopd_jax.algorithms.base import TurnJudge
 from ctopd_jax.checkpoint import export_student_hf
 from ctopd_jax.config import teacher_views
@@ -354,8 +355,10 @@ def load_teacher_base(config, mesh):
 def make_collector(config, objective, s_tok, t_tok, engine, teacher, mesh):
     """host.Collector (cross-tokenizer) or host.SameTokenizerCollector (`needs.reuse_sampled_ids`),
     with a second engine over the teacher when the objective may need teacher responses."""
-    if not objective.needs.reuse_sampled_ids:
-        return Collector(s_tok, t_tok, engine, config.rollout)
+    if not objective.needs.reuse_sampled_ids:   # packing: each optimizer batch in packed micro-batches
+        budget = packing.budget(config) if objective.packed_rows is not None else 0
+        return Collector(s_tok, t_tok, engine, config.rollout, config.optimizer.train_batch_size if budget else 1,
+                         budget)
     teacher_engine = None
     if objective.needs.teacher_engine:
         # (preflight checked the objective's teacher calls fit the teacher's positions: check_models)

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ctopd_jax import data
+from ctopd_jax.algorithms import packing
+from ctopd_jax.algorithms.pack import round_up
 from ctopd_jax.align import strict_align
 from ctopd_jax.align.strict import StrictAlignment
 from ctopd_jax.records import RecordError, chat_messages, read_jsonl, read_parquet
@@ -102,15 +104,22 @@ def rollout_logprobs(result, student, eos_ids) -> tuple[np.ndarray, np.ndarray]:
     return cat(values), cat(weights)
 
 
-def sort_by_length(result, group: int):
+def sort_by_length(result, group: int, budget: int = 0):
     """The samples of each consecutive block of `group` (one optimizer batch) ordered by
     generated length, longest first, so that its micro-batches hold similar lengths and pad to
-    their own small buckets. Which samples form an optimizer batch does not change, so neither
-    does its loss (a sum over its samples ÷ its tokens). Stable: ties keep the engine's order."""
+    their own small buckets; with a packing `budget`, in first-fit-decreasing micro-batches of
+    it instead (packing.order, over prompt + response tokens). Which samples form an optimizer
+    batch does not change, so neither does its loss (a sum over its samples ÷ its tokens).
+    Stable: ties keep the engine's order."""
     order = []
     for start in range(0, len(result), group):
-        block = range(start, min(start + group, len(result)))
-        order += sorted(block, key=lambda i: -len(result.token_ids[i]))
+        block = np.arange(start, min(start + group, len(result)))
+        if budget:
+            lengths = np.array([[len(result.prompt_ids[result.prompt_index[i]]) + len(result.token_ids[i])]
+                                for i in block])
+            order += list(block[packing.order(lengths, budget, [round_up(int(lengths.max()), 64)])])
+        else:
+            order += sorted(block, key=lambda i: -len(result.token_ids[i]))
     pick = lambda xs: [xs[i] for i in order]
     return type(result)(result.prompt_ids, pick(result.token_ids), pick(result.logprobs),
                         pick(result.finish_reasons), pick(result.prompt_index), result.stats)
@@ -119,18 +128,19 @@ def sort_by_length(result, group: int):
 class Collector:
     """Student rollouts of a prompt batch, re-tokenized on both sides and aligned.
 
-    `group`: samples per optimizer batch; each such block is ordered by length (sort_by_length)."""
+    `group`: samples per optimizer batch; each such block is ordered by length, or in packed
+    micro-batches of `budget` tokens (sort_by_length)."""
 
-    def __init__(self, student_tok, teacher_tok, engine, rollout_section, group: int = 1):
+    def __init__(self, student_tok, teacher_tok, engine, rollout_section, group: int = 1, budget: int = 0):
         self.s_tok, self.t_tok, self.engine, self.rollout = student_tok, teacher_tok, engine, rollout_section
-        self.group = group
+        self.group, self.budget = group, budget
 
     def collect(self, prompts, seed: int, timer, rollout_index: int = 0) -> HostBatch:
         s_texts = [render(self.s_tok, p) for p in prompts]
         t_texts = [render(self.t_tok, p) for p in prompts]
         with timer("rollout"):
             result = sort_by_length(self.engine.generate([self.s_tok.encode(t) for t in s_texts],
-                                                         sampling_params(self.rollout, seed)), self.group)
+                                                         sampling_params(self.rollout, seed)), self.group, self.budget)
         with timer("align"):
             responses = [self.s_tok.decode(ids, skip_special_tokens=True) for ids in result.token_ids]
             idx = result.prompt_index

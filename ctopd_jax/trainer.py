@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from ctopd_jax import build, heap, host_offload, teacher_batches
-from ctopd_jax.algorithms.packing import host_micro_ranges, pack_rows
+from ctopd_jax.algorithms.packing import budget as packing_budget, host_micro_ranges, pack_rows, pack_shards
 from ctopd_jax.align import CoverageMeter
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig, default_teacher
@@ -144,8 +144,8 @@ class Trainer:
         with timer("prepare"):   # host work, hidden under the device's previous micro-batch
             parts = [self.objective.prepare(host, a, a + step) for a in range(start, stop, step)]
             if packed:   # one micro-batch: rows of the budget; a shard's part: rows enough for it
-                budget = self.config.optimizer.micro_batch_tokens if shards == 1 else None
-                parts = [pack_rows(part, self.objective.packed_rows, budget) for part in parts]
+                parts = ([pack_rows(parts[0], self.objective.packed_rows, packing_budget(self.config))]
+                         if shards == 1 else pack_shards(parts, self.objective.packed_rows))
             batch = to_global(stack_shards(parts), self.mesh)
         mesh = self.mesh if shards > 1 else None
         t_graphdef, t_state, t_lm_head = teacher.scoring
@@ -167,7 +167,7 @@ class Trainer:
     @property
     def packing(self) -> bool:
         """Packed rows: a token budget is set and the objective can pack (else its fallback)."""
-        return self.config.optimizer.micro_batch_tokens > 0 and self.objective.packed_rows is not None
+        return packing_budget(self.config) > 0 and self.objective.packed_rows is not None
 
     def micro_ranges(self, host, first: int, last: int) -> list[tuple[int, int]]:
         """The micro-batches [start, stop) of samples [first, last): micro_batch_size samples
@@ -176,7 +176,7 @@ class Trainer:
         o = self.config.optimizer
         if not self.packing:
             return [(a, min(a + o.micro_batch_size, last)) for a in range(first, last, o.micro_batch_size)]
-        return host_micro_ranges(host, first, last, o.micro_batch_tokens)
+        return host_micro_ranges(host, first, last, packing_budget(self.config))
 
     def draw(self, index: int) -> Drawn:
         """Iteration `index`'s prompts and sampling seed: the RNG is split once per iteration, the
@@ -290,6 +290,9 @@ class Trainer:
             f"resumed from step {start} ({ck_dir})" if start else
             "overlap: " + json.dumps(self.default_parts.overlap.summary() if not c.teachers else
                                      {name: t.overlap.summary() for name, t in self.teachers.items()})))
+        if packing_budget(c) > 0 and self.objective.packed_rows is None:
+            logger.write(f"{c.algorithm.name} cannot pack rows (its packed_rows declaration): its micro-batches "
+                         f"keep one row per sample, optimizer.micro_batch_size {c.optimizer.micro_batch_size}")
         record: dict[str, Any] = {}
         try:
             for step in range(start + 1, c.steps + 1):

@@ -76,6 +76,9 @@ class SageOpd(TurnObjective, TurnJudge):
     stale_responses = "none"   # weighted full-vocabulary KL per state
     # the demo's tiny teacher cannot read a judge prompt: the demo judges with the labelled proxy
     demo_settings = {"algorithm.sage_judge": "proxy"}
+    # cannot pack: the weights are rescaled to mean 1 over each micro-batch, so a token budget
+    # (other micro-batch boundaries) would change the loss, not only its layout
+    packed_rows = None
 
     @property
     def needs(self) -> Needs:   # a teacher judge samples through an engine of its own

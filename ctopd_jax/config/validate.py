@@ -56,8 +56,8 @@ def validate(config: TrainConfig, device_count: int | None = None) -> None:
     require(0 <= o.warmup_ratio < 1, "optimizer.warmup_ratio", "must be in [0, 1)")
     require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", "must be in [0, optimizer.lr]")
     require(o.micro_batch_size >= 1, "optimizer.micro_batch_size", "must be >= 1")
-    require(o.micro_batch_tokens >= 0, "optimizer.micro_batch_tokens",
-            "must be >= 0 (0: one row per response, micro_batch_size of them)")
+    require(o.micro_batch_tokens == "auto" or o.micro_batch_tokens >= 0, "optimizer.micro_batch_tokens",
+            "must be auto or >= 0 (0: one row per response, micro_batch_size of them)")
     require(o.train_batch_size >= 1, "optimizer.train_batch_size", "must be >= 1")
     require(o.train_batch_size % o.micro_batch_size == 0, "optimizer.train_batch_size",
              f"{o.train_batch_size} must be a multiple of optimizer.micro_batch_size "

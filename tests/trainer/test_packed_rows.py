@@ -5,8 +5,10 @@ cannot pack say so and keep one row per sample. The oracle is the unpacked step 
 a right-padded row of its own), which the objective tests check against their references.
 
 Pairs: the tiny random cross-tokenizer pair (tests/trainer/conftest.py) and the demo's char
-pair (configs/tiny_cpu_same.yaml) for the same-tokenizer objectives; the demo's cross-tokenizer
-pair and a long-tail synthetic batch run in the slow suite."""
+pair (configs/tiny_cpu_same.yaml) for the same-tokenizer objectives; the served objectives on
+the demo pairs behind the fake vLLM server of test_served_teacher_training, and a long-tail
+synthetic batch (lengths 8..2,048), in the slow suite. Also: the 8 test devices' batch shards,
+the packing layout (hand-written cases) and a resume across a change of micro-batching."""
 import jax
 import numpy as np
 import pytest
@@ -14,9 +16,12 @@ import yaml
 
 from ctopd_jax import teacher_batches
 from ctopd_jax.algorithms import registry
+from ctopd_jax.algorithms import packing
 from ctopd_jax.algorithms.packing import PackingError, micro_ranges, pack_rows
+from ctopd_jax.build import make_collector
 from ctopd_jax.config import from_dict, load_config
 from ctopd_jax.metrics import StepTimer
+from ctopd_jax.preflight import preflight
 from ctopd_jax.step.grad import zero_grads
 from ctopd_jax.trainer import Trainer
 
@@ -24,24 +29,27 @@ from conftest import tiny_tree
 
 SAME = ("opd", "opd_full", "opd2", "gkd", "vopd", "sod", "sage_opd", "tcod")
 CROSS = ("strict", "topk_strict", "span", "simct", "mp_opd")
-SERVED = ("teacher_topk_strict", "topk_gkd")   # need a served teacher: test_served_teacher_training
+SERVED = ("teacher_topk_strict", "topk_gkd")   # need a served teacher (the fake vLLM server)
 
 
 def test_every_registered_objective_is_covered_here():
     assert set(registry()) == set(SAME + CROSS + SERVED)
 
 
-def trainer_for(name, tmp_path, *extra, budget=512):
-    """A trainer whose packed micro-batch of 7 samples spreads over several rows of the budget."""
-    if name in SAME:
-        config = load_config("configs/tiny_cpu_same.yaml", [
-            f"algorithm.name={name}", f"output_dir={tmp_path / name}", "rollout.rollout_batch_size=7",
-            "optimizer.train_batch_size=7", "optimizer.micro_batch_size=7", "evaluation.dataset=",
+def trainer_for(name, tmp_path, *extra, budget=512, samples=7, served=None):
+    """A trainer whose packed micro-batch of 7 samples spreads over several rows of the budget;
+    `served`: the fake vLLM server of its teacher (the served objectives)."""
+    if name in SAME or served is not None:
+        teacher = () if served is None else ("teacher.engine=vllm_server", f"teacher.url={served.url}",
+                                             f"teacher.model={served.model}", "teacher.top_k=8")
+        config = load_config("configs/tiny_cpu.yaml" if name == "teacher_topk_strict" else "configs/tiny_cpu_same.yaml", [
+            f"algorithm.name={name}", f"output_dir={tmp_path / name}", f"rollout.rollout_batch_size={samples}",
+            f"optimizer.train_batch_size={samples}", f"optimizer.micro_batch_size={samples}", "evaluation.dataset=",
             f"optimizer.micro_batch_tokens={budget}", "rollout.generate_max_len=24",
-            "logging.tensorboard=false", *extra])
-        return Trainer(config)
-    tree = tiny_tree(tmp_path / name, **{"rollout.rollout_batch_size": 7, "rollout.n_samples_per_prompt": 1,
-                                          "optimizer.train_batch_size": 7, "optimizer.micro_batch_size": 7,
+            "logging.tensorboard=false", *teacher, *extra])
+        return Trainer(config, preflight=preflight(config) if served is not None else None)
+    tree = tiny_tree(tmp_path / name, **{"rollout.rollout_batch_size": samples, "rollout.n_samples_per_prompt": 1,
+                                          "optimizer.train_batch_size": samples, "optimizer.micro_batch_size": samples,
                                           "optimizer.micro_batch_tokens": budget})
     tree["algorithm"] = {"name": name, "chunked_loss_size": 64}
     for item in extra:
@@ -51,8 +59,8 @@ def trainer_for(name, tmp_path, *extra, budget=512):
 
 
 def loss_and_grads(trainer, host, packed):
-    """The step of samples [0, 7) as one micro-batch (7 does not divide over the 8 test devices,
-    so it is one unit and packs into one row per side)."""
+    """The step of the batch as one micro-batch (7 samples do not divide over the 8 test
+    devices, so they are one unit packed into rows of the budget; 16 are 8 batch shards)."""
     name = next(iter(trainer.teachers))
     loss, _, _, grads = trainer.micro_batch(trainer.teachers[name], host, 0, host.size,
                                             host.tokens(0, host.size), 1, zero_grads(trainer.params),
@@ -60,10 +68,10 @@ def loss_and_grads(trainer, host, packed):
     return float(loss), jax.tree.leaves(jax.device_get(grads))
 
 
-def assert_same(trainer):
+def assert_same(trainer, samples=7):
     host, = teacher_batches.collect(trainer.teachers, trainer.config, trainer.objective,
                                     trainer.stream.next_batch(), 5, StepTimer(), 0).values()
-    assert host.size == 7
+    assert host.size == samples
     ref_loss, ref = loss_and_grads(trainer, host, packed=False)
     got_loss, got = loss_and_grads(trainer, host, packed=True)
     assert_close(got_loss, ref_loss, got, ref)
@@ -88,7 +96,6 @@ slow = pytest.mark.slow   # ~10-20 s each on 2 cores: one per pair stays in the 
     ("opd", ()), pytest.param("opd_full", (), marks=slow), pytest.param("opd2", (), marks=slow),
     pytest.param("gkd", (), marks=slow), pytest.param("vopd", (), marks=slow),
     pytest.param("sod", (), marks=slow),
-    pytest.param("sage_opd", ("algorithm.sage_judge=proxy", "algorithm.sage_proxy_skip_above=1.0"), marks=slow),
     pytest.param("tcod", (), marks=slow)])
 def test_packed_rows_give_the_unpacked_loss_and_gradient(tmp_path, name, extra):
     trainer = trainer_for(name, tmp_path, *extra)
@@ -96,10 +103,49 @@ def test_packed_rows_give_the_unpacked_loss_and_gradient(tmp_path, name, extra):
     assert_same(trainer)
 
 
-def test_an_objective_that_cannot_pack_falls_back_alone(tmp_path):
-    trainer = trainer_for("mp_opd", tmp_path, "algorithm.mp_opd_mode=grass_chunk")
+@pytest.fixture(scope="module")
+def served_teachers():
+    """name -> the fake vLLM server (test_served_teacher_training) of the objective's pair,
+    answering with the local demo teachers' own forward."""
+    from test_served_teacher_training import CHAR_TEACHER, DEMO_TEACHER, LocalModelScores, LocalModelVllmServer
+
+    servers = {"topk_gkd": LocalModelVllmServer("vllm", LocalModelScores(CHAR_TEACHER, 20), model="char-teacher",
+                                                max_model_len=256, max_logprobs=20),
+               "teacher_topk_strict": LocalModelVllmServer("vllm", LocalModelScores(DEMO_TEACHER, 20),
+                                                           model="demo-teacher", max_model_len=256, max_logprobs=20)}
+    yield servers
+    for server in servers.values():
+        server.close()
+
+
+@slow
+@pytest.mark.parametrize("name", SERVED)
+def test_served_objectives_pack_to_the_unpacked_loss_and_gradient(tmp_path, served_teachers, name):
+    """The served teacher's scores (token log-probs and top-8) come with the host batch and are
+    read through the moved teacher rows."""
+    trainer = trainer_for(name, tmp_path, served=served_teachers[name])
+    assert trainer.default_parts.served is not None and trainer.objective.packed_rows is not None
+    assert_same(trainer)
+
+
+def test_packed_rows_on_a_mesh_give_the_unpacked_loss_and_gradient(tmp_path):
+    """16 samples over the 8 test devices' batch shards: each shard packs its own 2 samples
+    (rows enough for them), against one row per sample."""
+    trainer = trainer_for("strict", tmp_path, samples=16)
+    assert trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"] == 8
+    assert_same(trainer, samples=16)
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("mp_opd", ("algorithm.mp_opd_mode=grass_chunk",)),
+    pytest.param("sage_opd", ("algorithm.sage_judge=proxy",), marks=slow)])
+def test_an_objective_that_cannot_pack_falls_back_alone(tmp_path, name, extra):
+    """Its loss depends on the micro-batch boundaries: one row per sample, micro_batch_size of
+    them, whatever the budget."""
+    trainer = trainer_for(name, tmp_path, *extra)
     assert trainer.objective.packed_rows is None
     assert not trainer.packing
+    assert trainer.micro_ranges(None, 0, 7) == [(0, 7)]
 
 
 def test_an_undeclared_row_array_is_refused():
@@ -110,12 +156,13 @@ def test_an_undeclared_row_array_is_refused():
 
 
 def test_rows_move_to_their_sample_in_the_packed_row():
-    """Samples of lengths 3, 1, 4 in rows of 64 -> one row: offsets 0, 3, 4 (hand-written)."""
+    """Samples of lengths 3, 1, 4 (arrays of 64 per sample) -> one row of 16 (the narrowest
+    width bucket): offsets 0, 3, 4 (hand-written)."""
     mask = np.arange(64)[None] < np.array([3, 1, 4])[:, None]
     ids = np.where(mask, np.arange(1, 193).reshape(3, 64), 0).astype(np.int32)
     out = pack_rows({"student_ids": ids, "student_mask": mask,
                      "response_rows": np.array([1, 64, 128, 131], np.int32)}, {"response_rows": "student"}, 64)
-    assert out["student_ids"].shape == (1, 64)
+    assert out["student_ids"].shape == (1, 16)
     assert out["student_ids"][0, :9].tolist() == [1, 2, 3, 65, 129, 130, 131, 132, 0]
     assert out["student_mask"][0, :9].tolist() == [1, 1, 1, 2, 3, 3, 3, 3, 0]
     assert out["response_rows"].tolist() == [1, 3, 4, 7]
@@ -125,19 +172,53 @@ def test_rows_move_to_their_sample_in_the_packed_row():
 
 
 def test_samples_go_first_fit_into_rows_of_their_bucket():
-    """Lengths 40, 30, 20 (bucket 64), budget 128: two rows; 40 -> row 0, 30 does not fit
-    beside it -> row 1, 20 fits after the 40 -> row 0 at 40 (hand-written)."""
-    mask = np.arange(64)[None] < np.array([40, 30, 20])[:, None]
+    """Lengths 40, 30, 8 (width bucket 48), budget 128: two rows; 40 -> row 0, 30 does not fit
+    beside it -> row 1, 8 fits after the 40 -> row 0 at 40 (hand-written)."""
+    mask = np.arange(64)[None] < np.array([40, 30, 8])[:, None]
     ids = np.where(mask, 7, 0).astype(np.int32)
-    rows = np.array([0, 39, 64, 64 + 29, 128, 128 + 19], np.int32)   # first and last of each
+    rows = np.array([0, 39, 64, 64 + 29, 128, 128 + 7], np.int32)   # first and last of each
     out = pack_rows({"student_ids": ids, "student_mask": mask, "response_rows": rows},
                     {"response_rows": "student"}, 128)
-    assert out["student_mask"].shape == (2, 64)
-    assert out["response_rows"].tolist() == [0, 39, 64, 64 + 29, 40, 59]
-    assert (out["student_mask"][0, :60] == np.repeat([1, 3], [40, 20])).all()
+    assert out["student_mask"].shape == (2, 48)
+    assert out["response_rows"].tolist() == [0, 39, 48, 48 + 29, 40, 47]
+    assert (out["student_mask"][0] == np.repeat([1, 3], [40, 8])).all()
     assert (out["student_mask"][1, :30] == 2).all() and not out["student_mask"][1, 30:].any()
+    # 40, 30 fill the two rows of 48; 20 and 50 (rows of 64) start the next micro-batch
     assert micro_ranges(np.array([[40, 40], [30, 30], [20, 20], [50, 10]]), 10, 128, (64, 64)) == [
-        (10, 13), (13, 14)]
+        (10, 12), (12, 14)]
+
+
+def test_micro_batches_are_first_fit_decreasing_bins_of_the_whole_batch():
+    """Lengths 30, 10, 50, 20, 40, budget 128 (rows of 64, two of them): the bin of 50 takes 40
+    (row 1), not 30 (fits no row), 20 (beside 40), 10 (beside 50); 30 is a bin of its own
+    (hand-written). In length order alone the first micro-batch would stop at 30."""
+    lengths = np.array([[30, 30], [10, 10], [50, 50], [20, 20], [40, 40]])
+    order = packing.order(lengths, 128, (64, 64))
+    assert order.tolist() == [2, 4, 3, 1, 0]
+    assert micro_ranges(lengths[order], 0, 128, (64, 64)) == [(0, 4), (4, 5)]
+    assert micro_ranges(lengths[[2, 4, 0, 3, 1]], 0, 128, (64, 64)) == [(0, 2), (2, 5)]
+
+
+def test_packed_rows_round_to_a_few_shapes():
+    """Rows used -> 1, 2, 3, 4, 6, 8, 12, ...; widths step by 16 up to 128, by 64 up to 512,
+    never past unpacked's bucket or the side's padded length (hand-written)."""
+    assert [packing.row_count(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
+    width = lambda n, cap=4096: packing.place([n], 4096, cap)[1]
+    assert [width(n) for n in (1, 33, 100, 129, 250, 257, 500, 513, 1000)] == [
+        16, 48, 112, 192, 256, 320, 512, 768, 1024]
+    assert width(700, cap=704) == 704
+    rows, _, row, offset = packing.place([30] * 7, 1024, 4096)   # 7 rows of 32 used of 32 allowed
+    assert (rows, row.tolist(), offset.tolist()) == (8, list(range(7)), [0] * 7)
+    assert packing.place([600, 600], 1024, 4096) is None     # one row of 768 holds one of them
+
+
+def test_the_auto_budget_is_micro_batch_size_rows_of_the_longest_sequence(tmp_path):
+    """micro_batch_size 4 x (prompt 100 + generated 200 + EOS 1, rounded up to 64 = 320)."""
+    tree = tiny_tree(tmp_path, **{"optimizer.micro_batch_size": 4, "optimizer.train_batch_size": 8,
+                                  "rollout.max_prompt_len": 100, "rollout.generate_max_len": 200})
+    assert packing.budget(from_dict(tree)) == 4 * 320
+    tree["optimizer"]["micro_batch_tokens"] = 0
+    assert packing.budget(from_dict(tree)) == 0
 
 
 def long_tail_host(rng, n, longest, s_vocab, t_vocab):
@@ -202,7 +283,10 @@ def test_a_checkpoint_resumes_bit_exactly_under_another_micro_batching(tmp_path)
     straight.step(1, StepTimer())
     straight.config = dataclasses.replace(straight.config, optimizer=dataclasses.replace(
         straight.config.optimizer, micro_batch_tokens=96))
-    assert straight.packing
+    for t in straight.teachers.values():   # the collector orders batches into packed micro-batches
+        t.collector = make_collector(straight.config, straight.objective, straight.s_tok, t.tokenizer,
+                                     straight.engine, t.model, straight.mesh)
+    assert straight.packing and straight.default_parts.collector.budget == 96
     straight.step(2, StepTimer())
 
     with pytest.raises(Stopped):
