@@ -10,7 +10,10 @@ from typing import Any, Literal, Mapping
 
 from ctopd_jax.config.algorithm_settings import algorithm_class, objectives_defining
 from ctopd_jax.config.errors import ConfigError
-from ctopd_jax.config.sections import AlgorithmSection
+from ctopd_jax.config.sections import AlgorithmSection, RolloutSection
+
+# keys written as the user reads them whose field name cannot be a Python keyword
+KEYWORD_KEYS = {RolloutSection: {"async": "async_rollouts"}}
 
 _NON_FINITE = ("nan", "inf", "infinity")
 
@@ -80,6 +83,12 @@ def build_section(cls: type, values: Any, prefix: str = "") -> Any:
         raise ConfigError(f"{where}: expected a mapping of keys, got {values!r}")
     if cls is AlgorithmSection:
         cls = algorithm_class(values.get("name", AlgorithmSection.name), values.get("modules") or ())
+    for key, field_name in KEYWORD_KEYS.get(cls, {}).items():
+        if key in values:
+            if field_name in values:
+                raise ConfigError(f"{where}.{key}: is {where}.{field_name} under another name; "
+                                  "set one of the two")
+            values = {(field_name if k == key else k): v for k, v in values.items()}
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     not_names = [k for k in values if not isinstance(k, str)]

@@ -144,10 +144,11 @@ class RolloutSection:
     transfer_address: str = ""           # sglang_server + nccl: host:port of the trainer's rendezvous
     sync_dir: str = ""                   # folder the servers read pushed weights from ("" = temp)
     logprob_check_rows: int = 4          # rows the server re-scores after each push
-    # generation overlapped with training (served engines; rollout/overlap.py): `async` is a
-    # Python keyword, hence async_rollouts. The next iteration's responses are generated while
-    # this one trains, from the weights before its update (async_staleness 1) or after its push
-    # (0: the same numbers as without async, overlapping only metrics, evaluation, checkpoints)
+    # generation overlapped with training (served engines; rollout/overlap.py); `rollout.async`
+    # reads as this field (a keyword cannot be one). The next iteration's responses are
+    # generated while this one trains, from the weights before its update (async_staleness 1)
+    # or after its push (0: the same numbers as without async; only metrics, evaluation and
+    # checkpoints overlap)
     async_rollouts: bool = False
     async_staleness: int = 1             # updates between the generating and the trained weights
     async_tis_cap: float = 2.0           # truncated importance weight's cap (objectives using "tis")

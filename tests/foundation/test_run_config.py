@@ -108,3 +108,12 @@ def test_another_objectives_key_in_a_file_naming_the_objective_is_refused(tmp_pa
 def test_a_key_no_objective_defines_is_still_unknown():
     with pytest.raises(ConfigError, match=r"unknown config key\(s\) algorithm\.ctkd_topkk"):
         load_config(TINY_CPU, ["algorithm.name=simct", "algorithm.ctkd_topkk=3"])
+
+
+def test_rollout_async_is_the_issue_spelling_of_async_rollouts():
+    """`rollout.async` (a Python keyword, so the field is async_rollouts) reads as the field."""
+    served = {"engine": "vllm_server", "url": "http://127.0.0.1:9"}
+    assert from_dict({"rollout": {**served, "async": True}}).rollout.async_rollouts is True
+    assert from_dict({"rollout": served}).rollout.async_rollouts is False
+    with pytest.raises(ConfigError, match="rollout.async: is rollout.async_rollouts under another name"):
+        from_dict({"rollout": {**served, "async": True, "async_rollouts": False}})
