@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from ctopd_jax.tokenization.assets import resolve_tokenizer_dir
+from ctopd_jax.tokenization.assets import PACKAGED_DIR, resolve_tokenizer_dir
 from ctopd_jax.tokenization.byte_view import detect_dummy_prefix, detect_kind, vocabulary_bytes
-from ctopd_jax.tokenization.char_vocab import tokenizer_dir
 from ctopd_jax.tokenization.chat import render_chat
 
 
@@ -108,7 +107,7 @@ def load_tokenizer_side(name_or_path, *, eos_token: str | None = None,
     to EOS when the config has none (padding positions are never attended or supervised).
     """
     if str(name_or_path) == "char":   # the repository's character vocabulary (char_vocab.py)
-        path = tokenizer_dir()
+        path = PACKAGED_DIR / "char"   # char_vocab.tokenizer_dir(); not imported: `python -m` runs it
     else:
         path = resolve_tokenizer_dir(name_or_path)
     raw = _read_text(path / "tokenizer.json", "tokenizer.json")
