@@ -17,7 +17,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from ctopd_jax.kernels.pallas_shared.tiles import Tiles
+from ctopd_jax.kernels.pallas_shared.tiles import Tiles, kernel_mode, pad_blocks, strict_pallas_call
 from ctopd_jax.kernels.strict.row_terms import ELEMENTWISE_DIVERGENCES, terms_and_partials
 
 PALLAS_DIVERGENCES = ELEMENTWISE_DIVERGENCES
@@ -205,3 +205,17 @@ def _argmax_update(tiles: Tiles, j, best, t):
     col = jnp.min(jnp.where(t == tiles.bcast(t_max), tiles.cols(j), INT32_MAX), axis=1)
     better = (t_max > best_v) | ((t_max == best_v) & (col < best_c))
     return jnp.where(better, t_max, best_v), jnp.where(better, col, best_c)
+
+
+def divergence_rows(zs_bar, zt_bar, w, *, divergence: str, temperature: float, kw: dict,
+                    interpret: bool, block_rows: int, block_cols: int, mode, name: str):
+    """(loss, gradient) of `divergence_passes` over the rows padded to blocks, one Pallas call:
+    both still padded (the callers cut them to their rows and columns)."""
+    zs, zt, wp, tile = pad_blocks(zs_bar, zt_bar, w, block_rows, block_cols)
+    tiles = Tiles(block_rows, tile, zs.shape[1] // tile, mode or kernel_mode(interpret))
+
+    def kernel(zs_ref, zt_ref, w_ref, loss_ref, grad_ref):
+        divergence_passes(tiles, zs_ref, zt_ref, w_ref, loss_ref, grad_ref, name=divergence,
+                          temperature=float(temperature), kw=kw)
+
+    return strict_pallas_call(kernel, zs, zt, wp, tiles=tiles, name=name)

@@ -20,11 +20,6 @@ BLOCK_ROWS = sizes("strict_full")["block_rows"]   # the table's tuned sizes (mea
 BLOCK_COLS = sizes("strict_full")["block_cols"]
 
 
-def _kernel(zs_ref, zt_ref, w_ref, loss_ref, grad_ref, *, tiles, name, temperature, kw):
-    passes.divergence_passes(tiles, zs_ref, zt_ref, w_ref, loss_ref, grad_ref, name=name,
-                         temperature=temperature, kw=kw)
-
-
 def strict_full_rows(zs_bar, zt_bar, w, *, divergence, temperature=1.0, jsd_beta=0.5,
                      skl_lambda=0.1, interpret=True, block_rows=BLOCK_ROWS,
                      block_cols=BLOCK_COLS, mode=None):
@@ -32,13 +27,10 @@ def strict_full_rows(zs_bar, zt_bar, w, *, divergence, temperature=1.0, jsd_beta
     if divergence not in passes.PALLAS_DIVERGENCES:
         raise ValueError(f"divergence {divergence!r} has no Pallas kernel")
     rows, cols = zs_bar.shape
-    zs, zt, wp, tile = pt.pad_blocks(zs_bar, zt_bar, w, block_rows, block_cols)
-    tiles = pt.Tiles(block_rows, tile, zs.shape[1] // tile, mode or pt.kernel_mode(interpret))
-    kernel = functools.partial(_kernel, tiles=tiles, name=divergence,
-                               temperature=float(temperature),
-                               kw=dict(jsd_beta=jsd_beta, skl_lambda=skl_lambda))
-    loss, grad = pt.strict_pallas_call(kernel, zs, zt, wp, tiles=tiles,
-                                       name=f"strict_full_{divergence}")
+    loss, grad = passes.divergence_rows(
+        zs_bar, zt_bar, w, divergence=divergence, temperature=temperature,
+        kw=dict(jsd_beta=jsd_beta, skl_lambda=skl_lambda), interpret=interpret,
+        block_rows=block_rows, block_cols=block_cols, mode=mode, name=f"strict_full_{divergence}")
     return loss[:rows], grad[:rows, :cols]
 
 

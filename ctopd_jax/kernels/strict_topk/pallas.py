@@ -38,11 +38,6 @@ BLOCK_ROWS = sizes("strict_topk")["block_rows"]   # the table's tuned sizes (mea
 BLOCK_COLS = sizes("strict_topk")["block_cols"]
 
 
-def _kernel(zs_ref, zt_ref, w_ref, loss_ref, grad_ref, *, tiles, name, temperature, kw):
-    passes.divergence_passes(tiles, zs_ref, zt_ref, w_ref, loss_ref, grad_ref, name=name,
-                         temperature=temperature, kw=kw)
-
-
 def strict_topk_rows(zs_bar, zt_bar, w, *, divergence, topk, temperature=1.0, jsd_beta=0.5,
                      skl_lambda=0.1, interpret=True, block_rows=BLOCK_ROWS,
                      block_cols=BLOCK_COLS, mode=None):
@@ -54,13 +49,11 @@ def strict_topk_rows(zs_bar, zt_bar, w, *, divergence, topk, temperature=1.0, js
         raise ValueError(f"topk={topk} must be in [1, {cols}]")
     zs_k, idx = select_topk(zs_bar.astype(jnp.float32), topk)
     zt_k = jnp.take_along_axis(zt_bar, idx, axis=1)
-    zs, zt, wp, tile = pt.pad_blocks(zs_k, zt_k, w, block_rows, block_cols)
-    tiles = pt.Tiles(block_rows, tile, zs.shape[1] // tile, mode or pt.kernel_mode(interpret))
-    kernel = functools.partial(_kernel, tiles=tiles, name=divergence,
-                               temperature=float(temperature),
-                               kw=dict(jsd_beta=jsd_beta, skl_lambda=skl_lambda))
-    loss, grad_k = pt.strict_pallas_call(kernel, zs, zt, wp, tiles=tiles,
-                                         name=f"strict_topk{topk}_{divergence}")
+    loss, grad_k = passes.divergence_rows(
+        zs_k, zt_k, w, divergence=divergence, temperature=temperature,
+        kw=dict(jsd_beta=jsd_beta, skl_lambda=skl_lambda), interpret=interpret,
+        block_rows=block_rows, block_cols=block_cols, mode=mode,
+        name=f"strict_topk{topk}_{divergence}")
     row_ids = jnp.arange(rows)[:, None]
     grad = jnp.zeros((rows, cols), jnp.float32).at[row_ids, idx].set(
         grad_k[:rows, :topk], unique_indices=True)
