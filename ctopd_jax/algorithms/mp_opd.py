@@ -201,8 +201,10 @@ class MpOpd(Objective):
     @property
     def packed_rows(self) -> dict[str, str] | None:
         """grass_chunk cannot pack: its noise EMA advances once per micro-batch, so a token
-        budget (other micro-batch boundaries) would change the loss, not only its layout."""
-        if self.settings.mp_opd_mode == "grass_chunk":
+        budget (other micro-batch boundaries) would change the loss, not only its layout.
+        align does not pack yet: its chunk Gram rows (`gram_rows`, [spans, K] student rows)
+        are not carried through the packed layout, so it keeps one sample per row."""
+        if self.settings.mp_opd_mode in ("grass_chunk", "align"):
             return None
         return {**BASE_ROWS, "atom_teacher_rows": "teacher"}
 

@@ -138,6 +138,7 @@ def test_packed_rows_on_a_mesh_give_the_unpacked_loss_and_gradient(tmp_path):
 
 @pytest.mark.parametrize("name,extra", [
     ("mp_opd", ("algorithm.mp_opd_mode=grass_chunk",)),
+    ("mp_opd", ("algorithm.mp_opd_mode=align",)),
     pytest.param("sage_opd", ("algorithm.sage_judge=proxy",), marks=slow)])
 def test_an_objective_that_cannot_pack_falls_back_alone(tmp_path, name, extra):
     """Its loss depends on the micro-batch boundaries: one row per sample, micro_batch_size of
