@@ -356,7 +356,7 @@ def make_collector(config, objective, s_tok, t_tok, engine, teacher, mesh):
     """host.Collector (cross-tokenizer) or host.SameTokenizerCollector (`needs.reuse_sampled_ids`),
     with a second engine over the teacher when the objective may need teacher responses."""
     if not objective.needs.reuse_sampled_ids:   # packing: each optimizer batch in packed micro-batches
-        budget = packing.budget(config) if objective.packed_rows is not None else 0
+        budget = packing.objective_budget(config, objective)
         return Collector(s_tok, t_tok, engine, config.rollout, config.optimizer.train_batch_size if budget else 1,
                          budget)
     teacher_engine = None

@@ -39,7 +39,8 @@ import numpy as np
 from flax import nnx
 
 from ctopd_jax import build, heap, host_offload, teacher_batches
-from ctopd_jax.algorithms.packing import budget as packing_budget, host_micro_ranges, pack_rows, pack_shards
+from ctopd_jax.algorithms.packing import (budget as packing_budget, host_micro_ranges, objective_budget,
+                                          pack_rows, pack_shards)
 from ctopd_jax.align import CoverageMeter
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig, default_teacher
@@ -167,7 +168,7 @@ class Trainer:
     @property
     def packing(self) -> bool:
         """Packed rows: a token budget is set and the objective can pack (else its fallback)."""
-        return packing_budget(self.config) > 0 and self.objective.packed_rows is not None
+        return objective_budget(self.config, self.objective) > 0
 
     def micro_ranges(self, host, first: int, last: int) -> list[tuple[int, int]]:
         """The micro-batches [start, stop) of samples [first, last): micro_batch_size samples

@@ -67,6 +67,12 @@ def budget(config) -> int:
     return o.micro_batch_size * round_up(r.max_prompt_len + r.generate_max_len + 1, ROUNDING)
 
 
+def objective_budget(config, objective) -> int:
+    """The budget `objective`'s micro-batches pack to: 0 when it cannot pack (`packed_rows`
+    None: one row per sample) or packing is off."""
+    return budget(config) if objective.packed_rows is not None else 0
+
+
 def place(lengths, budget: int | None, cap: int) -> tuple[int, int, np.ndarray, np.ndarray] | None:
     """(rows, width, row, offset): samples of these lengths first-fit, in order, into rows as
     wide as their longest's bucket (at most `cap`, the side's padded length, as
