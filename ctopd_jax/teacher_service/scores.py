@@ -34,6 +34,12 @@ class ProtocolError(RuntimeError):
     """The server answered, but not in the shape its engine's protocol promises."""
 
 
+def adapter_request(name: str, folder: str) -> dict:
+    """The body that loads a LoRA adapter from `folder` as `name`: vLLM's /v1/load_lora_adapter
+    and SGLang's /load_lora_adapter take the same one (each protocol module re-exports it)."""
+    return {"lora_name": name, "lora_path": folder}
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ScoredSequence:
     token_logprobs: np.ndarray  # float32 [n]

@@ -29,6 +29,7 @@ import numpy as np
 
 from ctopd_jax.teacher_service.scores import (Endpoints, ProtocolError, ScoredSequence,
                                               ServerInfo, answer_items, logprob_value, top_k_rows)
+from ctopd_jax.teacher_service.scores import adapter_request  # noqa: F401  (this engine's too)
 from ctopd_jax.teacher_service.transport import ServerError
 
 ENDPOINTS = Endpoints("/generate", "/health", "/get_model_info",
@@ -158,10 +159,6 @@ def parse_generation(answer, n_prompts: int, n: int) -> list[tuple[list[int], li
 
 def reload_request(folder: str) -> tuple[str, dict]:
     return "/update_weights_from_disk", {"model_path": folder}
-
-
-def adapter_request(name: str, folder: str) -> dict:
-    return {"lora_name": name, "lora_path": folder}
 
 
 # Weights without a file, GPU only (rollout/weight_transfer.py): `nccl` joins the trainer as rank

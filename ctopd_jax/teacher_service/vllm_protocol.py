@@ -24,6 +24,7 @@ import numpy as np
 
 from ctopd_jax.teacher_service.scores import (Endpoints, ProtocolError, ScoredSequence,
                                               ServerInfo, answer_items, logprob_value, top_k_rows)
+from ctopd_jax.teacher_service.scores import adapter_request  # noqa: F401  (this engine's too)
 
 ENDPOINTS = Endpoints(
     "/v1/completions", "/health", "/v1/models",
@@ -137,10 +138,6 @@ def reload_request(folder: str) -> tuple[str, dict]:
 
 
 RESET_CACHE_PATH = "/reset_prefix_cache"
-
-
-def adapter_request(name: str, folder: str) -> dict:
-    return {"lora_name": name, "lora_path": folder}
 
 
 # Weights without a file, GPU only (rollout/weight_transfer.py; vLLM 0.32's four-phase weight
