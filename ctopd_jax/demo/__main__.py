@@ -185,8 +185,10 @@ def run(argv=None) -> dict:
         with SignalGuard() as stop:   # a signal: the step finishes, is checkpointed, one line
             result = trainer.train(stop=stop)
         train_s = time.perf_counter() - train_started
-    student, _ = load_hf_checkpoint(result.hf_dir)   # what a user takes away, read back from disk
-    after = accuracy(student, trainer.s_tok, "student_after")
+    if result.hf_dir is not None:   # what a user takes away, read back from disk
+        after = accuracy(load_hf_checkpoint(result.hf_dir)[0], trainer.s_tok, "student_after")
+    else:   # checkpoint.export_hf=false: nothing exported, the trained student in memory
+        after = accuracy(trainer.student, trainer.s_tok, "student_after", engine=trainer.engine)
     plots = plot_run(result.run_dir)
 
     last = result.last_metrics
@@ -201,7 +203,7 @@ def run(argv=None) -> dict:
         "teacher_engine": config.teacher.engine,
         "total_seconds": round(time.perf_counter() - started, 1),
         "run_dir": str(result.run_dir), "checkpoints": str(result.checkpoint_dir),
-        "hf_student": str(result.hf_dir), "plots": [str(p) for p in plots],
+        "hf_student": str(result.hf_dir) if result.hf_dir else None, "plots": [str(p) for p in plots],
         "eval_dirs": {w: str(out / "eval" / w) for w in ("teacher", "student_before",
                                                          "student_after")},
     }

@@ -40,8 +40,12 @@ def _regraded_accuracy(eval_dir):
 
 
 @pytest.mark.slow
-def test_short_demo_run_reports_what_its_samples_say(tmp_path):
+@pytest.mark.parametrize("export_hf", [True, False])
+def test_short_demo_run_reports_what_its_samples_say(tmp_path, export_hf):
+    """Graded after training: the exported student read back from disk, or (export_hf false:
+    nothing exported) the trained student in memory."""
     summary = demo.run(["--out", str(tmp_path / "demo"), "--set", "steps=2",
+                        "--set", f"checkpoint.export_hf={str(export_hf).lower()}",
                         "--set", "rollout.rollout_batch_size=16",
                         "--set", "optimizer.train_batch_size=16",
                         "--set", "optimizer.micro_batch_size=8",
@@ -53,6 +57,7 @@ def test_short_demo_run_reports_what_its_samples_say(tmp_path):
         assert summary[key] == pytest.approx(_regraded_accuracy(out / "eval" / who))
     assert summary["teacher_accuracy"] > summary["student_accuracy_before"]
     assert 0.0 < summary["coverage_student"] <= 1.0
-    assert (out / "hf_student" / "model.safetensors").is_file()
+    assert (out / "hf_student" / "model.safetensors").is_file() == export_hf
+    assert (summary["hf_student"] is not None) == export_hf
     assert json.loads((out / "demo_summary.json").read_text()) == summary
     assert summary["plots"] and all(p.endswith(".png") for p in summary["plots"])
