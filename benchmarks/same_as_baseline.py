@@ -2,12 +2,16 @@
 this tree and in a `git worktree` of the baseline, on the same seed and config file.
 
     python benchmarks/same_as_baseline.py --baseline c714c0a [--steps 3] [--objectives strict,opd]
-        [--set optimizer.micro_batch_tokens=0 ...]
+        [--set optimizer.micro_batch_tokens=0 ...] [--vllm-python .venv-vllm/bin/python]
 
 For every objective (default: all registered) the config is the one `demo --algorithm NAME`
 runs (demo.compare.write_config, written once here and given to both trees), with `steps`
 iterations, a checkpoint at every step, no HF export, and the `--set` overrides (given to
-both trees: e.g. a default changed since the baseline, set to its old value). Compared exactly
+both trees: e.g. a default changed since the baseline, set to its old value). The objectives
+that read a served teacher's top-k (`needs.teacher_scores` "topk": teacher_topk_strict,
+topk_gkd) run behind a vLLM server of the demo teacher that each run starts itself
+(`teacher.launch`, from `--vllm-python`; float32 on the CPU, so its answers repeat exactly);
+without `--vllm-python` they are skipped with a line that says so. Compared exactly
 (==, not a tolerance):
 every metrics.jsonl value except wall-clock ones (time_*, wall_time, elapsed_s, tokens_per_s,
 peak memory), and the final checkpoint's parameters; metrics renamed since are compared under
@@ -32,6 +36,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# a served teacher (the objectives that read its top-k), started by each run (teacher.launch)
+SERVED_TEACHER = ("teacher.engine=vllm_server", "teacher.launch=true", "teacher.model=demo-teacher",
+                  "teacher.top_k=8", "teacher.timeout_s=120")
 CLOCK = ("time_", "wall_time", "elapsed_s", "tokens_per_s", "peak_device_memory_bytes")
 # the turn curriculum's metrics lost their objective prefix (issue 24): old name -> new name
 RENAMED = {"tcod_turn_limit": "turn_limit", "tcod_prefix_turns": "expert_prefix_turns",
@@ -93,6 +100,13 @@ def params(run: Path) -> dict:
     return {k: np.asarray(v).tobytes() for k, v in sorted(restored.items())}
 
 
+def reads_served_topk(objective_class) -> bool:
+    """Whether the objective reads a served teacher's top-k (its needs at default settings;
+    needs may be a property of the instance)."""
+    settings = objective_class.settings_class(name=objective_class.name)
+    return objective_class(settings).needs.teacher_scores == "topk"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="a commit of this repository")
@@ -100,11 +114,20 @@ def main() -> int:
     parser.add_argument("--objectives", default="", help="comma-separated (default: all)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override given to both trees (repeatable)")
+    parser.add_argument("--vllm-python", default="",
+                        help="the Python with vLLM (make .venv-vllm/.installed) that serves the teacher "
+                             "of the served top-k objectives; without it they are skipped")
     args = parser.parse_args()
     from ctopd_jax.algorithms import registry
     from ctopd_jax.demo.compare import write_config
 
     names = [n for n in args.objectives.split(",") if n] or sorted(registry())
+    served = {n for n in names if reads_served_topk(registry()[n])}
+    if served and not args.vllm_python:
+        print(f"{', '.join(sorted(served))}: skipped (a served teacher: pass --vllm-python)", flush=True)
+        names = [n for n in names if n not in served]
+    launch = [*SERVED_TEACHER, f"teacher.launch_python={Path(args.vllm_python).absolute()}"]
+    overrides = {n: args.set + (launch if n in served else []) for n in names}
     work = Path(tempfile.mkdtemp(prefix="same_as_baseline_"))
     base = work / "baseline"
     subprocess.run(["git", "worktree", "add", "--detach", str(base), args.baseline], cwd=ROOT,
@@ -116,7 +139,7 @@ def main() -> int:
             runs = {}
             for label, tree in (("baseline", base), ("this tree", ROOT)):
                 runs[label] = work / label.replace(" ", "_") / name
-                train(tree, config, runs[label], args.steps, args.set)
+                train(tree, config, runs[label], args.steps, overrides[name])
             same_rows = rows(runs["baseline"]) == rows(runs["this tree"])
             same_params = params(runs["baseline"]) == params(runs["this tree"])
             failed += not (same_rows and same_params)
@@ -125,8 +148,8 @@ def main() -> int:
         name = names[0]
         resumed = work / "resumed" / name
         config = work / "configs" / f"config_{name}.yaml"
-        train(ROOT, config, resumed, args.steps, args.set, kill_after_step=1)
-        train(ROOT, config, resumed, args.steps, args.set, resume=True)
+        train(ROOT, config, resumed, args.steps, overrides[name], kill_after_step=1)
+        train(ROOT, config, resumed, args.steps, overrides[name], resume=True)
         same = (rows(resumed) == rows(work / "baseline" / name)
                 and params(resumed) == params(work / "baseline" / name))
         failed += not same
