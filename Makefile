@@ -78,12 +78,14 @@ trl-venv: $(TRL_VENV)/.installed
 # jax 0.11-0.12 need Python >= 3.12: the default suite's tests that reach jax run again on the
 # newest jax the pins admit (Python 3.12, jax 0.12, flax 0.12.12), from a venv of its own;
 # skipped, with a line that says so, where no Python 3.12 is found. Left out: the pure-Python
-# tests (alignment, tokenization, grading, environments, config and docs), which no jax version
-# changes, and of tests/trainer (half the suite's time, the loop's Python over the same jax
-# calls) all but the files that reach jax's own APIs most: Orbax checkpoints and resume, the
-# step on one device and on the mesh, packed rows.
+# tests (alignment, tokenization, grading, environments, HTTP protocols, config and docs),
+# which no jax version changes, and of tests/trainer (half the suite's time, the loop's Python
+# over the same jax calls) all but the files that reach jax's own APIs most: Orbax checkpoints
+# and resume, the step on one device and on the mesh, packed rows.
 NEXT_TESTS := tests/algorithms tests/kernels tests/models tests/rollout tests/foundation \
-    tests/teacher_service tests/evaluation/test_evaluate.py tests/demo/test_assets.py \
+    --ignore=tests/rollout/test_episodes.py --ignore=tests/rollout/test_served_rollouts.py \
+    --ignore=tests/rollout/test_weight_transfer.py tests/teacher_service/test_served_topk.py \
+    tests/teacher_service/test_served_local_scores.py tests/evaluation/test_evaluate.py tests/demo/test_assets.py \
     tests/demo/test_tools_task.py tests/test_losses.py tests/test_plan.py tests/test_teacher.py \
     tests/trainer/test_checkpoint.py tests/trainer/test_resume.py \
     tests/trainer/test_student_step.py tests/trainer/test_sharded_step.py tests/trainer/test_packed_rows.py
