@@ -70,12 +70,26 @@ class MicroBatch:
     terms: Any = None
 
 
-def map_rows(obj, move):
-    """`obj` with every declared row field x of side s replaced by move(x, s, name), recursing
-    into nested terms; an undeclared `*_rows` field raises PackingError."""
+def side_tokens(batch: MicroBatch) -> dict[str, tuple]:
+    """{side: (ids, mask)} of the sides the micro-batch holds."""
+    both = {"student": (batch.student_ids, batch.student_mask), "teacher": (batch.teacher_ids, batch.teacher_mask)}
+    return {side: pair for side, pair in both.items() if pair[0] is not None}
+
+
+def with_side_tokens(batch: MicroBatch, tokens: dict[str, tuple]) -> MicroBatch:
+    """`batch` with the sides' (ids, mask) of `tokens` (side_tokens' layout) in place."""
+    s_ids, s_mask = tokens.get("student", (batch.student_ids, batch.student_mask))
+    t_ids, t_mask = tokens.get("teacher", (batch.teacher_ids, batch.teacher_mask))
+    return dataclasses.replace(batch, student_ids=s_ids, student_mask=s_mask, teacher_ids=t_ids, teacher_mask=t_mask)
+
+
+def map_rows(node, move):
+    """`node` (a MicroBatch or terms) with every declared row field x of side s replaced by
+    move(x, s, name), recursing into nested terms; an undeclared `*_rows` field raises
+    PackingError."""
     changes = {}
-    for f in dataclasses.fields(obj):
-        value, side = getattr(obj, f.name), f.metadata.get("rows")
+    for f in dataclasses.fields(node):
+        value, side = getattr(node, f.name), f.metadata.get("rows")
         if value is None:
             continue
         if dataclasses.is_dataclass(value):
@@ -83,6 +97,6 @@ def map_rows(obj, move):
         elif side is not None:
             changes[f.name] = move(value, side, f.name)
         elif f.name.endswith("_rows"):
-            raise PackingError(f"{type(obj).__name__}.{f.name}: row indices without a side; declare the "
+            raise PackingError(f"{type(node).__name__}.{f.name}: row indices without a side; declare the "
                                "field with micro_batch.rows('student') or rows('teacher')")
-    return dataclasses.replace(obj, **changes)
+    return dataclasses.replace(node, **changes)

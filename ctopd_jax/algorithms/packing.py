@@ -41,12 +41,12 @@ misread.
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import numpy as np
 
 # PackingError: raised here, defined beside the row declarations it enforces
-from ctopd_jax.algorithms.micro_batch import SIDES, MicroBatch, PackingError, map_rows  # noqa: F401
+from ctopd_jax.algorithms.micro_batch import (MicroBatch, PackingError, map_rows,  # noqa: F401
+                                              side_tokens, with_side_tokens)
 from ctopd_jax.algorithms.pack import length_bucket, round_up
 
 ROW_MULTIPLE = 16   # packed row widths step by 16 where unpacked's buckets step by 64
@@ -191,8 +191,7 @@ def pack_shards(parts: list[MicroBatch]) -> list[MicroBatch]:
     width per side (the widest part's), so that stacking them (shards.stack_shards) pads rows
     only, never a row's width, which would move every flat row index past the first row."""
     packed = [pack_rows(part, None) for part in parts]
-    widths = {side: max(getattr(p, f"{side}_ids").shape[1] for p in packed)
-              for side in SIDES if getattr(parts[0], f"{side}_ids") is not None}
+    widths = {side: max(side_tokens(p)[side][0].shape[1] for p in packed) for side in side_tokens(parts[0])}
     return [pack_rows(part, None, widths) for part in parts]
 
 
@@ -200,10 +199,7 @@ def pack_rows(batch: MicroBatch, budget: int | None, widths: dict[str, int] | No
     """`batch` of one micro-batch (one sample per row) with both sides packed (module doc);
     `widths`: each side's row width, at least its own (pack_shards)."""
     sides, moves = {}, {}
-    for side in SIDES:
-        ids, mask = getattr(batch, f"{side}_ids"), getattr(batch, f"{side}_mask")
-        if ids is None:
-            continue
+    for side, (ids, mask) in side_tokens(batch).items():
         lengths = lengths_of(mask)
         placed = place(lengths, budget, ids.shape[1])
         if placed is None:
@@ -214,7 +210,7 @@ def pack_rows(batch: MicroBatch, budget: int | None, widths: dict[str, int] | No
         for b, (r, at, n) in enumerate(zip(row, offset, lengths)):
             packed[r, at:at + n] = ids[b, :n]
             segments[r, at:at + n] = b + 1
-        sides[f"{side}_ids"], sides[f"{side}_mask"] = packed, segments
+        sides[side] = (packed, segments)
         moves[side] = (ids.shape[1], row * width + offset, lengths)
     moved = map_rows(batch, lambda x, side, name: move_rows(x, *moves[side], name) if side in moves else x)
-    return dataclasses.replace(moved, **sides)
+    return with_side_tokens(moved, sides)
