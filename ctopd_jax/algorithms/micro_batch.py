@@ -50,7 +50,7 @@ class MicroBatch:
     """One micro-batch on its way to the step (host numpy arrays, then global jax arrays).
 
     M samples (rows), T_S / T_T padded lengths per side, R response rows (padded)."""
-    # -- student side (pack.student_batch) --
+    # -- student side (pack.micro_batch) --
     student_ids: Any = None             # [M, T_S] int32 token ids, right-padded
     student_mask: Any = None            # [M, T_S] bool (int32 segment ids once packed: sample i + 1)
     response_rows: Any = rows("student")  # [R] int32: flat student rows predicting a response token
