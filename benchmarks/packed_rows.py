@@ -115,12 +115,12 @@ def layout(trainer, host, tokens: int):
     trainer.config = base
     real = slots = 0
     for start, stop in ranges:
-        arrays = trainer.objective.prepare(host, start, stop)
+        batch = trainer.objective.prepare(host, start, stop)
         if packed:
-            arrays = pack_rows(arrays, trainer.objective.packed_rows, tokens)
-        for side in ("student", "teacher"):
-            real += int((arrays[f"{side}_mask"] > 0).sum())
-            slots += arrays[f"{side}_mask"].size
+            batch = pack_rows(batch, tokens)
+        for mask in (batch.student_mask, batch.teacher_mask):
+            real += int((mask > 0).sum())
+            slots += mask.size
 
     def run():
         trainer.config = config

@@ -23,6 +23,9 @@ import numpy as np
 
 from ctopd_jax.algorithms import get_objective
 from ctopd_jax.algorithms.base import StepInputs
+from ctopd_jax.algorithms.micro_batch import MicroBatch
+from ctopd_jax.algorithms.simct import SimctTerms
+from ctopd_jax.algorithms.strict import StrictPairs
 from ctopd_jax.config import from_dict
 
 V_S, V_T, V_SHARED = 128_256, 151_665, 109_567
@@ -44,7 +47,7 @@ def inputs(rows: int, hidden: int, span_fraction: float, seed: int = 0):
     t_grp = np.concatenate([spans] * 2) if len(spans) else np.zeros(0, np.int64)
     pad = lambda a, n: np.pad(a, (0, n - len(a)))  # noqa: E731
     ns, nt = max(64, len(s_tok)), max(64, len(t_grp))
-    simct = {
+    simct = SimctTerms(**{
         "simct_student_first": first, "simct_teacher_first": first,
         "simct_weight": np.ones(rows, np.float32), "simct_is_span": span.astype(np.float32),
         "simct_student_count": np.where(span, 3, 0).astype(np.float32),
@@ -58,19 +61,19 @@ def inputs(rows: int, hidden: int, span_fraction: float, seed: int = 0):
         "simct_teacher_token_weight": pad(np.ones(len(t_grp)), nt).astype(np.float32),
         "simct_aligned_tokens": np.float32(rows), "simct_sample_tokens": np.float32(rows),
         "simct_samples": np.float32(1),
-    }
+    })
     t_hidden_simct = jnp.asarray(rng.normal(size=(rows + nt, hidden)).astype(np.float32) * 0.1)
-    strict = {"strict_student_rows": first, "strict_weight": np.ones(rows, np.float32)}
+    strict = StrictPairs(strict_student_rows=first, strict_weight=np.ones(rows, np.float32))
     t_hidden_strict = t_hidden_simct[:rows]
     return hs, ws, wt, {"s_ids": s_ids, "t_ids": t_ids}, simct, t_hidden_simct, strict, t_hidden_strict
 
 
-def program(name: str, mode: str | None, chunk: int, wt, overlap, batch, t_hidden):
+def program(name: str, mode: str | None, chunk: int, wt, overlap, terms, t_hidden):
     algo = {"name": name, "chunked_loss_size": chunk, "kd_loss_fn": "rkl"}
     if mode:
         algo["span_score_mode"] = mode
     obj = get_objective(from_dict({"algorithm": algo}).algorithm)
-    batch = jax.tree.map(jnp.asarray, batch)
+    batch = jax.tree.map(jnp.asarray, MicroBatch(terms=terms))
     key = "strict" if name == "strict" else "simct"
 
     def f(h, w):

@@ -18,17 +18,18 @@ def replicated(value: np.ndarray, mesh) -> jax.Array:
     return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
 
 
-def to_global(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
-    """Identical host arrays on every process -> global arrays (batch dim sharded when it divides)."""
+def to_global(batch, mesh):
+    """Identical host arrays on every process (a pytree of them: a micro-batch) -> global arrays
+    (batch dim sharded when it divides)."""
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    out = {}
-    for key, value in batch.items():
+
+    def place(value):
         if value.ndim >= 1 and value.shape[0] % shards == 0:
             sharding = batch_sharding(mesh, value.ndim)
-            out[key] = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
-        else:
-            out[key] = replicated(value, mesh)
-    return out
+            return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+        return replicated(value, mesh)
+
+    return jax.tree.map(place, batch)
 
 
 def on_mesh(x, mesh):

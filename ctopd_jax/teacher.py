@@ -14,6 +14,7 @@ give the same rows as an unpadded forward.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -49,11 +50,11 @@ def lm_head_of(graphdef, state):
 
 
 def add_teacher_base(base, batch, overlap, mesh):
-    """(batch, overlap) with the base's hidden rows at the teacher rows (batch["base_hidden"])
+    """(batch, overlap) with the base's hidden rows at the teacher rows (MicroBatch.base_hidden)
     and its lm_head (overlap["base_lm_head"], replicated); unchanged without a base."""
     if base is None:
         return batch, overlap
     graphdef, state, lm_head = base
-    hidden = teacher_hidden_rows(graphdef, state, batch["teacher_ids"], batch["teacher_mask"],
-                                 batch["teacher_rows"], mesh=mesh)
-    return dict(batch, base_hidden=hidden), dict(overlap, base_lm_head=lm_head)
+    hidden = teacher_hidden_rows(graphdef, state, batch.teacher_ids, batch.teacher_mask,
+                                 batch.teacher_rows, mesh=mesh)
+    return dataclasses.replace(batch, base_hidden=hidden), dict(overlap, base_lm_head=lm_head)

@@ -145,19 +145,18 @@ class Trainer:
         with timer("prepare"):   # host work, hidden under the device's previous micro-batch
             parts = [self.objective.prepare(host, a, a + step) for a in range(start, stop, step)]
             if packed:   # one micro-batch: rows of the budget; a shard's part: rows enough for it
-                parts = ([pack_rows(parts[0], self.objective.packed_rows, packing_budget(self.config))]
-                         if shards == 1 else pack_shards(parts, self.objective.packed_rows))
+                parts = [pack_rows(parts[0], packing_budget(self.config))] if shards == 1 else pack_shards(parts)
             batch = to_global(stack_shards(parts), self.mesh)
         mesh = self.mesh if shards > 1 else None
         t_graphdef, t_state, t_lm_head = teacher.scoring
         with timer("teacher") as since, jax.set_mesh(self.mesh):  # the models' activation constraints bind
             t_hidden = None   # a served teacher's log-probs came with the host batch (iteration)
             if teacher.served is None:
-                t_hidden = teacher_hidden_rows(t_graphdef, t_state, batch["teacher_ids"],
-                                               batch["teacher_mask"], batch["teacher_rows"], mesh=mesh)
+                t_hidden = teacher_hidden_rows(t_graphdef, t_state, batch.teacher_ids, batch.teacher_mask,
+                                               batch.teacher_rows, mesh=mesh)
             batch, overlap = add_teacher_base(self.base, batch, teacher.overlap_arrays, mesh)
-        if t_hidden is not None or "base_hidden" in batch:
-            timer.device("teacher", batch.get("base_hidden", t_hidden), since)
+        if t_hidden is not None or batch.base_hidden is not None:
+            timer.device("teacher", t_hidden if batch.base_hidden is None else batch.base_hidden, since)
         with timer("student") as since, jax.set_mesh(self.mesh):
             out = micro_grad(self.params, self.rest, batch, t_hidden, t_lm_head, overlap,
                              np.float32(total_tokens), grads, graphdef=self.graphdef,
@@ -291,8 +290,8 @@ class Trainer:
             f"resumed from step {start} ({ck_dir})" if start else
             "overlap: " + json.dumps(self.default_parts.overlap.summary() if not c.teachers else
                                      {name: t.overlap.summary() for name, t in self.teachers.items()})))
-        if packing_budget(c) > 0 and self.objective.packed_rows is None:
-            logger.write(f"{c.algorithm.name} cannot pack rows (its packed_rows declaration): its micro-batches "
+        if packing_budget(c) > 0 and not self.objective.packs:
+            logger.write(f"{c.algorithm.name} cannot pack rows (its packs declaration): its micro-batches "
                          f"keep one row per sample, optimizer.micro_batch_size {c.optimizer.micro_batch_size}")
         record: dict[str, Any] = {}
         try:

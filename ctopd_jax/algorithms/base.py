@@ -9,9 +9,11 @@ class (algorithms/catalog.py) with:
 - `needs`: what the host side must collect (where responses come from, which models run,
   rollout-time log-probs, whether sampled ids are reused);
 - `check(overlap)`: settings that depend on the tokenizer pair (before any model loads);
-- `prepare(host, start, stop)`: the device arrays of one micro-batch from the host batch
-  (tokens, masks, alignment records...); it must set `teacher_rows`, the flat teacher rows whose
-  hidden states the teacher hands back (teacher.py);
+- `prepare(host, start, stop)`: the `MicroBatch` (algorithms/micro_batch.py: named, documented
+  fields) of one micro-batch from the host batch: pack.micro_batch's shared fields, the
+  `teacher_rows` whose hidden states the teacher hands back (teacher.py), and its own arrays as
+  `terms`, a dataclass its module defines (`@terms_class`, row fields declared with `rows(side)`);
+- `packs`: whether its micro-batches may be packed (algorithms/packing.py);
 - `kd_sums(x)`: named loss SUMS over the micro-batch and metrics, on device;
 - optionally: run state (`state_dict()` / `load_state_dict()`, saved with checkpoints, and
   `after_micro_batch(metrics)` that updates it), a `gradient_comparison()` for the diagnostics,
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 
 from ctopd_jax import losses
 from ctopd_jax.algorithms.catalog import register  # noqa: F401  (objective modules' decorator)
+from ctopd_jax.algorithms.micro_batch import MicroBatch
 from ctopd_jax.config import AlgorithmSection
 from ctopd_jax.kernels.token_rows import token_rows
 
@@ -65,17 +68,12 @@ def shard_gather(x):
 
 RESPONSE_SOURCES = ("student", "dataset", "teacher", "teacher_prefix")
 
-# the row arrays of every objective's `prepare` (pack.student_arrays, the teacher's rows), for
-# `Objective.packed_rows`
-BASE_ROWS = {"response_rows": "student", "teacher_rows": "teacher"}
-
-
 # What an objective needs from the teacher's scores (`Needs.teacher_scores`):
 # - "full_rows": teacher rows over the whole vocabulary (hidden rows + lm_head on the mesh): only
 #   a local teacher (`teacher.engine: local`) gives them;
 # - "token_logprobs": log π_T of the realised tokens only (at temperature 1), which a teacher
 #   behind a server returns too (docs/served_teacher.md); the host then puts them on the rows as
-#   batch["teacher_token_logprobs"] and the step passes no teacher hidden rows (None);
+#   MicroBatch.teacher_token_logprobs and the step passes no teacher hidden rows (None);
 # - "topk": the realised tokens' log-probs and the teacher's top-k (ids, log-probs) at every
 #   response position, which only a served teacher gives (the loop asks it for teacher.top_k);
 #   the objective reads them from host.served_teacher_rows in `prepare`
@@ -105,17 +103,18 @@ class StepInputs:
     """What `kd_sums` sees on device for one micro-batch.
 
     hidden: student final hidden states [M*T, H] (flat rows); lm_head: [H, V_S];
-    teacher_hidden: teacher hidden states [R_t, H_T] at batch["teacher_rows"]; teacher_lm_head:
+    teacher_hidden: teacher hidden states [R_t, H_T] at batch.teacher_rows; teacher_lm_head:
     [H_T, V_T] (both None with a served teacher: then an objective whose needs.teacher_scores is
-    "token_logprobs" reads batch["teacher_token_logprobs"] at its response rows, one whose
-    needs.teacher_scores is "topk" the arrays its `prepare` made of the served top-k); response_logprobs: log π_S(y) at batch["response_rows"] over the full vocabulary
+    "token_logprobs" reads batch.teacher_token_logprobs at its response rows, one whose
+    needs.teacher_scores is "topk" the terms its `prepare` made of the served top-k);
+    batch: the MicroBatch; response_logprobs: log π_S(y) at batch.response_rows over the full vocabulary
     (differentiable when the objective asks for it, see `response_logprob_grad`);
     overlap: {"s_ids", "t_ids"} [V∩] device arrays."""
     hidden: Any
     lm_head: Any
     teacher_hidden: Any
     teacher_lm_head: Any
-    batch: dict
+    batch: MicroBatch
     overlap: dict
     response_logprobs: Any
 
@@ -125,7 +124,7 @@ class GradientComparison:
     """What the gradient diagnostics (SPEC §6) compare: the gradients of the sums `trained` and
     `compared` of `objective.kd_sums` (an objective of the same settings, which may add the
     compared term), and, as a control, of `trained` on two random halves of the positions
-    weighted by the micro-batch array `weight`."""
+    weighted by `weight`, the name of a field of the micro-batch's terms."""
     objective: "Objective"
     trained: str
     compared: str
@@ -143,9 +142,9 @@ class Objective:
     response_logprob_grad: ClassVar[bool] = False
     # what the demo (demo/compare.py) runs it with beside its pair's config: {dotted key: value}
     demo_settings: ClassVar[dict[str, Any]] = {}
-    # packed rows (algorithms/packing.py): every array of flat row indices `prepare` makes and
-    # the side it indexes; None: the objective cannot pack and keeps one row per sample
-    packed_rows: ClassVar[dict[str, str] | None] = None
+    # packed rows (algorithms/packing.py) move every declared row field of its micro-batch;
+    # False: its loss depends on the micro-batch boundaries, it keeps one row per sample
+    packs: ClassVar[bool] = True
     # rollout.async_rollouts at staleness 1 (rollout/staleness.py): "none" (full divergences per
     # state), "ratio" (its π_θ/π_rollout ratio), "tis" (truncated importance weights), or None:
     # one update of staleness is wrong for it, async refused
@@ -192,7 +191,7 @@ class Objective:
         config (models.ModelConfig, read from its files) and tokenizer (before any weight loads)."""
 
     # -- the data of a micro-batch (host side) ---------------------------------------------------
-    def prepare(self, host, start: int, stop: int) -> dict:
+    def prepare(self, host, start: int, stop: int) -> MicroBatch:
         raise NotImplementedError
 
     def response_sources(self, micro_batches: int) -> list[str]:
@@ -226,15 +225,15 @@ class Objective:
         s = self.settings
         grad = self.response_logprob_grad or s.kd_ratio < 1.0
         h, w = (hidden, lm_head) if grad else jax.lax.stop_gradient((hidden, lm_head))
-        rows = jnp.take(h, batch["response_rows"], axis=0)
-        logp, _ = token_rows(rows, w, batch["response_targets"], chunk_rows=s.chunked_loss_size,
+        rows = jnp.take(h, batch.response_rows, axis=0)
+        logp, _ = token_rows(rows, w, batch.response_targets, chunk_rows=s.chunked_loss_size,
                              implementation=s.implementation)
         x = StepInputs(hidden, lm_head, teacher_hidden, teacher_lm_head, batch, overlap, logp)
         sums, metrics = self.kd_sums(x)
         sums = dict(sums)
-        sums["ce"] = losses.masked_sum(-logp, batch["response_weight"])
-        lp_w = batch["rollout_logprob_weight"]
-        gap = jnp.abs(batch["rollout_logprobs"] - jax.lax.stop_gradient(logp))
+        sums["ce"] = losses.masked_sum(-logp, batch.response_weight)
+        lp_w = batch.rollout_logprob_weight
+        gap = jnp.abs(batch.rollout_logprobs - jax.lax.stop_gradient(logp))
         metrics = dict(metrics)
         metrics["logprob_gap"] = (jnp.sum(lp_w * gap), jnp.sum(lp_w))
         return sums, metrics

@@ -44,8 +44,9 @@ pieces mp_opd_device.py, this module the settings, the micro-batch arrays and th
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,8 @@ import numpy as np
 from jax.experimental import io_callback
 
 from ctopd_jax.algorithms import pack
-from ctopd_jax.algorithms.base import BASE_ROWS, Needs, Objective, register
+from ctopd_jax.algorithms.base import Needs, Objective, register
+from ctopd_jax.algorithms.micro_batch import rows, terms_class
 from ctopd_jax.algorithms.mp_opd_credits import GrassNoise, align_sample, sample_spans
 from ctopd_jax.algorithms.mp_opd_device import NOISE_KEY, grass_rates, lm_head_gram
 from ctopd_jax.align.atoms import FAIL_REASONS, mpopd_atoms
@@ -82,6 +84,38 @@ class MpOpdSettings(AlgorithmSection):
 
 
 # -- host arrays ------------------------------------------------------------------------------------
+@terms_class
+class AtomTerms:
+    """The atoms of a micro-batch: A atoms, C spans (partition parts or chunks), N student and Q
+    teacher tokens in them (each padded); the Gram layout [C, K] for grass_chunk / align."""
+    atom_weight: Any = None          # [A] float32: 1 real atom, 0 padding
+    atom_w: Any = None               # [A] float32: w_i, its student tokens
+    atom_span: Any = None            # [A] int32: its span
+    atom_pos: Any = None             # [A] int32: its position in the span
+    atom_sample: Any = None          # [A] int32: its sample in the micro-batch
+    span_sample: Any = None          # [C] int32: each span's sample
+    span_weight: Any = None          # [C] float32: 1 real span, 0 padding
+    atom_student_index: Any = None   # [N] int32: each atom token's index into response_rows
+    atom_student_atom: Any = None    # [N] int32: its atom
+    atom_student_weight: Any = None  # [N] float32: 1 real, 0 padding
+    atom_teacher_rows: Any = rows("teacher")  # [Q] int32: the atoms' teacher rows
+    atom_teacher_targets: Any = None  # [Q] int32: the token each predicts
+    atom_teacher_atom: Any = None    # [Q] int32: its atom
+    atom_teacher_weight: Any = None  # [Q] float32: 1 real, 0 padding
+    # counts are [1] arrays, not 0-d: per-shard parts are stacked along a leading axis (the
+    # step's stack_shards) and summed on the device
+    mp_opd_samples: Any = None       # [1] float32: samples
+    mp_opd_valid_samples: Any = None  # [1] float32: samples with atoms
+    mp_opd_fail_counts: Any = None   # [1, len(FAIL_REASONS)] float32: fail-closed samples per reason
+    atom_teacher_token_logprobs: Any = None  # [Q] float32: a served teacher's log π_T (else None)
+    gram_rows: Any = rows("student")  # [C, K] int32: each chunk token's student row (grass/align)
+    gram_targets: Any = None         # [C, K] int32: its token
+    gram_pos: Any = None             # [C, K] int32: its atom's position in the chunk
+    gram_valid: Any = None           # [C, K] float32: 1 real token
+    grass_noise_in: Any = None       # [2] float32: (EMA, updates) before the micro-batch (grass_chunk)
+    grass_sample_slots: Any = None   # [M] float32 zeros: its shape is the shard's sample count
+
+
 def host_atoms(host, eos_atom: bool = False):
     """MP-OPD atoms of the whole collected batch (computed once per batch)."""
     return host.once(f"mp_opd_atoms_eos{int(eos_atom)}",
@@ -90,6 +124,7 @@ def host_atoms(host, eos_atom: bool = False):
 
 def atom_arrays(settings, host, start: int, stop: int, student_len: int, teacher_len: int,
                 response_rows: np.ndarray, response_weight: np.ndarray, min_rows: int = 64) -> dict:
+    """AtomTerms' fields (without the GRASS noise) of samples [start, stop)."""
     s = settings
     atoms = host_atoms(host, s.mp_opd_eos_atom)
     sel = (atoms.atoms[:, 0] >= start) & (atoms.atoms[:, 0] < stop)
@@ -137,15 +172,12 @@ def atom_arrays(settings, host, start: int, stop: int, student_len: int, teacher
         "atom_teacher_targets": pack.padded(t_targets, t_size)[0],
         "atom_teacher_atom": pack.padded(t_atom, t_size)[0],
         "atom_teacher_weight": pack.padded(t_rows, t_size)[1],
-        # counts are [1] arrays, not 0-d: per-shard parts are stacked along a leading axis
-        # (the step's stack_shards) and summed on the device
         "mp_opd_samples": np.float32([stop - start]),
         "mp_opd_valid_samples": np.float32([atoms.sample_valid[start:stop].sum()]),
+        "mp_opd_fail_counts": np.float32([[counts[name] for name in FAIL_REASONS]]),
     }
     if host.served_teacher_rows is not None:   # a served teacher: the atoms' log π_T already scored
         out["atom_teacher_token_logprobs"] = pack.served_token_logprobs(host, t_rows, t_size)
-    for k, name in enumerate(FAIL_REASONS):
-        out[f"mp_opd_fail_{name}"] = np.float32([counts[name]])
     if s.mp_opd_mode in ("grass_chunk", "align"):
         # chunk token layout for the Gram pass: [chunks, K] student rows, target, atom position
         tok_span = span_id[s_atom]
@@ -199,14 +231,12 @@ class MpOpd(Objective):
             self.noise = GrassNoise(state.get("grass_noise_ema", 0.0), state.get("grass_noise_updates", 0))
 
     @property
-    def packed_rows(self) -> dict[str, str] | None:
+    def packs(self) -> bool:
         """grass_chunk cannot pack: its noise EMA advances once per micro-batch, so a token
         budget (other micro-batch boundaries) would change the loss, not only its layout.
-        align does not pack yet: its chunk Gram rows (`gram_rows`, [spans, K] student rows)
-        are not carried through the packed layout, so it keeps one sample per row."""
-        if self.settings.mp_opd_mode in ("grass_chunk", "align"):
-            return None
-        return {**BASE_ROWS, "atom_teacher_rows": "teacher"}
+        align does not pack yet: its chunk Gram layout (`gram_*`, [spans, K] student rows) has
+        not been tested through the packed layout, so it keeps one sample per row."""
+        return self.settings.mp_opd_mode not in ("grass_chunk", "align")
 
     def after_micro_batch(self, metrics: dict) -> dict:
         """Host, after each micro-batch (device.micro_grad): the micro-batch's per-sample noise
@@ -224,17 +254,14 @@ class MpOpd(Objective):
         return metrics
 
     def prepare(self, host, start, stop):
-        arrays = pack.student_arrays(host, start, stop)
-        arrays.update(pack.teacher_tokens(host, start, stop))
-        arrays.update(atom_arrays(self.settings, host, start, stop, arrays["student_ids"].shape[1],
-                                  arrays["teacher_ids"].shape[1], arrays["response_rows"],
-                                  arrays["response_weight"]))
-        arrays["teacher_rows"] = arrays["atom_teacher_rows"]
+        batch = pack.micro_batch(host, start, stop)
+        fields = atom_arrays(self.settings, host, start, stop, batch.student_ids.shape[1],
+                             batch.teacher_ids.shape[1], batch.response_rows, batch.response_weight)
         if self.settings.mp_opd_mode == "grass_chunk":
             # the EMA before this micro-batch (the same [2] on every shard) and the sample slots
-            arrays["grass_noise_in"] = np.float32([self.noise.ema, self.noise.updates])
-            arrays["grass_sample_slots"] = np.zeros(stop - start, np.float32)
-        return arrays
+            fields.update(grass_noise_in=np.float32([self.noise.ema, self.noise.updates]),
+                          grass_sample_slots=np.zeros(stop - start, np.float32))
+        return dataclasses.replace(batch, teacher_rows=fields["atom_teacher_rows"], terms=AtomTerms(**fields))
 
     def kd_weights(self):
         return {"mp_opd": 1.0}
@@ -261,32 +288,32 @@ class MpOpd(Objective):
         return rates, np.array([fallbacks], np.float32)
 
     def kd_sums(self, x):
-        s, bt = self.settings, x.batch
-        num = bt["atom_weight"].shape[0]
-        lp_s = jnp.take(x.response_logprobs, bt["atom_student_index"], axis=0) * bt["atom_student_weight"]
-        h = -jax.ops.segment_sum(lp_s, bt["atom_student_atom"], num_segments=num)
+        s, bt = self.settings, x.batch.terms
+        num = bt.atom_weight.shape[0]
+        lp_s = jnp.take(x.response_logprobs, bt.atom_student_index, axis=0) * bt.atom_student_weight
+        h = -jax.ops.segment_sum(lp_s, bt.atom_student_atom, num_segments=num)
         if x.teacher_hidden is None:   # a served teacher (temperature 1, as token_rows here)
-            t_lp = bt["atom_teacher_token_logprobs"]
+            t_lp = bt.atom_teacher_token_logprobs
         else:
             t_lp, _ = token_rows(x.teacher_hidden, jax.lax.stop_gradient(x.teacher_lm_head),
-                                 bt["atom_teacher_targets"], chunk_rows=s.chunked_loss_size,
+                                 bt.atom_teacher_targets, chunk_rows=s.chunked_loss_size,
                                  implementation=s.implementation)
-        l_t = jax.ops.segment_sum(jax.lax.stop_gradient(t_lp) * bt["atom_teacher_weight"],
-                                  bt["atom_teacher_atom"], num_segments=num)
-        live = bt["atom_weight"]
+        l_t = jax.ops.segment_sum(jax.lax.stop_gradient(t_lp) * bt.atom_teacher_weight,
+                                  bt.atom_teacher_atom, num_segments=num)
+        live = bt.atom_weight
         b = jax.lax.stop_gradient(l_t + h) * live      # lT − lS
-        w = jnp.where(live > 0, bt["atom_w"], 1.0)
-        samples, valid = jnp.sum(bt["mp_opd_samples"]), jnp.sum(bt["mp_opd_valid_samples"])
-        metrics = {f"mp_opd_fail_{k[len('mp_opd_fail_'):]}": (jnp.sum(bt[k]), samples)
-                   for k in bt if k.startswith("mp_opd_fail_")}
+        w = jnp.where(live > 0, bt.atom_w, 1.0)
+        samples, valid = jnp.sum(bt.mp_opd_samples), jnp.sum(bt.mp_opd_valid_samples)
+        metrics = {f"mp_opd_fail_{name}": (jnp.sum(bt.mp_opd_fail_counts[:, k]), samples)
+                   for k, name in enumerate(FAIL_REASONS)}
         metrics["mp_opd_atoms_per_sample"] = (jnp.sum(live), valid)
         if s.mp_opd_mode in ("grass_chunk", "align"):
-            grams = lm_head_gram(x.hidden, x.lm_head, bt["gram_rows"], bt["gram_targets"], bt["gram_pos"],
-                                 bt["gram_valid"], s.grass_chunk_atoms, s.chunked_loss_size)
+            grams = lm_head_gram(x.hidden, x.lm_head, bt.gram_rows, bt.gram_targets, bt.gram_pos,
+                                 bt.gram_valid, s.grass_chunk_atoms, s.chunked_loss_size)
         if s.mp_opd_mode == "grass_chunk":
             rates, per_sample, per_chunk, (all_s2, all_updated), index = grass_rates(
-                b, w, live, bt["atom_span"], bt["atom_pos"], bt["atom_sample"], bt["span_sample"],
-                bt["span_weight"], grams, bt["grass_sample_slots"].shape[0], bt["grass_noise_in"])
+                b, w, live, bt.atom_span, bt.atom_pos, bt.atom_sample, bt.span_sample,
+                bt.span_weight, grams, bt.grass_sample_slots.shape[0], bt.grass_noise_in)
             ok = per_sample["valid"].astype(jnp.float32)
             metrics["mp_opd_fallback_fraction"] = (jnp.sum(per_sample["fell"].astype(jnp.float32)), valid)
             multi = per_chunk["multi"].astype(jnp.float32)
@@ -300,12 +327,12 @@ class MpOpd(Objective):
             rates, stats = io_callback(
                 self.credits_on_host,
                 (jax.ShapeDtypeStruct((num,), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)),
-                b, w, bt["atom_span"], bt["atom_pos"], bt["atom_sample"], live, grams, ordered=False)
+                b, w, bt.atom_span, bt.atom_pos, bt.atom_sample, live, grams, ordered=False)
             metrics["mp_opd_fallback_fraction"] = (stats[0], valid)
         else:
-            spans = bt["span_weight"].shape[0]
-            big_b = jax.ops.segment_sum(b, bt["atom_span"], num_segments=spans)
-            big_w = jax.ops.segment_sum(w * live, bt["atom_span"], num_segments=spans)
-            rates = jnp.take(big_b / jnp.maximum(big_w, 1e-30), bt["atom_span"])
+            spans = bt.span_weight.shape[0]
+            big_b = jax.ops.segment_sum(b, bt.atom_span, num_segments=spans)
+            big_w = jax.ops.segment_sum(w * live, bt.atom_span, num_segments=spans)
+            rates = jnp.take(big_b / jnp.maximum(big_w, 1e-30), bt.atom_span)
         rates = jax.lax.stop_gradient(rates) * live
         return {"mp_opd": jnp.sum(rates * h)}, metrics

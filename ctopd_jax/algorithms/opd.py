@@ -70,7 +70,7 @@ def sampled_gap(x, s):
 
 
 def gap_metrics(x, gap, flags):
-    w = x.batch["response_weight"]
+    w = x.batch.response_weight
     return {"opd_gap": (jnp.sum(w * gap), jnp.sum(w)),
             "opd_clipped_fraction": (jnp.sum(w * flags), jnp.sum(w))}
 

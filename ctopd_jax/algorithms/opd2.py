@@ -18,7 +18,7 @@ the loss does not see the rollout section). One completion per prompt, no group 
 (the paper's GRPO-clipped surrogate has this gradient at θ_old).
 
 The trainer runs the base like the teacher (hidden rows at the same response rows), passed as
-batch["base_hidden"] (split over batch shards like the rows) and overlap["base_lm_head"]
+batch.base_hidden (split over batch shards like the rows) and overlap["base_lm_head"]
 (replicated, teacher.add_teacher_base); the centring expectations are computed chunk by
 chunk from the three models' hidden rows (kernels.full_rows.topk_centres).
 """
@@ -79,9 +79,9 @@ class Opd2(SameTokenizerObjective):
         tau = s.opd2_temperature
         logp = student_logprobs(x, s, tau)
         lp_t = teacher_logprobs(x, s, tau)
-        base = (b["base_hidden"], x.overlap["base_lm_head"])
+        base = (b.base_hidden, x.overlap["base_lm_head"])
         lp_b = teacher_logprobs(x, s, tau, *base)
-        rows = jnp.take(x.hidden, b["response_rows"], axis=0)
+        rows = jnp.take(x.hidden, b.response_rows, axis=0)
         k = min(int(s.opd2_topk), x.lm_head.shape[1])
         centres = full_rows.row_stats(
             full_rows.topk_centres(k),
@@ -90,7 +90,7 @@ class Opd2(SameTokenizerObjective):
         adv, a_delta, a_opd = opd2_advantages(jax.lax.stop_gradient(logp), lp_t, lp_b,
                                               centres[:, 0], centres[:, 1], s.opd2_disagree)
         adv = jax.lax.stop_gradient(s.opd2_reward_scale * adv)
-        w = b["response_weight"]
+        w = b.response_weight
         # opd2_unopposed_fraction: tokens the student already samples more than the teacher
         # (A^OPD < 0) while the teacher beats the base there (A^Δ > 0); the paper's gate (`drop`)
         # gives them no gradient, so nothing pulls them back down (benchmarks/RESULTS.md, issue 23)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ctopd_jax.algorithms.micro_batch import MicroBatch
+
 
 def round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
@@ -74,10 +76,12 @@ def rebase(rows: np.ndarray, batch_len: int, start: int, micro_len: int) -> np.n
     return (rows // batch_len - start) * micro_len + rows % batch_len
 
 
-def student_arrays(host, start: int, stop: int, length_multiple: int = 64,
-                   min_rows: int = 64) -> dict[str, np.ndarray]:
-    """Student tokens, every response row (targets, weights) and rollout-time log-probs."""
-    s = host.student
+def micro_batch(host, start: int, stop: int, length_multiple: int = 64,
+                min_rows: int = 64) -> MicroBatch:
+    """The shared fields of samples [start, stop): student tokens, every response row (targets,
+    weights), rollout-time log-probs and the teacher's tokens; the objective adds its
+    teacher_rows and terms (dataclasses.replace)."""
+    s, t = host.student, host.teacher
     ts = micro_length(s, start, stop, length_multiple)
     ids, mask = tokens(s, start, stop, ts)
     batch_rows = response_batch_rows(s, start, stop)
@@ -90,22 +94,17 @@ def student_arrays(host, start: int, stop: int, length_multiple: int = 64,
     else:
         lp = host.rollout_logprobs[0][before:before + len(batch_rows)]
         lp_w = host.rollout_logprobs[1][before:before + len(batch_rows)]
-    return {"student_ids": ids, "student_mask": mask,
-            "response_rows": rows, "response_targets": padded(targets, size)[0],
-            "response_weight": weight,
-            "rollout_logprobs": padded(lp, size, np.float32)[0],
-            "rollout_logprob_weight": padded(lp_w, size, np.float32)[0]}
-
-
-def teacher_tokens(host, start: int, stop: int, length_multiple: int = 64) -> dict[str, np.ndarray]:
-    t = host.teacher
-    ids, mask = tokens(t, start, stop, micro_length(t, start, stop, length_multiple))
-    return {"teacher_ids": ids, "teacher_mask": mask}
+    t_ids, t_mask = tokens(t, start, stop, micro_length(t, start, stop, length_multiple))
+    return MicroBatch(student_ids=ids, student_mask=mask, response_rows=rows,
+                      response_targets=padded(targets, size)[0], response_weight=weight,
+                      rollout_logprobs=padded(lp, size, np.float32)[0],
+                      rollout_logprob_weight=padded(lp_w, size, np.float32)[0],
+                      teacher_ids=t_ids, teacher_mask=t_mask)
 
 
 def response_batch_rows(side, start: int, stop: int) -> np.ndarray:
     """Flat rows of the collected batch that predict a response token (EOS included) of
-    samples [start, stop), in loss-mask order (student_arrays' response-row order)."""
+    samples [start, stop), in loss-mask order (micro_batch's response-row order)."""
     return np.flatnonzero(side.loss_mask[start:stop].reshape(-1)) + start * side.seq_len
 
 
@@ -114,17 +113,6 @@ def served_token_logprobs(host, teacher_rows: np.ndarray, size: int) -> np.ndarr
     collected teacher batch), zero-padded to `size`: the served scores
     (host.served_teacher_rows, teacher_service.batch_rows) lie on exactly those rows."""
     return padded(host.served_teacher_rows.token_logprobs[teacher_rows], size, np.float32)[0]
-
-
-def strict_arrays(host, start: int, stop: int, student_len: int, teacher_len: int,
-                  min_rows: int = 64) -> dict[str, np.ndarray]:
-    """The strict 1:1 pairs (SPEC §2) of samples [start, stop) in micro-batch rows."""
-    a = host.alignment
-    sel = (a.pair_sample >= start) & (a.pair_sample < stop)
-    size = rows_bucket(int(sel.sum()), min_rows)
-    s_rows, weight = padded(rebase(a.student_rows[sel], host.student.seq_len, start, student_len), size)
-    t_rows, _ = padded(rebase(a.teacher_rows[sel], host.teacher.seq_len, start, teacher_len), size)
-    return {"strict_student_rows": s_rows, "strict_teacher_rows": t_rows, "strict_weight": weight}
 
 
 def expand_ranges(first, count) -> tuple[np.ndarray, np.ndarray]:

@@ -2,8 +2,8 @@
 per row, instead of one right-padded row each (pack.py's layout).
 
     ranges = micro_ranges(student_lengths, teacher_lengths, budget)  # the micro-batches
-    arrays = objective.prepare(host, start, stop)                    # one sample per row
-    arrays = pack_rows(arrays, objective.packed_rows, budget)        # several samples per row
+    batch = objective.prepare(host, start, stop)                     # one sample per row
+    batch = pack_rows(batch, budget)                                 # several samples per row
 
 The budget is `optimizer.micro_batch_tokens` (`budget`: auto, the default, is micro_batch_size
 rows of the longest sequence the rollout allows, so a packed micro-batch never holds more
@@ -28,15 +28,14 @@ optimizer batch, so which micro-batch a sample lands in changes nothing but summ
 The mask becomes int32 segment ids (sample i of the micro-batch is segment i + 1, pads 0),
 which the decoder reads as "attend only inside your segment, positions restart at each
 segment" (models/decoder.py, kv_cache.prefill_positions). Every flat row index of that side
-(the keys the objective names in `packed_rows`) moves from (sample b, position p) =
+(each micro-batch field declared `rows(side)`, micro_batch.py, terms included) moves from (sample b, position p) =
 divmod(row, T) to row_b · W + offset_b + p, so each per-token term (response, strict pair,
 span, teacher row) reads the same hidden state as before: the loss sums are those of the
 unpacked micro-batch up to float summation order.
 
-An objective declares `packed_rows` = {array key: "student" | "teacher"} for every array of
-flat row indices its `prepare` makes; None declares that it cannot pack (its loss depends on
-the micro-batch boundaries, or its arrays cannot move), and the loop keeps one row per sample
-for it. A key ending in `_rows` that the declaration leaves out is an error, not a silent
+An objective that cannot pack (its loss depends on the micro-batch boundaries, or its arrays
+cannot move) says so with `packs = False`, and the loop keeps one row per sample for it. A
+field named `*_rows` that declares no side is an error (micro_batch.map_rows), not a silent
 misread.
 """
 from __future__ import annotations
@@ -45,14 +44,10 @@ import copy
 
 import numpy as np
 
+# PackingError: raised here, defined beside the row declarations it enforces
+from ctopd_jax.algorithms.micro_batch import (MicroBatch, PackingError, map_rows,  # noqa: F401
+                                              side_tokens, with_side_tokens)
 from ctopd_jax.algorithms.pack import length_bucket, round_up
-
-SIDES = ("student", "teacher")
-
-
-class PackingError(ValueError):
-    """Arrays that cannot be packed as declared (a programming error of an objective)."""
-
 
 ROW_MULTIPLE = 16   # packed row widths step by 16 where unpacked's buckets step by 64
 ROUNDING = 64       # each side's padded length (the objectives' arrays), as host_micro_ranges
@@ -68,9 +63,9 @@ def budget(config) -> int:
 
 
 def objective_budget(config, objective) -> int:
-    """The budget `objective`'s micro-batches pack to: 0 when it cannot pack (`packed_rows`
-    None: one row per sample) or packing is off."""
-    return budget(config) if objective.packed_rows is not None else 0
+    """The budget `objective`'s micro-batches pack to: 0 when it cannot pack (`packs` False:
+    one row per sample) or packing is off."""
+    return budget(config) if objective.packs else 0
 
 
 def place(lengths, budget: int | None, cap: int) -> tuple[int, int, np.ndarray, np.ndarray] | None:
@@ -191,27 +186,21 @@ def move_rows(rows: np.ndarray, width: int, flat_start: np.ndarray, lengths: np.
     return (flat_start[b] + p).astype(np.asarray(rows).dtype)
 
 
-def pack_shards(parts: list[dict[str, np.ndarray]], row_keys: dict[str, str]) -> list[dict[str, np.ndarray]]:
+def pack_shards(parts: list[MicroBatch]) -> list[MicroBatch]:
     """The batch shards' parts of a micro-batch, each packed into rows enough for it, all of one
     width per side (the widest part's), so that stacking them (shards.stack_shards) pads rows
     only, never a row's width, which would move every flat row index past the first row."""
-    packed = [pack_rows(part, row_keys, None) for part in parts]
-    widths = {side: max(p[f"{side}_ids"].shape[1] for p in packed) for side in SIDES if f"{side}_ids" in parts[0]}
-    return [pack_rows(part, row_keys, None, widths) for part in parts]
+    packed = [pack_rows(part, None) for part in parts]
+    widths = {side: max(side_tokens(p)[side][0].shape[1] for p in packed) for side in side_tokens(parts[0])}
+    return [pack_rows(part, None, widths) for part in parts]
 
 
-def pack_rows(arrays: dict[str, np.ndarray], row_keys: dict[str, str],
-              budget: int | None, widths: dict[str, int] | None = None) -> dict[str, np.ndarray]:
-    """`arrays` of one micro-batch (one sample per row) with both sides packed (module doc);
+def pack_rows(batch: MicroBatch, budget: int | None, widths: dict[str, int] | None = None) -> MicroBatch:
+    """`batch` of one micro-batch (one sample per row) with both sides packed (module doc);
     `widths`: each side's row width, at least its own (pack_shards)."""
-    undeclared = sorted(k for k in arrays if k.endswith("_rows") and k not in row_keys)
-    if undeclared:
-        raise PackingError(f"row arrays {undeclared} are not in the objective's packed_rows")
-    out = dict(arrays)
-    for side in SIDES:
-        if f"{side}_ids" not in arrays:
-            continue
-        ids, lengths = arrays[f"{side}_ids"], lengths_of(arrays[f"{side}_mask"])
+    sides, moves = {}, {}
+    for side, (ids, mask) in side_tokens(batch).items():
+        lengths = lengths_of(mask)
         placed = place(lengths, budget, ids.shape[1])
         if placed is None:
             raise PackingError(f"the {side} samples do not fit rows of {budget} tokens (micro_ranges)")
@@ -221,8 +210,7 @@ def pack_rows(arrays: dict[str, np.ndarray], row_keys: dict[str, str],
         for b, (r, at, n) in enumerate(zip(row, offset, lengths)):
             packed[r, at:at + n] = ids[b, :n]
             segments[r, at:at + n] = b + 1
-        out[f"{side}_ids"], out[f"{side}_mask"] = packed, segments
-        for key, owner in row_keys.items():
-            if owner == side and key in arrays:
-                out[key] = move_rows(arrays[key], ids.shape[1], row * width + offset, lengths, key)
-    return out
+        sides[side] = (packed, segments)
+        moves[side] = (ids.shape[1], row * width + offset, lengths)
+    moved = map_rows(batch, lambda x, side, name: move_rows(x, *moves[side], name) if side in moves else x)
+    return with_side_tokens(moved, sides)

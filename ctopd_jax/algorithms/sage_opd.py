@@ -78,7 +78,7 @@ class SageOpd(TurnObjective, TurnJudge):
     demo_settings = {"algorithm.sage_judge": "proxy"}
     # cannot pack: the weights are rescaled to mean 1 over each micro-batch, so a token budget
     # (other micro-batch boundaries) would change the loss, not only its layout
-    packed_rows = None
+    packs = False
 
     @property
     def needs(self) -> Needs:   # a teacher judge samples through an engine of its own
@@ -143,9 +143,9 @@ class SageOpd(TurnObjective, TurnJudge):
 
     def kd_sums(self, x):
         s = self.settings
-        rw = x.batch["response_weight"]
-        seg = x.batch["turn_segment"]
-        rows = jnp.take(x.hidden, x.batch["response_rows"], axis=0)
+        rw = x.batch.response_weight
+        seg = x.batch.terms.turn_segment
+        rows = jnp.take(x.hidden, x.batch.response_rows, axis=0)
         stats = row_stats(top1_stats, ((rows, x.lm_head), (x.teacher_hidden, x.teacher_lm_head)),
                           temperature=s.kd_temperature, chunk_rows=s.chunked_loss_size)
         confidence = segment_means(stats[:, 0], x)[seg]
@@ -153,7 +153,7 @@ class SageOpd(TurnObjective, TurnJudge):
             agree = segment_means(stats[:, 1], x)[seg]
             judged = jnp.where(agree > s.sage_proxy_skip_above, 0.0, jnp.where(agree > 0.0, s.sage_alpha, 1.0))
         else:
-            judged = x.batch["turn_judgment"]
+            judged = x.batch.terms.turn_judgment
         score = jax.lax.stop_gradient(judged * confidence)
         mean = jnp.sum(rw * score) / jnp.maximum(jnp.sum(rw), 1.0)
         weight = jnp.where(mean > 0, score / jnp.maximum(mean, 1e-12), 0.0) * rw

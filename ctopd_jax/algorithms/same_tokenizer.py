@@ -21,6 +21,7 @@ Decisions where SPEC is silent (documented here once for the family):
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from ctopd_jax.algorithms import pack
-from ctopd_jax.algorithms.base import BASE_ROWS, Needs, Objective
+from ctopd_jax.algorithms.base import Needs, Objective
+from ctopd_jax.algorithms.micro_batch import MicroBatch
 from ctopd_jax.config import AlgorithmSection, require
 from ctopd_jax.kernels import strict_kd_rows
 from ctopd_jax.kernels.token_rows import token_rows
@@ -49,27 +51,26 @@ class SameTokenizerSettings(AlgorithmSection):
                  "or kd_temperature=1.0")
 
 
-def same_inputs(host, start: int, stop: int) -> dict:
-    """Student tokens and response rows; the teacher (and a teacher base) read the same ids and
-    hand back hidden states at the same rows."""
-    arrays = pack.student_arrays(host, start, stop)
-    arrays.update(pack.teacher_tokens(host, start, stop))
-    if arrays["teacher_ids"].shape != arrays["student_ids"].shape:
+def same_inputs(host, start: int, stop: int) -> MicroBatch:
+    """Student tokens and response rows; the teacher (and a teacher base) read the
+    same ids and hand back hidden states at the same rows."""
+    batch = pack.micro_batch(host, start, stop)
+    if batch.teacher_ids.shape != batch.student_ids.shape:
         raise ValueError("same-tokenizer objectives need a host batch whose teacher side is the "
                          "student side (host.SameTokenizerCollector)")
-    arrays["teacher_rows"] = arrays["response_rows"]
+    served = None
     if host.served_teacher_rows is not None:   # a served teacher: log π_T(y) already scored
-        arrays["teacher_token_logprobs"] = pack.served_token_logprobs(
-            host, pack.response_batch_rows(host.teacher, start, stop), arrays["response_rows"].shape[0])
-    return arrays
+        served = pack.served_token_logprobs(host, pack.response_batch_rows(host.teacher, start, stop),
+                                            batch.response_rows.shape[0])
+    return dataclasses.replace(batch, teacher_rows=batch.response_rows, teacher_token_logprobs=served)
 
 
 def student_logprobs(x, s, temperature: float):
     """log π_θ(y) at the response rows at `temperature` (differentiable)."""
     if temperature == 1.0:
         return x.response_logprobs
-    rows = jnp.take(x.hidden, x.batch["response_rows"], axis=0)
-    return token_rows(rows, x.lm_head, x.batch["response_targets"], temperature=temperature,
+    rows = jnp.take(x.hidden, x.batch.response_rows, axis=0)
+    return token_rows(rows, x.lm_head, x.batch.response_targets, temperature=temperature,
                       chunk_rows=s.chunked_loss_size, implementation=s.implementation)[0]
 
 
@@ -78,11 +79,11 @@ def teacher_logprobs(x, s, temperature: float, hidden=None, lm_head=None):
     A served teacher (no hidden rows) scored them on the host, at temperature 1 (preflight
     refuses another kd_temperature with a served teacher)."""
     if hidden is None and x.teacher_hidden is None:
-        return x.batch["teacher_token_logprobs"]
+        return x.batch.teacher_token_logprobs
     hidden = x.teacher_hidden if hidden is None else hidden
     lm_head = x.teacher_lm_head if lm_head is None else lm_head
     lp, _ = token_rows(jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(lm_head),
-                       x.batch["response_targets"], temperature=temperature,
+                       x.batch.response_targets, temperature=temperature,
                        chunk_rows=s.chunked_loss_size, implementation=s.implementation)
     return jax.lax.stop_gradient(lp)
 
@@ -93,8 +94,8 @@ def old_logprobs(x, s, logp):
     recomputed = jax.lax.stop_gradient(logp)
     if s.gap_logprobs == "recomputed":
         return recomputed
-    have = x.batch["rollout_logprob_weight"] > 0
-    return jnp.where(have, x.batch["rollout_logprobs"], recomputed)
+    have = x.batch.rollout_logprob_weight > 0
+    return jnp.where(have, x.batch.rollout_logprobs, recomputed)
 
 
 def full_vocab_sum(x, s, divergence: str, temperature: float, jsd_beta: float = 0.5, weights=None):
@@ -107,9 +108,9 @@ def full_vocab_sum(x, s, divergence: str, temperature: float, jsd_beta: float = 
         raise ValueError(f"student lm_head has {vocab} columns, the teacher's "
                          f"{x.teacher_lm_head.shape[1]}; same-tokenizer objectives need one vocabulary")
     ids = jnp.arange(vocab, dtype=jnp.int32)
-    rows = jnp.take(x.hidden, x.batch["response_rows"], axis=0)
+    rows = jnp.take(x.hidden, x.batch.response_rows, axis=0)
     return strict_kd_rows((rows, x.lm_head), (x.teacher_hidden, x.teacher_lm_head), ids,
-                          x.batch["response_weight"] if weights is None else weights, t_ids=ids,
+                          x.batch.response_weight if weights is None else weights, t_ids=ids,
                           divergence=divergence,
                           temperature=temperature, implementation=s.implementation,
                           chunk_rows=s.chunked_loss_size, jsd_beta=jsd_beta)
@@ -120,7 +121,6 @@ class SameTokenizerObjective(Objective):
     settings_class = SameTokenizerSettings
     needs = Needs(responses="student", teacher=True, rollout_logprobs=True, reuse_sampled_ids=True,
                   episodes=True)
-    packed_rows = BASE_ROWS
     stale_responses = "none"   # full-vocabulary divergences per state; the sampled ones override
 
     def check(self, overlap) -> None:
@@ -136,4 +136,4 @@ class SameTokenizerObjective(Objective):
 
     @staticmethod
     def weighted(values, x):
-        return jnp.sum(values * x.batch["response_weight"])
+        return jnp.sum(values * x.batch.response_weight)

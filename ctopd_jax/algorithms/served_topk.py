@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -40,8 +41,9 @@ from ctopd_jax import losses
 from ctopd_jax.algorithms import pack
 from ctopd_jax.algorithms.base import Needs, Objective, register
 from ctopd_jax.algorithms.gkd import Gkd, GkdSettings
+from ctopd_jax.algorithms.micro_batch import terms_class
 from ctopd_jax.algorithms.same_tokenizer import same_inputs
-from ctopd_jax.algorithms.strict import STRICT_ROWS, strict_inputs
+from ctopd_jax.algorithms.strict import StrictPairs, strict_inputs
 from ctopd_jax.config import AlgorithmSection, require, teacher_views
 from ctopd_jax.kernels.token_rows import token_rows
 from ctopd_jax.teacher_service.topk import (head_columns, overlap_pairs_by_teacher_id,
@@ -59,15 +61,15 @@ def require_served_teacher(config, name: str, exact: str) -> None:
 
 
 class ServedTopkInputs:
-    """`prepare` of both objectives: the exact objective's micro-batch arrays (`exact_inputs`:
-    arrays, the flat rows of the collected teacher batch it reads the teacher at, the row count
-    to pad to), then the served top-k at those rows as micro-batch arrays (`served_arrays`)."""
+    """`prepare` of both objectives: the exact objective's micro-batch (`exact_inputs`: the
+    batch, the flat rows of the collected teacher batch it reads the teacher at, the row count
+    to pad to), then its terms with the served top-k at those rows (`served_terms`)."""
 
     def prepare(self, host, start, stop):
-        arrays, rows, size = self.exact_inputs(host, start, stop)
+        batch, rows, size = self.exact_inputs(host, start, stop)
         served = host.served_teacher_rows
-        arrays.update(self.served_arrays(host, rows, served.topk_ids[rows], served.topk_logprobs[rows], size))
-        return arrays
+        terms = self.served_terms(batch.terms, host, rows, served.topk_ids[rows], served.topk_logprobs[rows], size)
+        return dataclasses.replace(batch, terms=terms)
 
 
 # ---------------------------------------------------------------------- teacher-top-k strict
@@ -79,9 +81,25 @@ def overlap_table(overlap) -> tuple:
             overlap_pairs_by_teacher_id(overlap.s_ids, overlap.t_ids, overlap.teacher_vocab_size))
 
 
+@terms_class
+class TopkPairs(StrictPairs):
+    """The strict pairs (P, padded) with the teacher's served top-k (k columns) at each."""
+    topk_student_ids: Any = None       # [P, k] int32: the student id of each column
+    topk_teacher_logprobs: Any = None  # [P, k] float32: the teacher's log-prob there (-inf: none)
+    topk_valid: Any = None             # [P, k] bool: a shared-vocabulary column
+    topk_teacher_mass: Any = None      # [P] float32: the teacher probability the columns hold
+
+
+@terms_class
+class TopkSupport:
+    """The served support at each response row (R, padded; k columns)."""
+    topk_ids: Any = None               # [R, k] int32: the support's token ids
+    topk_teacher_logprobs: Any = None  # [R, k] float32: the teacher's log-probs (-inf: padding)
+    topk_valid: Any = None             # [R, k] bool
+
+
 @register("teacher_topk_strict")
 class TeacherTopkStrict(ServedTopkInputs, Objective):
-    packed_rows = STRICT_ROWS
     settings_class = AlgorithmSection
     stale_responses = "none"   # a top-k divergence per state
     needs = Needs(teacher_scores="topk")
@@ -89,37 +107,37 @@ class TeacherTopkStrict(ServedTopkInputs, Objective):
     def check_run(self, config) -> None:
         require_served_teacher(config, self.name, "strict")
 
-    def served_columns(self, topk_ids, topk_logprobs, table, size: int) -> dict[str, np.ndarray]:
-        """Micro-batch arrays of the teacher's top-k at the pairs (ids, log-probs [n, k]),
-        padded to `size` rows; `table`: overlap_table of the pair's overlap map."""
+    def served_columns(self, pairs: StrictPairs, topk_ids, topk_logprobs, table, size: int) -> TopkPairs:
+        """`pairs` with the teacher's top-k at them (ids, log-probs [n, k]), padded to `size`
+        rows; `table`: overlap_table of the pair's overlap map."""
         cols = topk_strict_columns(topk_ids, topk_logprobs, *table)
-        return {"topk_student_ids": pack.padded_rows(cols.student_ids, size),
-                "topk_teacher_logprobs": pack.padded_rows(cols.teacher_logprobs, size, -np.inf),
-                "topk_valid": pack.padded_rows(cols.valid, size, False),
-                "topk_teacher_mass": pack.padded(cols.teacher_mass, size, np.float32)[0]}
+        return TopkPairs(**vars(pairs), topk_student_ids=pack.padded_rows(cols.student_ids, size),
+                         topk_teacher_logprobs=pack.padded_rows(cols.teacher_logprobs, size, -np.inf),
+                         topk_valid=pack.padded_rows(cols.valid, size, False),
+                         topk_teacher_mass=pack.padded(cols.teacher_mass, size, np.float32)[0])
 
     def exact_inputs(self, host, start, stop):
-        arrays, a = strict_inputs(host, start, stop), host.alignment
+        batch, a = strict_inputs(host, start, stop), host.alignment
         pairs = a.teacher_rows[(a.pair_sample >= start) & (a.pair_sample < stop)]
-        return arrays, pairs, arrays["strict_weight"].shape[0]
+        return batch, pairs, batch.terms.strict_weight.shape[0]
 
-    def served_arrays(self, host, rows, topk_ids, topk_logprobs, size):
+    def served_terms(self, pairs, host, rows, topk_ids, topk_logprobs, size):
         table = host.once("teacher_topk_overlap", lambda h: overlap_table(h.overlap))
-        return self.served_columns(topk_ids, topk_logprobs, table, size)
+        return self.served_columns(pairs, topk_ids, topk_logprobs, table, size)
 
     def kd_weights(self):
         return {"teacher_topk_strict": 1.0}
 
     def kd_sums(self, x):
-        s, b = self.settings, x.batch
-        rows = jnp.take(x.hidden, b["strict_student_rows"], axis=0)
+        s, b = self.settings, x.batch.terms
+        rows = jnp.take(x.hidden, b.strict_student_rows, axis=0)
         per_pair = topk_strict_rows(
-            head_columns(rows, x.lm_head, b["topk_student_ids"]), b["topk_teacher_logprobs"],
-            b["topk_valid"], kd_loss_fn=s.kd_loss_fn, temperature=s.kd_temperature,
+            head_columns(rows, x.lm_head, b.topk_student_ids), b.topk_teacher_logprobs,
+            b.topk_valid, kd_loss_fn=s.kd_loss_fn, temperature=s.kd_temperature,
             jsd_beta=s.jsd_beta, skl_lambda=s.skl_lambda, akl_alpha=s.akl_alpha)
-        w = b["strict_weight"]
+        w = b.strict_weight
         return ({"teacher_topk_strict": losses.masked_sum(per_pair, w)},
-                {"teacher_topk_mass": (jnp.sum(w * b["topk_teacher_mass"]), jnp.sum(w))})
+                {"teacher_topk_mass": (jnp.sum(w * b.topk_teacher_mass), jnp.sum(w))})
 
 
 # --------------------------------------------------------------------------------- top-k GKD
@@ -149,20 +167,20 @@ class TopkGkd(ServedTopkInputs, Gkd):
         require_served_teacher(config, self.name, "gkd")
 
     def served_support(self, topk_ids, topk_logprobs, sampled_ids, sampled_logprobs,
-                       size: int) -> dict[str, np.ndarray]:
-        """Micro-batch arrays of the support at the response rows (the top-k [n, k] and the
-        sampled token [n] with its served log-prob), padded to `size` rows."""
+                       size: int) -> TopkSupport:
+        """The support at the response rows (the top-k [n, k] and the sampled token [n] with
+        its served log-prob), padded to `size` rows."""
         support = topk_gkd_support(topk_ids, topk_logprobs, sampled_ids, sampled_logprobs,
                                    include_sampled=self.settings.gkd_beta > 0)
-        return {"topk_ids": pack.padded_rows(support.ids, size),
-                "topk_teacher_logprobs": pack.padded_rows(support.teacher_logprobs, size, -np.inf),
-                "topk_valid": pack.padded_rows(support.valid, size, False)}
+        return TopkSupport(topk_ids=pack.padded_rows(support.ids, size),
+                           topk_teacher_logprobs=pack.padded_rows(support.teacher_logprobs, size, -np.inf),
+                           topk_valid=pack.padded_rows(support.valid, size, False))
 
     def exact_inputs(self, host, start, stop):
-        arrays = same_inputs(host, start, stop)
-        return arrays, pack.response_batch_rows(host.teacher, start, stop), arrays["response_rows"].shape[0]
+        batch = same_inputs(host, start, stop)
+        return batch, pack.response_batch_rows(host.teacher, start, stop), batch.response_rows.shape[0]
 
-    def served_arrays(self, host, rows, topk_ids, topk_logprobs, size):
+    def served_terms(self, terms, host, rows, topk_ids, topk_logprobs, size):
         sampled = host.teacher.labels.reshape(-1)[rows]
         return self.served_support(topk_ids, topk_logprobs, sampled,
                                    host.served_teacher_rows.token_logprobs[rows], size)
@@ -171,16 +189,16 @@ class TopkGkd(ServedTopkInputs, Gkd):
         return {"topk_gkd": 1.0}
 
     def kd_sums(self, x):
-        s, b = self.settings, x.batch
+        s, b, support = self.settings, x.batch, x.batch.terms
         tau = s.kd_temperature
-        rows = jnp.take(x.hidden, b["response_rows"], axis=0)
-        student = head_columns(rows, x.lm_head, b["topk_ids"]) / tau
+        rows = jnp.take(x.hidden, b.response_rows, axis=0)
+        student = head_columns(rows, x.lm_head, support.topk_ids) / tau
         if s.topk_gkd_tail:   # the tail needs full-vocabulary log-softmax(z / τ) at the support:
             # minus the row's logsumexp (chunked over the vocabulary, differentiable); without
             # the tail the support's renormalisation removes it
-            _, lse = token_rows(rows, x.lm_head, b["response_targets"], temperature=tau,
+            _, lse = token_rows(rows, x.lm_head, b.response_targets, temperature=tau,
                                 chunk_rows=s.chunked_loss_size, implementation=s.implementation)
             student = student - lse[:, None]
-        per_row = topk_gkd_rows(student, b["topk_teacher_logprobs"], b["topk_valid"],
+        per_row = topk_gkd_rows(student, support.topk_teacher_logprobs, support.topk_valid,
                                 beta=float(s.gkd_beta), tail=s.topk_gkd_tail, temperature=tau)
-        return {"topk_gkd": losses.masked_sum(per_row, b["response_weight"])}, {}
+        return {"topk_gkd": losses.masked_sum(per_row, b.response_weight)}, {}

@@ -34,8 +34,9 @@ the batch is cut into micro-batches and batch shards.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,8 @@ import numpy as np
 
 from ctopd_jax import losses
 from ctopd_jax.algorithms import pack
-from ctopd_jax.algorithms.base import BASE_ROWS, Objective, register
+from ctopd_jax.algorithms.base import Objective, register
+from ctopd_jax.algorithms.micro_batch import rows, terms_class
 from ctopd_jax.align.simct import simct_segments
 from ctopd_jax.config import AlgorithmSection
 from ctopd_jax.kernels.token_rows import token_rows
@@ -62,8 +64,34 @@ def host_segments(host):
     return host.once("simct_segments", lambda h: simct_segments(h.teacher, h.student))
 
 
+@terms_class
+class SimctTerms:
+    """The SimCT rows of a micro-batch: S segments (one loss row each), the N student and Q
+    teacher tokens of its span segments (each padded)."""
+    simct_student_first: Any = rows("student")   # [S] int32: each segment's first student row
+    simct_teacher_first: Any = rows("teacher")   # [S] int32: its first teacher row
+    simct_weight: Any = None                     # [S] float32: 1 real segment, 0 padding
+    simct_is_span: Any = None                    # [S] float32: 1 span segment, 0 1:1
+    simct_student_count: Any = None              # [S] float32: student tokens of a span segment
+    simct_teacher_count: Any = None              # [S] float32: teacher tokens of a span segment
+    simct_student_rows: Any = rows("student")    # [N] int32: every student row of the spans
+    simct_student_targets: Any = None            # [N] int32: the token each predicts
+    simct_student_group: Any = None              # [N] int32: its segment
+    simct_student_token_weight: Any = None       # [N] float32: 1 real, 0 padding
+    simct_teacher_span_rows: Any = rows("teacher")  # [Q] int32: every teacher row of the spans
+    simct_teacher_targets: Any = None            # [Q] int32
+    simct_teacher_group: Any = None              # [Q] int32
+    simct_teacher_token_weight: Any = None       # [Q] float32
+    # align_ratio parts (SPEC §7): Σ_segments max(lengths) and Σ_samples max(lengths), and the
+    # samples. [1] arrays, not 0-d: per-shard parts are stacked along a leading axis (the step's
+    # stack_shards) and summed on the device (psum over shards, sums over micro-batches)
+    simct_aligned_tokens: Any = None
+    simct_sample_tokens: Any = None
+    simct_samples: Any = None
+
+
 def segment_arrays(host, start: int, stop: int, student_len: int, teacher_len: int,
-                   min_rows: int = 64) -> dict[str, np.ndarray]:
+                   min_rows: int = 64) -> SimctTerms:
     """Rows of the segments of samples [start, stop) in micro-batch layout: the first row of
     each segment on each side, and every token row of the span segments (for span scores)."""
     seg = host_segments(host)
@@ -84,7 +112,7 @@ def segment_arrays(host, start: int, stop: int, student_len: int, teacher_len: i
     s_count[span], t_count[span] = s_len[span], t_len[span]
     resp_s = host.student.response_lens[start:stop].astype(np.int64)
     resp_t = host.teacher.response_lens[start:stop].astype(np.int64)
-    return {
+    return SimctTerms(**{
         "simct_student_first": pack.padded(first_s, size)[0],
         "simct_teacher_first": pack.padded(first_t, size)[0],
         "simct_weight": pack.padded(np.ones(n), size)[1],
@@ -99,13 +127,10 @@ def segment_arrays(host, start: int, stop: int, student_len: int, teacher_len: i
         "simct_teacher_targets": pack.padded(host.teacher.labels.reshape(-1)[t_rows], t_size)[0],
         "simct_teacher_group": pack.padded(tg[t_group] if len(t_group) else t_group, t_size)[0],
         "simct_teacher_token_weight": pack.padded(t_rows, t_size)[1],
-        # align_ratio parts (SPEC §7): Σ_segments max(lengths) and Σ_samples max(lengths).
-        # Counts are [1] arrays, not 0-d: per-shard parts are stacked along a leading axis
-        # (the step's stack_shards) and summed on the device (psum over shards, sums over micro-batches).
         "simct_aligned_tokens": np.float32([np.maximum(s_len, t_len).sum()]),
         "simct_sample_tokens": np.float32([np.maximum(resp_s, resp_t).sum()]),
         "simct_samples": np.float32([stop - start]),
-    }
+    })
 
 
 def realised_scores(hidden, lm_head, targets, mode: str, chunk_rows: int, implementation: str):
@@ -187,40 +212,35 @@ def simct_rows_sum(settings, hs, lm_head, s_extra, ht, t_lm_head, t_extra, s_ids
 
 @register("simct")
 class SimCT(Objective):
-    packed_rows = {**BASE_ROWS, "simct_student_first": "student", "simct_student_rows": "student",
-                   "simct_teacher_first": "teacher", "simct_teacher_span_rows": "teacher"}
     settings_class = SimCTSettings
     stale_responses = "none"   # a divergence per segment row
 
     def prepare(self, host, start, stop):
-        arrays = pack.student_arrays(host, start, stop)
-        arrays.update(pack.teacher_tokens(host, start, stop))
-        arrays.update(segment_arrays(host, start, stop, arrays["student_ids"].shape[1],
-                                     arrays["teacher_ids"].shape[1]))
+        batch = pack.micro_batch(host, start, stop)
+        terms = segment_arrays(host, start, stop, batch.student_ids.shape[1], batch.teacher_ids.shape[1])
         # the teacher hands back the first rows of the segments, then the span-token rows
-        arrays["teacher_rows"] = np.concatenate([arrays["simct_teacher_first"],
-                                                 arrays["simct_teacher_span_rows"]])
-        return arrays
+        return dataclasses.replace(batch, terms=terms, teacher_rows=np.concatenate(
+            [terms.simct_teacher_first, terms.simct_teacher_span_rows]))
 
     def kd_weights(self):
         return {"simct": 1.0}
 
     def kd_sums(self, x):
-        s, b = self.settings, x.batch
-        num = b["simct_weight"].shape[0]
+        s, b = self.settings, x.batch.terms
+        num = b.simct_weight.shape[0]
         mode = s.span_score_mode
-        is_span = b["simct_is_span"]
-        hs = jnp.take(x.hidden, b["simct_student_first"], axis=0)
+        is_span = b.simct_is_span
+        hs = jnp.take(x.hidden, b.simct_student_first, axis=0)
         ht, ht_span = x.teacher_hidden[:num], x.teacher_hidden[num:]
-        s_tok = jnp.take(x.hidden, b["simct_student_rows"], axis=0)
-        s_terms = realised_scores(s_tok, x.lm_head, b["simct_student_targets"], mode,
+        s_tok = jnp.take(x.hidden, b.simct_student_rows, axis=0)
+        s_terms = realised_scores(s_tok, x.lm_head, b.simct_student_targets, mode,
                                   s.chunked_loss_size, s.implementation)
-        t_terms = jax.lax.stop_gradient(realised_scores(ht_span, x.teacher_lm_head, b["simct_teacher_targets"],
+        t_terms = jax.lax.stop_gradient(realised_scores(ht_span, x.teacher_lm_head, b.simct_teacher_targets,
                                                         mode, s.chunked_loss_size, s.implementation))
-        s_score = segment_mean(s_terms, b["simct_student_group"], b["simct_student_token_weight"],
-                               b["simct_student_count"], num)
-        t_score = segment_mean(t_terms, b["simct_teacher_group"], b["simct_teacher_token_weight"],
-                               b["simct_teacher_count"], num)
+        s_score = segment_mean(s_terms, b.simct_student_group, b.simct_student_token_weight,
+                               b.simct_student_count, num)
+        t_score = segment_mean(t_terms, b.simct_teacher_group, b.simct_teacher_token_weight,
+                               b.simct_teacher_count, num)
         span = is_span > 0
         s_extra = jnp.where(span, s_score, NO_SPAN)
         t_extra = jnp.where(span, t_score, NO_SPAN)
@@ -229,18 +249,18 @@ class SimCT(Objective):
             if mode == "mean_logprob":
                 t_mean = t_score
             else:
-                t_lp, _ = token_rows(ht_span, jax.lax.stop_gradient(x.teacher_lm_head), b["simct_teacher_targets"],
+                t_lp, _ = token_rows(ht_span, jax.lax.stop_gradient(x.teacher_lm_head), b.simct_teacher_targets,
                                      chunk_rows=s.chunked_loss_size, implementation=s.implementation)
-                t_mean = segment_mean(t_lp, b["simct_teacher_group"], b["simct_teacher_token_weight"],
-                                      b["simct_teacher_count"], num)
+                t_mean = segment_mean(t_lp, b.simct_teacher_group, b.simct_teacher_token_weight,
+                                      b.simct_teacher_count, num)
             t_span_mean = jnp.where(span, t_mean, -jnp.inf)
         total, kept = simct_rows_sum(s, hs, x.lm_head, s_extra, ht, x.teacher_lm_head, t_extra,
-                                     x.overlap["s_ids"], x.overlap["t_ids"], b["simct_weight"], t_span_mean)
-        rows = jnp.sum(b["simct_weight"])
+                                     x.overlap["s_ids"], x.overlap["t_ids"], b.simct_weight, t_span_mean)
+        rows = jnp.sum(b.simct_weight)
         metrics = {
-            "align_ratio": (jnp.sum(b["simct_aligned_tokens"]), jnp.sum(b["simct_sample_tokens"])),
-            "simct_segments_per_sample": (rows, jnp.sum(b["simct_samples"])),
-            "simct_span_row_fraction": (jnp.sum(is_span * b["simct_weight"]), rows),
+            "align_ratio": (jnp.sum(b.simct_aligned_tokens), jnp.sum(b.simct_sample_tokens)),
+            "simct_segments_per_sample": (rows, jnp.sum(b.simct_samples)),
+            "simct_span_row_fraction": (jnp.sum(is_span * b.simct_weight), rows),
             "simct_kept_row_fraction": (kept, rows),
         }
         return {"simct": total}, metrics

@@ -70,11 +70,11 @@ class Sod(TurnObjective):
         s = self.settings
         logp, old, gap = sampled_gap(x, s)
         d = segment_means(jnp.abs(gap), x)
-        w = step_weights(d[x.batch["turn_segment"]], d[x.batch["first_segment"]], s.sod_epsilon, s.sod_delta)
-        outcome = x.batch["outcome_advantage"] if s.sod_outcome is not False else 0.0
+        w = step_weights(d[x.batch.terms.turn_segment], d[x.batch.terms.first_segment], s.sod_epsilon, s.sod_delta)
+        outcome = x.batch.terms.outcome_advantage if s.sod_outcome is not False else 0.0
         advantage = jax.lax.stop_gradient(outcome + s.sod_coef * w * gap)
         terms, flags = sampled_terms(logp, old, advantage, s)
         metrics = gap_metrics(x, gap, flags)
-        rw = x.batch["response_weight"]
+        rw = x.batch.response_weight
         metrics["sod_step_weight"] = (jnp.sum(rw * w), jnp.sum(rw))
         return {"sod": self.weighted(terms, x)}, metrics

@@ -17,8 +17,9 @@ group rows to the teacher pass.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,8 @@ import numpy as np
 
 from ctopd_jax.algorithms import pack
 from ctopd_jax.algorithms.base import GradientComparison, Objective, register
-from ctopd_jax.algorithms.strict import (STRICT_ROWS, StrictSettings, check_topk, span_comparison,
+from ctopd_jax.algorithms.micro_batch import rows, terms_class
+from ctopd_jax.algorithms.strict import (StrictPairs, StrictSettings, check_topk, span_comparison,
                                          strict_inputs, strict_sum)
 from ctopd_jax.config import require
 from ctopd_jax.kernels.token_rows import token_rows
@@ -43,11 +45,26 @@ class SpanSettings(StrictSettings):
                  f"{self.span_lambda} must be a finite number >= 0")
 
 
+@terms_class
+class SpanTerms(StrictPairs):
+    """The strict pairs and the mismatch groups (G groups, N student and Q teacher tokens in
+    them, each padded)."""
+    span_student_index: Any = None       # [N] int32: each group token's index into response_rows
+    span_student_group: Any = None       # [N] int32: its group
+    span_student_weight: Any = None      # [N] float32: 1 real, 0 padding
+    span_teacher_rows: Any = rows("teacher")  # [Q] int32: the groups' teacher rows
+    span_teacher_targets: Any = None     # [Q] int32: the token each teacher row predicts
+    span_teacher_group: Any = None       # [Q] int32: its group
+    span_teacher_weight: Any = None      # [Q] float32: 1 real, 0 padding
+    span_group_weight: Any = None        # [G] float32: 1 real group, 0 padding
+    span_group_student_tokens: Any = None  # [G] float32: student tokens of each group
+
+
 def group_arrays(host, start: int, stop: int, student_len: int, teacher_len: int,
                  response_rows: np.ndarray, response_weight: np.ndarray, min_rows: int = 64) -> dict[str, np.ndarray]:
-    """Mismatch groups of samples [start, stop): each student token as an index into the
-    micro-batch's response rows, each teacher token as a teacher row + target, both with the
-    group id."""
+    """SpanTerms' group fields for samples [start, stop): each student token as an index into
+    the micro-batch's response rows, each teacher token as a teacher row + target, both with
+    the group id."""
     g = host.alignment.mismatch_groups
     g = g[(g[:, 0] >= start) & (g[:, 0] < stop) & (g[:, 2] > g[:, 1]) & (g[:, 4] > g[:, 3])]
     s_len, t_len = g[:, 4] - g[:, 3], g[:, 2] - g[:, 1]
@@ -80,30 +97,29 @@ def group_arrays(host, start: int, stop: int, student_len: int, teacher_len: int
     }
 
 
-def span_inputs(host, start: int, stop: int) -> dict:
-    arrays = strict_inputs(host, start, stop)
-    arrays.update(group_arrays(host, start, stop, arrays["student_ids"].shape[1],
-                               arrays["teacher_ids"].shape[1], arrays["response_rows"],
-                               arrays["response_weight"]))
+def span_inputs(host, start: int, stop: int):
+    batch = strict_inputs(host, start, stop)
+    groups = group_arrays(host, start, stop, batch.student_ids.shape[1], batch.teacher_ids.shape[1],
+                          batch.response_rows, batch.response_weight)
+    terms = SpanTerms(**vars(batch.terms), **groups)
     # the teacher hands back the strict rows first, then the groups' rows
-    arrays["teacher_rows"] = np.concatenate([arrays["strict_teacher_rows"], arrays["span_teacher_rows"]])
-    return arrays
+    return dataclasses.replace(batch, terms=terms, teacher_rows=np.concatenate(
+        [terms.strict_teacher_rows, terms.span_teacher_rows]))
 
 
-def span_sum(student_logprobs, teacher_logprobs, batch):
+def span_sum(student_logprobs, teacher_logprobs, terms):
     """Σ_r (log q_S(r) − log q_T(r))² from per-token log-probs: student [N] at
-    batch["span_student_index"] rows of `student_logprobs`, teacher [Q] in group-row order."""
-    groups = batch["span_group_weight"].shape[0]
-    s_lp = jnp.take(student_logprobs, batch["span_student_index"], axis=0) * batch["span_student_weight"]
-    t_lp = jax.lax.stop_gradient(teacher_logprobs) * batch["span_teacher_weight"]
-    q_s = jax.ops.segment_sum(s_lp, batch["span_student_group"], num_segments=groups)
-    q_t = jax.ops.segment_sum(t_lp, batch["span_teacher_group"], num_segments=groups)
-    return jnp.sum(batch["span_group_weight"] * (q_s - q_t) ** 2)
+    terms.span_student_index rows of `student_logprobs`, teacher [Q] in group-row order."""
+    groups = terms.span_group_weight.shape[0]
+    s_lp = jnp.take(student_logprobs, terms.span_student_index, axis=0) * terms.span_student_weight
+    t_lp = jax.lax.stop_gradient(teacher_logprobs) * terms.span_teacher_weight
+    q_s = jax.ops.segment_sum(s_lp, terms.span_student_group, num_segments=groups)
+    q_t = jax.ops.segment_sum(t_lp, terms.span_teacher_group, num_segments=groups)
+    return jnp.sum(terms.span_group_weight * (q_s - q_t) ** 2)
 
 
 @register("span")
 class SpanLoss(Objective):
-    packed_rows = {**STRICT_ROWS, "span_teacher_rows": "teacher"}
     settings_class = SpanSettings
     stale_responses = "none"   # divergences per position and per span
     response_logprob_grad = True  # the span term differentiates the student's token log-probs
@@ -125,16 +141,16 @@ class SpanLoss(Objective):
         return {"strict": 1.0, "span": float(self.settings.span_lambda)}
 
     def kd_sums(self, x):
-        s, batch = self.settings, x.batch
-        strict_rows = batch["strict_teacher_rows"].shape[0]
+        s, terms = self.settings, x.batch.terms
+        strict_rows = terms.strict_teacher_rows.shape[0]
         strict_total, _ = strict_sum(s, self.topk, x, x.teacher_hidden[:strict_rows])
         t_lp, _ = token_rows(x.teacher_hidden[strict_rows:], x.teacher_lm_head,
-                             batch["span_teacher_targets"], chunk_rows=s.chunked_loss_size,
+                             terms.span_teacher_targets, chunk_rows=s.chunked_loss_size,
                              implementation=s.implementation)
-        span = span_sum(x.response_logprobs, t_lp, batch)
+        span = span_sum(x.response_logprobs, t_lp, terms)
         metrics = {
-            "mismatch_groups": (jnp.sum(batch["span_group_weight"]), None),  # a count
-            "mismatch_token_fraction": (jnp.sum(batch["span_group_student_tokens"]),
-                                        jnp.sum(batch["response_weight"])),
+            "mismatch_groups": (jnp.sum(terms.span_group_weight), None),  # a count
+            "mismatch_token_fraction": (jnp.sum(terms.span_group_student_tokens),
+                                        jnp.sum(x.batch.response_weight)),
         }
         return {"strict": strict_total, "span": span}, metrics

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import jax.numpy as jnp
 
 from ctopd_jax.algorithms import pack
-from ctopd_jax.algorithms.base import BASE_ROWS, GradientComparison, Objective, register
+from ctopd_jax.algorithms.base import GradientComparison, Objective, register
 from ctopd_jax.algorithms.catalog import objective_class
+from ctopd_jax.algorithms.micro_batch import MicroBatch, rows, terms_class
 from ctopd_jax.config import AlgorithmSection, require
 from ctopd_jax.kernels import strict_kd_rows
 
@@ -29,27 +31,40 @@ class StrictSettings(AlgorithmSection):
                  "must be >= 1 (and <= |V∩|, checked once the tokenizers are loaded)")
 
 
-# the row arrays of strict_inputs (Objective.packed_rows)
-STRICT_ROWS = {**BASE_ROWS, "strict_student_rows": "student", "strict_teacher_rows": "teacher"}
+@terms_class
+class StrictPairs:
+    """The strict 1:1 pairs (SPEC §2) of a micro-batch, P of them padded: the terms of the strict
+    family (span and the served top-k strict extend them)."""
+    strict_student_rows: Any = rows("student")   # [P] int32: the student row of each pair
+    strict_teacher_rows: Any = rows("teacher")   # [P] int32: the teacher row of each pair
+    strict_weight: Any = None                    # [P] float32: 1 real pair, 0 padding
 
 
-def strict_inputs(host, start: int, stop: int) -> dict:
-    """Student and teacher tokens, response rows and strict pairs of one micro-batch; the
-    teacher hands back hidden states at the strict teacher rows."""
-    arrays = pack.student_arrays(host, start, stop)
-    arrays.update(pack.teacher_tokens(host, start, stop))
-    arrays.update(pack.strict_arrays(host, start, stop, arrays["student_ids"].shape[1],
-                                     arrays["teacher_ids"].shape[1]))
-    arrays["teacher_rows"] = arrays["strict_teacher_rows"]
-    return arrays
+def strict_pairs(host, start: int, stop: int, student_len: int, teacher_len: int, min_rows: int = 64) -> dict:
+    """The fields of StrictPairs for samples [start, stop) in micro-batch rows."""
+    a = host.alignment
+    sel = (a.pair_sample >= start) & (a.pair_sample < stop)
+    size = pack.rows_bucket(int(sel.sum()), min_rows)
+    s_rows, weight = pack.padded(pack.rebase(a.student_rows[sel], host.student.seq_len, start, student_len), size)
+    t_rows, _ = pack.padded(pack.rebase(a.teacher_rows[sel], host.teacher.seq_len, start, teacher_len), size)
+    return dict(strict_student_rows=s_rows, strict_teacher_rows=t_rows, strict_weight=weight)
+
+
+def strict_inputs(host, start: int, stop: int) -> MicroBatch:
+    """Student and teacher tokens, response rows and strict pairs (the terms) of one
+    micro-batch; the teacher hands back hidden states at the strict teacher rows. Objectives
+    that extend the pairs build their terms from `vars(batch.terms)`."""
+    batch = pack.micro_batch(host, start, stop)
+    pairs = strict_pairs(host, start, stop, batch.student_ids.shape[1], batch.teacher_ids.shape[1])
+    return dataclasses.replace(batch, teacher_rows=pairs["strict_teacher_rows"], terms=StrictPairs(**pairs))
 
 
 def strict_sum(settings, topk, x, teacher_hidden, weight=None):
     """(Σ_r w_r·D_r, per-row values) at the strict pairs; `teacher_hidden` [R, H_T] holds the
-    teacher rows of the pairs in order; `weight` overrides batch["strict_weight"]."""
-    s, batch = settings, x.batch
-    rows = jnp.take(x.hidden, batch["strict_student_rows"], axis=0)
-    weight = batch["strict_weight"] if weight is None else weight
+    teacher rows of the pairs in order; `weight` overrides the pairs' strict_weight."""
+    s, pairs = settings, x.batch.terms
+    rows = jnp.take(x.hidden, pairs.strict_student_rows, axis=0)
+    weight = pairs.strict_weight if weight is None else weight
     return strict_kd_rows((rows, x.lm_head), (teacher_hidden, x.teacher_lm_head), x.overlap["s_ids"],
                           weight, t_ids=x.overlap["t_ids"], divergence=s.kd_loss_fn, topk=topk,
                           temperature=s.kd_temperature, implementation=s.implementation,
@@ -78,7 +93,6 @@ def check_topk(topk: int | None, shared_size: int) -> None:
 
 @register("strict")
 class StrictFull(Objective):
-    packed_rows = STRICT_ROWS
     settings_class = StrictSettings
     stale_responses = "none"   # a divergence per state
 

@@ -2,17 +2,15 @@
 
 They train on episodes (host_episodes.EpisodeCollector: multi-turn with an environment, or one
 response split into paragraph turns), reuse the sampled ids like the rest of the same-tokenizer
-family, and see each response row's TURN: `prepare` adds, per response row,
-
-- `turn_segment`: a dense id of the row's (sample, turn) in the micro-batch (segment sums);
-- `first_segment`: the id of the first turn of the row's sample (SOD's d_1);
-- `outcome_advantage`: the sample's group-normalised outcome advantage (SOD's Â);
-- `turn_judgment`: a judge's weight of the row's turn (SAGE-OPD; -1 where the judge is the
-  on-device proxy).
+family, and see each response row's TURN: their terms (`TurnTerms`) hold, per response row,
+the row's turn, its sample's first turn, outcome advantage and judgment.
 
 Padding rows take segment 0 with weight 0, so every weighted segment sum ignores them.
 """
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +18,22 @@ import numpy as np
 
 from ctopd_jax.algorithms import pack
 from ctopd_jax.algorithms.base import Needs
+from ctopd_jax.algorithms.micro_batch import terms_class
 from ctopd_jax.algorithms.opd import OpdSampled
 from ctopd_jax.algorithms.same_tokenizer import same_inputs
 
 
-def turn_arrays(host, start: int, stop: int, size: int) -> dict[str, np.ndarray]:
+@terms_class
+class TurnTerms:
+    """Per response row [R] (aligned with MicroBatch.response_rows)."""
+    turn_segment: Any = None       # int32: a dense id of the row's (sample, turn) (segment sums)
+    first_segment: Any = None      # int32: the id of the first turn of the row's sample (SOD's d_1)
+    outcome_advantage: Any = None  # float32: the sample's group-normalised outcome advantage (SOD's Â)
+    turn_judgment: Any = None      # float32: a judge's weight of the row's turn (SAGE-OPD; -1 where
+    #                                the judge is the on-device proxy)
+
+
+def turn_terms(host, start: int, stop: int, size: int) -> TurnTerms:
     lens = host.student.response_lens
     lo, hi = int(lens[:start].sum()), int(lens[:stop].sum())
     turn = host.turns.turn[lo:hi]
@@ -34,15 +43,15 @@ def turn_arrays(host, start: int, stop: int, size: int) -> dict[str, np.ndarray]
     opens = np.r_[True, sample[1:] != sample[:-1]] if len(turn) else np.zeros(0, bool)
     first = seg[opens][np.cumsum(opens) - 1]
     judgment = host.turns.judgment[lo:hi] if host.turns.judgment is not None else np.full(hi - lo, -1.0)
-    return {"turn_segment": pack.padded(seg, size)[0], "first_segment": pack.padded(first, size)[0],
-            "outcome_advantage": pack.padded(host.turns.outcome[sample], size, np.float32)[0],
-            "turn_judgment": pack.padded(judgment, size, np.float32)[0]}
+    return TurnTerms(turn_segment=pack.padded(seg, size)[0], first_segment=pack.padded(first, size)[0],
+                     outcome_advantage=pack.padded(host.turns.outcome[sample], size, np.float32)[0],
+                     turn_judgment=pack.padded(judgment, size, np.float32)[0])
 
 
 def segment_means(values, x):
     """[rows] → [segments]: the weighted mean of `values` over each turn of the micro-batch."""
-    w = x.batch["response_weight"]
-    seg = x.batch["turn_segment"]
+    w = x.batch.response_weight
+    seg = x.batch.terms.turn_segment
     n = w.shape[0]
     total = jax.ops.segment_sum(values * w, seg, num_segments=n)
     count = jax.ops.segment_sum(w, seg, num_segments=n)
@@ -56,7 +65,6 @@ class TurnObjective(OpdSampled):
                   turns=True, episodes=True, teacher_scores="token_logprobs")
 
     def prepare(self, host, start, stop):
-        arrays = same_inputs(host, start, stop)
-        arrays.update(turn_arrays(host, start, stop, arrays["response_weight"].shape[0]))
-        return arrays
+        batch = same_inputs(host, start, stop)
+        return dataclasses.replace(batch, terms=turn_terms(host, start, stop, batch.response_weight.shape[0]))
 

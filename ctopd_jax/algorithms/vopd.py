@@ -37,7 +37,7 @@ class VopdSettings(OpdSettings):
 
 def kl_baseline(x, s):
     """KL_t per response row (a constant), exact or on the student's top-k."""
-    rows = jax.numpy.take(x.hidden, x.batch["response_rows"], axis=0)
+    rows = jax.numpy.take(x.hidden, x.batch.response_rows, axis=0)
     if s.vopd_baseline == "topk":
         k = min(int(s.vopd_topk), x.lm_head.shape[1])
         fn = full_rows.topk_reverse_kl(k)
@@ -62,6 +62,6 @@ class Vopd(SameTokenizerObjective):
         kl = kl_baseline(x, s)
         terms, flags = sampled_terms(logp, old, jax.lax.stop_gradient(gap + kl), s)
         metrics = gap_metrics(x, gap, flags)
-        w = x.batch["response_weight"]
+        w = x.batch.response_weight
         metrics["vopd_kl"] = (jax.numpy.sum(w * kl), jax.numpy.sum(w))
         return {"vopd": self.weighted(terms, x)}, metrics

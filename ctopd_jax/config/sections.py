@@ -218,8 +218,8 @@ class OptimizerSection:
     # several per row, rows of this many tokens in all, on both models' sides. auto:
     # micro_batch_size x the longest row (rollout.max_prompt_len + generate_max_len + 1, rounded
     # up to 64), so a packed micro-batch never holds more tokens than an unpacked one can;
-    # 0: one row per response, micro_batch_size of them. Objectives that cannot pack (packed_rows
-    # None) keep micro_batch_size rows of one sample, and the run says so in one line
+    # 0: one row per response, micro_batch_size of them. Objectives that cannot pack (packs
+    # false) keep micro_batch_size rows of one sample, and the run says so in one line
     micro_batch_tokens: int | Literal["auto"] = "auto"
     mu_dtype: Literal["float32", "bfloat16"] = "float32"  # AdamW first moment (bf16 halves it)
     offload_during_rollout: bool = False  # AdamW state in host memory while the rollout runs

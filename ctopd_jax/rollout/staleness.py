@@ -18,6 +18,8 @@ At staleness 0 nothing is stale: no correction, the same numbers as a run withou
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -54,15 +56,14 @@ class TruncatedIS:
 
     def loss_sums(self, hidden, lm_head, teacher_hidden, teacher_lm_head, batch, overlap):
         s = self.objective.settings
-        rows = jnp.take(jax.lax.stop_gradient(hidden), batch["response_rows"], axis=0)
-        logp, _ = token_rows(rows, jax.lax.stop_gradient(lm_head), batch["response_targets"],
+        rows = jnp.take(jax.lax.stop_gradient(hidden), batch.response_rows, axis=0)
+        logp, _ = token_rows(rows, jax.lax.stop_gradient(lm_head), batch.response_targets,
                              chunk_rows=s.chunked_loss_size, implementation=s.implementation)
-        weights = truncated_weights(logp, batch["rollout_logprobs"],
-                                    batch["rollout_logprob_weight"] > 0, self.cap)
-        batch = {**batch, "response_weight": batch["response_weight"] * weights}
+        weights = truncated_weights(logp, batch.rollout_logprobs, batch.rollout_logprob_weight > 0, self.cap)
+        batch = dataclasses.replace(batch, response_weight=batch.response_weight * weights)
         sums, metrics = self.objective.loss_sums(hidden, lm_head, teacher_hidden, teacher_lm_head,
                                                  batch, overlap)
-        have = batch["rollout_logprob_weight"]
+        have = batch.rollout_logprob_weight
         return sums, {**metrics, "tis_weight": (jnp.sum(have * weights), jnp.sum(have))}
 
 

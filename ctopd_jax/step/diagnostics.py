@@ -19,6 +19,7 @@ responses are sampled again by the resumed student (they are not stored in check
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -55,12 +56,12 @@ def unit_statistics(params, rest, batch, t_hidden, t_lm_head, overlap, half_a, *
 
     def grad_of(name, weight):
         def f(p):
-            b = dict(batch, **{c.weight: weight})
+            b = dataclasses.replace(batch, terms=dataclasses.replace(batch.terms, **{c.weight: weight}))
             return objective_sums(p, rest, b, t_hidden, t_lm_head, overlap, graphdef=graphdef,
                                   objective=c.objective)[0][name]
         return jax.grad(f)(params)
 
-    w = batch[c.weight]
+    w = getattr(batch.terms, c.weight)
     g_trained, g_compared = grad_of(c.trained, w), grad_of(c.compared, w)
     cos_mis, ratio = cosine_and_ratio(g_trained, g_compared)
     cos_control, _ = cosine_and_ratio(grad_of(c.trained, w * half_a), grad_of(c.trained, w * (1 - half_a)))
@@ -99,14 +100,14 @@ class Diagnostics:
         rows = []
         for unit, start in enumerate(range(0, host.size, micro)):
             stop = min(start + micro, host.size)
-            arrays = self.comparison.objective.prepare(host, start, stop)
-            weight = arrays[self.comparison.weight]
+            unit_batch = self.comparison.objective.prepare(host, start, stop)
+            weight = getattr(unit_batch.terms, self.comparison.weight)
             split = np.random.default_rng([self.config.seed, 7, unit]).permutation(int(weight.sum()))
             half_a = np.zeros_like(weight)
             half_a[split[: len(split) // 2]] = 1.0
-            batch = to_global(arrays, mesh)
-            t_hidden = teacher_hidden_rows(t_graphdef, t_state, batch["teacher_ids"],
-                                           batch["teacher_mask"], batch["teacher_rows"])
+            batch = to_global(unit_batch, mesh)
+            t_hidden = teacher_hidden_rows(t_graphdef, t_state, batch.teacher_ids, batch.teacher_mask,
+                                           batch.teacher_rows)
             stats = unit_statistics(params, rest, batch, t_hidden, t_lm_head, overlap,
                                     replicated(half_a, mesh), graphdef=graphdef,
                                     comparison=self.comparison)

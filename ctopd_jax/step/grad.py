@@ -35,8 +35,8 @@ def objective_sums(params, rest, batch, teacher_hidden, teacher_lm_head, overlap
     objective then runs per batch shard on that shard's rows, so no row of hidden states,
     logits or teacher columns moves between devices: only the lm_heads are gathered."""
     model = nnx.merge(graphdef, params, rest)
-    mask = batch["student_mask"]
-    hidden = model.hidden_states(batch["student_ids"], prefill_positions(mask), mask, lora_dropout=dropout)
+    mask = batch.student_mask
+    hidden = model.hidden_states(batch.student_ids, prefill_positions(mask), mask, lora_dropout=dropout)
 
     def local(hidden, teacher_hidden, batch, lm_head, teacher_lm_head, overlap):
         flat = hidden.reshape(-1, hidden.shape[-1])

@@ -28,16 +28,16 @@ def per_shard(fn, mesh, n_sharded: int, n_replicated: int):
     return jax.shard_map(summed, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
 
 
-def stack_shards(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Per-shard micro-batch arrays (each prepared from its own samples, with shard-local row
-    indices) -> one array per key: each part zero-padded to the largest shape over the parts,
-    then concatenated along the leading axis, so shard s owns block s of every array. Zero
-    padding is inert by the packing convention (weight 0, index 0, pad tokens masked)."""
+def stack_shards(parts: list):
+    """Per-shard micro-batches (algorithms.micro_batch.MicroBatch, each prepared from its own
+    samples, with shard-local row indices) -> one: every array zero-padded to the largest shape
+    over the parts, then concatenated along the leading axis, so shard s owns block s of every
+    array. Zero padding is inert by the packing convention (weight 0, index 0, pad tokens masked)."""
     if len(parts) == 1:
         return parts[0]
-    out = {}
-    for key in parts[0]:
-        shape = np.max([p[key].shape for p in parts], axis=0)
-        out[key] = np.concatenate([np.pad(p[key], [(0, int(n) - d) for n, d in zip(shape, p[key].shape)])
-                                   for p in parts])
-    return out
+
+    def stacked(*arrays):
+        shape = np.max([a.shape for a in arrays], axis=0)
+        return np.concatenate([np.pad(a, [(0, int(n) - d) for n, d in zip(shape, a.shape)]) for a in arrays])
+
+    return jax.tree.map(stacked, *parts)

@@ -14,25 +14,26 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
 
 from ctopd_jax.algorithms.base import StepInputs  # noqa: E402
+from ctopd_jax.algorithms.micro_batch import MicroBatch  # noqa: E402
 
 
 def step_inputs(s_logits, t_logits, targets, *, old=None, old_weight=None, base_logits=None,
-                weight=None, response_logprobs=None):
+                weight=None, response_logprobs=None, terms=None):
     """StepInputs for R rows: hidden = student logits [R, V], lm_head = I_V (same for teacher)."""
     s = jnp.asarray(s_logits, jnp.float32)
     rows, vocab = s.shape
     eye = jnp.eye(vocab, dtype=jnp.float32)
     targets = jnp.asarray(targets, jnp.int32)
-    batch = {"response_rows": jnp.arange(rows, dtype=jnp.int32),
-             "response_targets": targets,
-             "response_weight": jnp.ones(rows, jnp.float32) if weight is None else jnp.asarray(weight, jnp.float32),
-             "rollout_logprobs": jnp.zeros(rows) if old is None else jnp.asarray(old, jnp.float32),
-             "rollout_logprob_weight": (jnp.zeros(rows) if old is None else jnp.ones(rows))
-             if old_weight is None else jnp.asarray(old_weight, jnp.float32)}
     overlap = {}
     if base_logits is not None:
-        batch["base_hidden"] = jnp.asarray(base_logits, jnp.float32)
         overlap["base_lm_head"] = eye
+    batch = MicroBatch(
+        response_rows=jnp.arange(rows, dtype=jnp.int32), response_targets=targets,
+        response_weight=jnp.ones(rows, jnp.float32) if weight is None else jnp.asarray(weight, jnp.float32),
+        rollout_logprobs=jnp.zeros(rows) if old is None else jnp.asarray(old, jnp.float32),
+        rollout_logprob_weight=(jnp.zeros(rows) if old is None else jnp.ones(rows))
+        if old_weight is None else jnp.asarray(old_weight, jnp.float32),
+        base_hidden=None if base_logits is None else jnp.asarray(base_logits, jnp.float32), terms=terms)
     if response_logprobs is None:
         response_logprobs = jax.nn.log_softmax(s, -1)[jnp.arange(rows), targets]
     return StepInputs(s, eye, jnp.asarray(t_logits, jnp.float32), eye, batch, overlap, response_logprobs)

@@ -8,6 +8,7 @@ ratio) with the project's jax.grad trees. The teacher is a constant: random hidd
 lm_head, the same arrays on both sides. Also: two halves holding the same pairs (every strict
 pair duplicated) give a control cosine of exactly 1 up to rounding.
 """
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def _half_a(weight, seed=7):
 
 def _teacher(arrays, seed=0):
     rng = np.random.default_rng(seed)
-    t_hidden = rng.normal(size=(len(arrays["teacher_rows"]), H_T)).astype(np.float32)
+    t_hidden = rng.normal(size=(len(arrays.teacher_rows), H_T)).astype(np.float32)
     t_head = (rng.normal(size=(H_T, V_T)) * 0.5).astype(np.float32)
     return t_hidden, t_head
 
@@ -71,29 +72,29 @@ def _teacher(arrays, seed=0):
 def _torch_grads(hf, arrays, t_hidden, t_head, s_ids, t_ids, half_a):
     """(g_strict, g_span, g_half_a, g_half_b) over every HF parameter, by torch autograd."""
     params = [p for p in hf.parameters()]
-    ids = torch.as_tensor(arrays["student_ids"], dtype=torch.long)
-    mask = torch.as_tensor(arrays["student_mask"], dtype=torch.long)
-    strict_n = len(arrays["strict_weight"])
+    ids = torch.as_tensor(arrays.student_ids, dtype=torch.long)
+    mask = torch.as_tensor(arrays.student_mask, dtype=torch.long)
+    strict_n = len(arrays.terms.strict_weight)
     zt_all = torch.tensor(t_hidden) @ torch.tensor(t_head)
 
     def losses():
         logits = hf(input_ids=ids, attention_mask=mask).logits.float()
         flat = logits.reshape(-1, logits.shape[-1])
-        w = torch.tensor(arrays["strict_weight"])
-        rows = torch.as_tensor(arrays["strict_student_rows"], dtype=torch.long)
+        w = torch.tensor(arrays.terms.strict_weight)
+        rows = torch.as_tensor(arrays.terms.strict_student_rows, dtype=torch.long)
         per_pair = torch_strict.strict_rows("rkl", flat[rows], zt_all[:strict_n], s_ids, t_ids)
         per_pair = torch.where(w > 0, per_pair, torch.zeros(()))
         # span: group sums of full-vocabulary log-probs of the realised tokens on both sides
-        resp_rows = torch.as_tensor(arrays["response_rows"], dtype=torch.long)
-        resp_targets = torch.as_tensor(arrays["response_targets"], dtype=torch.long)
+        resp_rows = torch.as_tensor(arrays.response_rows, dtype=torch.long)
+        resp_targets = torch.as_tensor(arrays.response_targets, dtype=torch.long)
         lp_s = torch.log_softmax(flat[resp_rows], -1).gather(-1, resp_targets[:, None])[:, 0]
         t_lp = torch.log_softmax(zt_all[strict_n:], -1).gather(
-            -1, torch.as_tensor(arrays["span_teacher_targets"], dtype=torch.long)[:, None])[:, 0]
-        n_groups = int(arrays["span_group_weight"].sum())
-        n_s, n_t = int(arrays["span_student_weight"].sum()), int(arrays["span_teacher_weight"].sum())
-        q_s = torch.zeros(n_groups).index_add(0, torch.as_tensor(arrays["span_student_group"][:n_s], dtype=torch.long),
-                                              lp_s[torch.as_tensor(arrays["span_student_index"][:n_s], dtype=torch.long)])
-        q_t = torch.zeros(n_groups).index_add(0, torch.as_tensor(arrays["span_teacher_group"][:n_t], dtype=torch.long),
+            -1, torch.as_tensor(arrays.terms.span_teacher_targets, dtype=torch.long)[:, None])[:, 0]
+        n_groups = int(arrays.terms.span_group_weight.sum())
+        n_s, n_t = int(arrays.terms.span_student_weight.sum()), int(arrays.terms.span_teacher_weight.sum())
+        q_s = torch.zeros(n_groups).index_add(0, torch.as_tensor(arrays.terms.span_student_group[:n_s], dtype=torch.long),
+                                              lp_s[torch.as_tensor(arrays.terms.span_student_index[:n_s], dtype=torch.long)])
+        q_t = torch.zeros(n_groups).index_add(0, torch.as_tensor(arrays.terms.span_teacher_group[:n_t], dtype=torch.long),
                                               t_lp[:n_t].detach())
         return per_pair, ((q_s - q_t) ** 2).sum()
 
@@ -109,7 +110,7 @@ def _torch_grads(hf, arrays, t_hidden, t_head, s_ids, t_ids, half_a):
 
 def _jax_stats(model, arrays, t_hidden, t_head, s_ids, t_ids, half_a, objective):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    batch = {k: jnp.asarray(v) for k, v in arrays.items()}
+    batch = jax.tree.map(jnp.asarray, arrays)
     overlap = {"s_ids": jnp.asarray(s_ids), "t_ids": jnp.asarray(t_ids)}
     stats = unit_statistics(params, rest, batch, jnp.asarray(t_hidden), jnp.asarray(t_head), overlap,
                             jnp.asarray(half_a), graphdef=graphdef,
@@ -122,12 +123,12 @@ def test_unit_statistics_match_torch_autograd(setup):
     host, hf, model, v_s = setup
     objective = SpanLoss(SpanSettings(name="span", span_base="strict", kd_loss_fn="rkl"))
     arrays = objective.prepare(host, 0, host.size)
-    assert arrays["span_group_weight"].sum() >= 3 and arrays["strict_weight"].sum() >= 20
+    assert arrays.terms.span_group_weight.sum() >= 3 and arrays.terms.strict_weight.sum() >= 20
     t_hidden, t_head = _teacher(arrays)
     rng = np.random.default_rng(1)
     s_ids = rng.permutation(v_s)[:500].astype(np.int32)
     t_ids = rng.permutation(V_T)[:500].astype(np.int32)
-    half_a = _half_a(arrays["strict_weight"])
+    half_a = _half_a(arrays.terms.strict_weight)
     (cos_mis, ratio, cos_ctl), params = _jax_stats(model, arrays, t_hidden, t_head, s_ids, t_ids,
                                                    half_a, objective)
 
@@ -151,14 +152,15 @@ def test_identical_halves_give_control_cosine_one(setup):
     host, _, model, v_s = setup
     objective = SpanLoss(SpanSettings(name="span", span_base="topk_strict", ctkd_topk=16))
     arrays = objective.prepare(host, 0, host.size)
-    n = int(arrays["strict_weight"].sum())
+    n = int(arrays.terms.strict_weight.sum())
     size = pack.rows_bucket(2 * n)
-    dup = dict(arrays)
-    for key in ("strict_student_rows", "strict_teacher_rows"):
-        dup[key] = pack.padded(np.concatenate([arrays[key][:n], arrays[key][:n]]), size)[0]
-    dup["strict_weight"] = pack.padded(np.zeros(2 * n), size)[1]
+    pairs = arrays.terms
+    twice = lambda rows: pack.padded(np.concatenate([rows[:n], rows[:n]]), size)[0]  # noqa: E731
+    dup = dataclasses.replace(arrays, terms=dataclasses.replace(
+        pairs, strict_student_rows=twice(pairs.strict_student_rows),
+        strict_teacher_rows=twice(pairs.strict_teacher_rows), strict_weight=pack.padded(np.zeros(2 * n), size)[1]))
     t_hidden, t_head = _teacher(arrays)
-    strict_rows = len(arrays["strict_weight"])
+    strict_rows = len(arrays.terms.strict_weight)
     strict_hidden = np.zeros((size, H_T), np.float32)
     strict_hidden[:2 * n] = np.concatenate([t_hidden[:n], t_hidden[:n]])
     t_dup = np.concatenate([strict_hidden, t_hidden[strict_rows:]])

@@ -50,9 +50,9 @@ def test_batch_trains_only_student_tokens_with_turns_and_rewards(side):
     labels = host.student.labels[0][host.student.loss_mask[0]]
     assert side.decode(labels, skip_special_tokens=False) == "<calc>12*34</calc>The answer is 408." + EOS
     arrays = obj.prepare(host, 0, 2)
-    w = arrays["response_weight"] > 0
-    np.testing.assert_array_equal(arrays["turn_segment"][w], [0] * 18 + [1] * 19 + [2] * 17)
-    np.testing.assert_array_equal(arrays["first_segment"][w], [0] * 37 + [2] * 17)
+    w = arrays.response_weight > 0
+    np.testing.assert_array_equal(arrays.terms.turn_segment[w], [0] * 18 + [1] * 19 + [2] * 17)
+    np.testing.assert_array_equal(arrays.terms.first_segment[w], [0] * 37 + [2] * 17)
     assert host.turn_stats["reward"] == 0.5 and host.turn_stats["student_turns"] == 1.5
 
 
@@ -61,8 +61,8 @@ def test_outcome_advantage_is_group_normalised(side):
     host = c.collect([rows("408")], 0, StepTimer())
     np.testing.assert_allclose(host.turns.outcome, [1.0, -1.0], atol=1e-5)
     arrays = obj.prepare(host, 0, 2)
-    w = arrays["response_weight"] > 0
-    np.testing.assert_allclose(arrays["outcome_advantage"][w], [1.0] * 19 + [-1.0] * 17, atol=1e-5)
+    w = arrays.response_weight > 0
+    np.testing.assert_allclose(arrays.terms.outcome_advantage[w], [1.0] * 19 + [-1.0] * 17, atol=1e-5)
 
 
 def test_tcod_b2f_replays_the_dataset_expert_prefix(side):

@@ -16,6 +16,7 @@ from same_helpers import objective_sum, random_logits, step_inputs
 import torch_opd
 
 from ctopd_jax.algorithms.gkd import Gkd, GkdSettings, gkd_divergence
+from ctopd_jax.algorithms.micro_batch import MicroBatch
 
 BETAS = (0.0, 0.1, 0.5, 0.9, 1.0)
 
@@ -119,7 +120,7 @@ def test_full_vocabulary_path_is_chunked():
     hs, ht = (jnp.asarray(rng.standard_normal((rows, hid)), jnp.float32) for _ in range(2))
     ws, wt = (jnp.asarray(rng.standard_normal((hid, vocab)), jnp.float32) for _ in range(2))
     obj = gkd(0.5, chunked_loss_size=8)
-    batch = {"response_rows": jnp.arange(rows), "response_weight": jnp.ones(rows)}
+    batch = MicroBatch(response_rows=jnp.arange(rows), response_weight=jnp.ones(rows))
 
     def f(h, w):
         return obj.kd_sums(StepInputs(h, w, ht, wt, batch, {}, None))[0]["gkd"]

@@ -155,11 +155,11 @@ def run_jax(obj, host, hs, ws, ht, wt):
     from ctopd_jax.kernels.token_rows import token_rows
 
     batch = jax.tree.map(jnp.asarray, obj.prepare(host, 0, host.size))
-    t_hidden = jnp.asarray(ht)[batch["teacher_rows"]]
+    t_hidden = jnp.asarray(ht)[batch.teacher_rows]
 
     def f(h, w):
-        rows = jnp.take(h, batch["response_rows"], axis=0)
-        logp, _ = token_rows(rows, w, batch["response_targets"], chunk_rows=16)
+        rows = jnp.take(h, batch.response_rows, axis=0)
+        logp, _ = token_rows(rows, w, batch.response_targets, chunk_rows=16)
         x = StepInputs(h, w, t_hidden, jnp.asarray(wt), batch, {}, logp)
         sums, metrics = obj.kd_sums(x)
         return sums["mp_opd"], metrics
@@ -267,12 +267,11 @@ def test_per_shard_arrays_stack_and_sum_to_the_whole(demo):
         obj = objective(mp_opd_mode=mode)
         whole = obj.prepare(host, 0, host.size)
         stacked = stack_shards([obj.prepare(host, i, i + 1) for i in range(host.size)])
-        counts = [k for k in whole if k.startswith("mp_opd_")]
-        assert "mp_opd_fail_empty_response" in counts and "mp_opd_valid_samples" in counts
-        for key in counts:
-            assert whole[key].shape == (1,) and stacked[key].shape == (host.size,)
-            assert stacked[key].sum() == whole[key].sum()
-        assert whole["mp_opd_samples"][0] == host.size
+        for key in ("mp_opd_samples", "mp_opd_valid_samples", "mp_opd_fail_counts"):
+            one, all_ = getattr(whole.terms, key), getattr(stacked.terms, key)
+            assert one.shape[0] == 1 and all_.shape == (host.size,) + one.shape[1:]
+            np.testing.assert_array_equal(all_.sum(axis=0), one.sum(axis=0))
+        assert whole.terms.mp_opd_samples[0] == host.size
 
 
 def test_bad_settings_name_the_field():
@@ -342,9 +341,9 @@ def run_grass_loss(obj, host, hs3, ws, ht3, wt, mesh):
         parts, starts = [obj.prepare(host, i, i + 1) for i in range(n)], list(range(n))
     k = n // len(parts)
     batch = stack_shards(parts)
-    length = batch["student_ids"].shape[1]
-    t_rows = np.split(batch["teacher_rows"], len(parts))
-    t_hidden = np.concatenate([ht3[a:a + k, :p["teacher_ids"].shape[1]].reshape(-1, H)[rows]
+    length = batch.student_ids.shape[1]
+    t_rows = np.split(batch.teacher_rows, len(parts))
+    t_hidden = np.concatenate([ht3[a:a + k, :p.teacher_ids.shape[1]].reshape(-1, H)[rows]
                                for a, p, rows in zip(starts, parts, t_rows)])
     batch = jax.tree.map(jnp.asarray, batch)
 

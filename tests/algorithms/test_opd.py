@@ -12,6 +12,7 @@ from same_helpers import objective_sum, random_logits, step_inputs
 import torch_opd
 
 from ctopd_jax.algorithms.base import StepInputs
+from ctopd_jax.algorithms.micro_batch import MicroBatch
 from ctopd_jax.algorithms.opd import OpdSampled, OpdSettings
 from ctopd_jax.algorithms.opd_full import OpdFull
 from ctopd_jax.algorithms.same_tokenizer import SameTokenizerSettings
@@ -94,8 +95,8 @@ def test_monte_carlo_expected_gradient_equals_opd_full():
         hr, htr = jnp.repeat(hh, rep, 0), jnp.repeat(ht, rep, 0)
         n = hr.shape[0]
         lp = jax.nn.log_softmax(hr @ ww, -1)[jnp.arange(n), y]
-        batch = {"response_rows": jnp.arange(n), "response_targets": y, "response_weight": jnp.ones(n),
-                 "rollout_logprobs": jax.lax.stop_gradient(lp), "rollout_logprob_weight": jnp.ones(n)}
+        batch = MicroBatch(response_rows=jnp.arange(n), response_targets=y, response_weight=jnp.ones(n),
+                           rollout_logprobs=jax.lax.stop_gradient(lp), rollout_logprob_weight=jnp.ones(n))
         return obj.kd_sums(StepInputs(hr, ww, htr, wt, batch, {}, lp))[0][name]
 
     exact = jax.grad(lambda hh, ww: loss(full, "opd_full", hh, ww, jnp.zeros(rows, jnp.int32), 1),

@@ -137,8 +137,8 @@ def test_collector_sources_student_teacher_dataset(char):
     lp_w = np.split(batch.rollout_logprobs[1], np.cumsum(batch.student.response_lens)[:-1])
     assert [bool(w.all()) for w in lp_w] == [s == "student" for s in want]  # π_old only for the student
     arrays = objective.prepare(batch, 0, 4)
-    assert np.array_equal(arrays["teacher_rows"], arrays["response_rows"])
-    assert np.array_equal(arrays["teacher_ids"], arrays["student_ids"])
+    assert np.array_equal(arrays.teacher_rows, arrays.response_rows)
+    assert np.array_equal(arrays.teacher_ids, arrays.student_ids)
     assert batch.alignment.num_pairs == int(batch.student.response_lens.sum())  # identical sides
 
     config = load_config(SAME, ["algorithm.name=gkd", "algorithm.gkd_lambda=0.0", "rollout.rollout_batch_size=4",

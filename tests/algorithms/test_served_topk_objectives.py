@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from ctopd_jax.algorithms.base import StepInputs
+from ctopd_jax.algorithms.micro_batch import MicroBatch
 from ctopd_jax.algorithms.served_topk import TeacherTopkStrict, TopkGkd, TopkGkdSettings, overlap_table
+from ctopd_jax.algorithms.strict import StrictPairs
 from ctopd_jax.config import AlgorithmSection
 from ctopd_jax.tokenization.overlap import OverlapMap
 
@@ -107,16 +109,15 @@ def strict_case(seed, k, name, tau):
     objective = TeacherTopkStrict(AlgorithmSection(name="teacher_topk_strict", kd_loss_fn=name,
                                                    kd_temperature=tau))
     top_ids, top_lps, _ = served_answer(zt, k)
-    batch = objective.served_columns(top_ids, top_lps, overlap_table(overlap), size)
-    batch["strict_student_rows"] = np.append(student_rows, 0).astype(np.int32)   # + a padded row
-    batch["strict_weight"] = np.append(weight, 0.0).astype(np.float32)
+    pairs = StrictPairs(strict_student_rows=np.append(student_rows, 0).astype(np.int32),   # + a padded row
+                        strict_weight=np.append(weight, 0.0).astype(np.float32))
+    batch = MicroBatch(terms=objective.served_columns(pairs, top_ids, top_lps, overlap_table(overlap), size))
     return objective, batch, hidden, lm_head, (student_rows, weight, zt, overlap)
 
 
 def kd_total(objective, batch, key):
     def total(hidden, lm_head):
-        x = StepInputs(hidden, lm_head, None, None, {k: jnp.asarray(v) for k, v in batch.items()},
-                       {}, None)
+        x = StepInputs(hidden, lm_head, None, None, jax.tree.map(jnp.asarray, batch), {}, None)
         sums, metrics = objective.kd_sums(x)
         return sums[key], metrics
     return jax.value_and_grad(total, argnums=(0, 1), has_aux=True)
@@ -178,10 +179,10 @@ def test_topk_gkd_loss_and_gradient_equal_brute_force(beta, tail, tau):
     objective = TopkGkd(settings)
     top_ids, top_lps, lp_t = served_answer(zt, k)
     sampled_lps = lp_t[np.arange(n), sampled].astype(np.float32)
-    batch = objective.served_support(top_ids, top_lps, sampled, sampled_lps, size)
-    batch.update({"response_rows": np.append(rows, 0).astype(np.int32),
-                  "response_targets": np.append(sampled, 0).astype(np.int32),
-                  "response_weight": np.append(weight, 0.0).astype(np.float32)})
+    batch = MicroBatch(terms=objective.served_support(top_ids, top_lps, sampled, sampled_lps, size),
+                       response_rows=np.append(rows, 0).astype(np.int32),
+                       response_targets=np.append(sampled, 0).astype(np.int32),
+                       response_weight=np.append(weight, 0.0).astype(np.float32))
     (value, _), (g_hidden, g_head) = kd_total(objective, batch, "topk_gkd")(
         jnp.asarray(hidden), jnp.asarray(lm_head))
 

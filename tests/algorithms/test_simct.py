@@ -60,10 +60,10 @@ def overlap_vocab(host, which):
 def run_jax(obj, host, overlap, hs, ws, ht, wt):
     """(sum, metrics, d sum/d hidden, d sum/d lm_head) of one micro-batch = the whole host batch."""
     arrays = obj.prepare(host, 0, host.size)
-    assert arrays["student_ids"].shape[1] == host.student.seq_len
-    assert arrays["teacher_ids"].shape[1] == host.teacher.seq_len
+    assert arrays.student_ids.shape[1] == host.student.seq_len
+    assert arrays.teacher_ids.shape[1] == host.teacher.seq_len
     batch = jax.tree.map(jnp.asarray, arrays)
-    t_hidden = jnp.asarray(ht)[batch["teacher_rows"]]
+    t_hidden = jnp.asarray(ht)[batch.teacher_rows]
     ov = {"s_ids": jnp.asarray(overlap.s_ids, jnp.int32), "t_ids": jnp.asarray(overlap.t_ids, jnp.int32)}
 
     def f(h, w):
@@ -162,9 +162,10 @@ def test_per_shard_arrays_stack_and_sum_to_the_whole(demo):
     parts = [obj.prepare(host, i, i + 1) for i in range(host.size)]
     stacked = stack_shards(parts)
     for key in ("simct_aligned_tokens", "simct_sample_tokens", "simct_samples"):
-        assert whole[key].shape == (1,) and stacked[key].shape == (host.size,)
-        assert stacked[key].sum() == whole[key].sum()
-    assert stacked["simct_weight"].sum() == whole["simct_weight"].sum()
+        one, all_ = getattr(whole.terms, key), getattr(stacked.terms, key)
+        assert one.shape == (1,) and all_.shape == (host.size,)
+        assert all_.sum() == one.sum()
+    assert stacked.terms.simct_weight.sum() == whole.terms.simct_weight.sum()
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +192,7 @@ def test_equals_strict_full_when_every_segment_is_one_to_one(same_pair, texts, s
     ov = {"s_ids": jnp.asarray(overlap.s_ids, jnp.int32), "t_ids": jnp.asarray(overlap.t_ids, jnp.int32)}
 
     def f(h, w):
-        x = StepInputs(h, w, jnp.asarray(ht)[batch["teacher_rows"]], jnp.asarray(wt), batch, ov, None)
+        x = StepInputs(h, w, jnp.asarray(ht)[batch.teacher_rows], jnp.asarray(wt), batch, ov, None)
         return strict.kd_sums(x)[0]["strict"]
 
     want, (w_h, w_w) = jax.value_and_grad(f, argnums=(0, 1))(jnp.asarray(hs), jnp.asarray(ws))

@@ -90,13 +90,13 @@ def test_spec_check_value_and_hand_counted_metrics():
     host = HostBatch(student, teacher, alignment, None, student.responses, ["stop"])
     obj = SpanLoss(SpanSettings(name="span", span_lambda=1.0, span_base="strict"))
     arrays = obj.prepare(host, 0, 1)
-    batch = {k: jnp.asarray(v) for k, v in arrays.items()}
-    t_s, t_t = arrays["student_ids"].shape[1], arrays["teacher_ids"].shape[1]
+    batch = jax.tree.map(jnp.asarray, arrays)
+    t_s, t_t = arrays.student_ids.shape[1], arrays.teacher_ids.shape[1]
     # one-hot hidden rows: the logits of row r are lm_head row r, chosen as log-probabilities
     hidden = jnp.eye(t_s, dtype=jnp.float32)
     lm_head = jnp.asarray(_log_probs_rows(t_s, 11, {1: (3, 0.25)}))      # q_S(" build") = 0.25
     t_head = jnp.asarray(_log_probs_rows(t_t, 13, {1: (3, 0.5), 2: (4, 0.4)}))  # q_T = 0.5·0.4
-    t_hidden = jnp.eye(t_t, dtype=jnp.float32)[batch["teacher_rows"]]
+    t_hidden = jnp.eye(t_t, dtype=jnp.float32)[batch.teacher_rows]
     overlap = {"s_ids": jnp.array([1, 2, 4, 5, 6], jnp.int32), "t_ids": jnp.array([1, 2, 5, 6, 7], jnp.int32)}
     sums, metrics = obj.loss_sums(hidden, lm_head, t_hidden, t_head, batch, overlap)
     assert float(sums["span"]) == pytest.approx(0.049793, abs=5e-7)
@@ -170,8 +170,8 @@ def _reference(host, start, stop, t_s, t_t, hidden, lm_head, t_full, t_head, s_i
 
 def _random_model_arrays(arrays, v_s, v_t, seed=0, h_s=16, h_t=24, shared=300):
     rng = np.random.default_rng(seed)
-    m, t_s = arrays["student_ids"].shape
-    t_t = arrays["teacher_ids"].shape[1]
+    m, t_s = arrays.student_ids.shape
+    t_t = arrays.teacher_ids.shape[1]
     hidden = rng.normal(size=(m * t_s, h_s)).astype(np.float32)
     lm_head = (rng.normal(size=(h_s, v_s)) * 0.5).astype(np.float32)
     t_full = rng.normal(size=(m * t_t, h_t)).astype(np.float32)
@@ -182,8 +182,8 @@ def _random_model_arrays(arrays, v_s, v_t, seed=0, h_s=16, h_t=24, shared=300):
 
 
 def _jax_value_and_grad(obj, arrays, hidden, lm_head, t_full, t_head, s_ids, t_ids):
-    batch = {k: jnp.asarray(v) for k, v in arrays.items()}
-    t_hidden = jnp.asarray(t_full)[batch["teacher_rows"]]
+    batch = jax.tree.map(jnp.asarray, arrays)
+    t_hidden = jnp.asarray(t_full)[batch.teacher_rows]
     overlap = {"s_ids": jnp.asarray(s_ids), "t_ids": jnp.asarray(t_ids)}
     weights = obj.kd_weights()
 
@@ -206,7 +206,7 @@ def test_span_objective_matches_torch_reference(real_host, start, stop, lam):
     v_t = int(max(real_host.teacher.input_ids.max(), 799)) + 1
     model = _random_model_arrays(arrays, v_s, v_t, seed=start)
     sums, metrics, (g_h, g_w) = _jax_value_and_grad(obj, arrays, *model)
-    t_s, t_t = arrays["student_ids"].shape[1], arrays["teacher_ids"].shape[1]
+    t_s, t_t = arrays.student_ids.shape[1], arrays.teacher_ids.shape[1]
     strict, span, r_h, r_w, groups, tokens = _reference(real_host, start, stop, t_s, t_t, *model, lam)
 
     assert groups > 0 and span > 0
@@ -226,13 +226,13 @@ def test_span_gradient_reaches_every_student_token_of_a_group_and_nothing_else(r
     obj = SpanLoss(SpanSettings(name="span", span_lambda=1.0, span_base="strict"))
     arrays = obj.prepare(real_host, 0, real_host.size)
     hidden, lm_head, t_full, t_head, s_ids, t_ids = _random_model_arrays(arrays, 901, 800, seed=5)
-    batch = {k: jnp.asarray(v) for k, v in arrays.items()}
-    t_hidden = jnp.asarray(t_full)[batch["teacher_rows"]]
+    batch = jax.tree.map(jnp.asarray, arrays)
+    t_hidden = jnp.asarray(t_full)[batch.teacher_rows]
     overlap = {"s_ids": jnp.asarray(s_ids), "t_ids": jnp.asarray(t_ids)}
     g = jax.jit(jax.grad(lambda h: obj.loss_sums(h, jnp.asarray(lm_head), t_hidden, jnp.asarray(t_head),
                                                  batch, overlap)[0]["span"]))(jnp.asarray(hidden))
     touched = set(np.flatnonzero(np.abs(np.asarray(g)).sum(axis=1)).tolist())
-    t_s = arrays["student_ids"].shape[1]
+    t_s = arrays.student_ids.shape[1]
     expected = set()
     for b, _t0, _t1, s0, s1 in real_host.alignment.mismatch_groups:
         base = b * t_s - b * real_host.student.seq_len   # rebase host rows to micro-batch rows
@@ -248,8 +248,8 @@ def test_lambda_zero_is_bitwise_the_strict_objective(real_host, base, strict_cls
     for obj in (span_obj, strict_obj):
         arrays = obj.prepare(real_host, 0, real_host.size)
         model = _random_model_arrays(arrays, 901, 800, seed=11)
-        batch = {k: jnp.asarray(v) for k, v in arrays.items()}
-        t_hidden = jnp.asarray(model[2])[batch["teacher_rows"]]
+        batch = jax.tree.map(jnp.asarray, arrays)
+        t_hidden = jnp.asarray(model[2])[batch.teacher_rows]
         overlap = {"s_ids": jnp.asarray(model[4]), "t_ids": jnp.asarray(model[5])}
         weights = obj.loss_weights()
 

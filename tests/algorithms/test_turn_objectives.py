@@ -11,6 +11,7 @@ from ctopd_jax.algorithms import get_objective
 from ctopd_jax.algorithms.sage_opd import parse_judgment
 from ctopd_jax.algorithms.sod import step_weights
 from ctopd_jax.algorithms.tcod import b2f_prefix, f2b_turns
+from ctopd_jax.algorithms.turn_based import TurnTerms
 from ctopd_jax.config import ConfigError, from_dict
 from ctopd_jax.turns import group_advantage
 
@@ -29,12 +30,11 @@ def objective(name, **settings):
 
 
 def inputs(s_logits, t_logits, targets, old, outcome=None, judgment=None):
-    x = step_inputs(s_logits, t_logits, targets, old=old)
     rows = len(targets)
-    x.batch.update({"turn_segment": jnp.asarray(SEGMENT, jnp.int32), "first_segment": jnp.asarray(FIRST, jnp.int32),
-                    "outcome_advantage": jnp.asarray(np.zeros(rows) if outcome is None else outcome, jnp.float32),
-                    "turn_judgment": jnp.asarray(np.full(rows, -1.0) if judgment is None else judgment, jnp.float32)})
-    return x
+    terms = TurnTerms(turn_segment=jnp.asarray(SEGMENT, jnp.int32), first_segment=jnp.asarray(FIRST, jnp.int32),
+                      outcome_advantage=jnp.asarray(np.zeros(rows) if outcome is None else outcome, jnp.float32),
+                      turn_judgment=jnp.asarray(np.full(rows, -1.0) if judgment is None else judgment, jnp.float32))
+    return step_inputs(s_logits, t_logits, targets, old=old, terms=terms)
 
 
 def value_and_grad(obj, name, s, t, targets, old, **kw):

@@ -8,10 +8,12 @@ import dataclasses
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ctopd_jax.algorithms.micro_batch import MicroBatch
 from ctopd_jax.config import RolloutSection
 from ctopd_jax.metrics import StepTimer
 from ctopd_jax.rollout.overlap import Drawn, Rollouts
@@ -93,7 +95,7 @@ class WeightsSeen:
                                                 ("implementation", str, "xla")])()
 
     def loss_sums(self, hidden, lm_head, teacher_hidden, teacher_lm_head, batch, overlap):
-        return {"weights": batch["response_weight"]}, {}
+        return {"weights": batch.response_weight}, {}
 
 
 def test_the_step_weighs_each_response_token_by_the_truncated_ratio_numpy_reference():
@@ -106,9 +108,9 @@ def test_the_step_weighs_each_response_token_by_the_truncated_ratio_numpy_refere
     logits = hidden[rows] @ lm_head
     train_lp = (logits - np.log(np.exp(logits).sum(-1, keepdims=True)))[np.arange(5), targets]
     tis = np.where(have > 0, np.minimum(np.exp(train_lp - rollout_lp), 2.0), 1.0)
-    batch = {k: jnp.asarray(v, jnp.float32 if v.dtype == np.float64 else jnp.int32) for k, v in {
-        "response_rows": rows, "response_targets": targets, "rollout_logprobs": rollout_lp,
-        "rollout_logprob_weight": have, "response_weight": base_weight}.items()}
+    batch = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32 if v.dtype == np.float64 else jnp.int32), MicroBatch(
+        response_rows=rows, response_targets=targets, rollout_logprobs=rollout_lp,
+        rollout_logprob_weight=have, response_weight=base_weight))
     sums, metrics = TruncatedIS(WeightsSeen(), 2.0).loss_sums(
         jnp.asarray(hidden, jnp.float32), jnp.asarray(lm_head, jnp.float32), None, None, batch, {})
     np.testing.assert_allclose(np.asarray(sums["weights"]), base_weight * tis, rtol=1e-5)

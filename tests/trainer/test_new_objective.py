@@ -48,13 +48,13 @@ class HardLabel(Objective):
 
     def kd_sums(self, x):
         s_ids, t_ids = x.overlap["s_ids"], x.overlap["t_ids"]
-        rows = jnp.take(x.hidden, x.batch["strict_student_rows"], axis=0)
+        rows = jnp.take(x.hidden, x.batch.terms.strict_student_rows, axis=0)
         s_logits = rows @ x.lm_head[:, s_ids].astype(rows.dtype)
         t_logits = x.teacher_hidden @ x.teacher_lm_head[:, t_ids].astype(x.teacher_hidden.dtype)
         target = jnp.argmax(t_logits, axis=-1)
         picked = jnp.take_along_axis(s_logits, target[:, None], axis=-1)[:, 0]
         terms = jax.nn.logsumexp(s_logits.astype(jnp.float32), axis=-1) - picked
-        return {"hard_label": losses.masked_sum(terms, x.batch["strict_weight"])}, {}
+        return {"hard_label": losses.masked_sum(terms, x.batch.terms.strict_weight)}, {}
 '''
 
 

@@ -1,6 +1,6 @@
 """Packed rows against one row per sample: the same samples of a collected batch, through the
 trainer's own micro-batch step (prepare, teacher rows, student gradient), give the same loss
-and gradient (fp32, 1e-6 relative) for every objective that declares packed_rows; the ones that
+and gradient (fp32, 1e-6 relative) for every objective that packs (`packs`); the ones that
 cannot pack say so and keep one row per sample. The oracle is the unpacked step (each sample in
 a right-padded row of its own), which the objective tests check against their references.
 
@@ -17,6 +17,7 @@ import yaml
 from ctopd_jax import teacher_batches
 from ctopd_jax.algorithms import registry
 from ctopd_jax.algorithms import packing
+from ctopd_jax.algorithms.micro_batch import MicroBatch
 from ctopd_jax.algorithms.packing import PackingError, micro_ranges, pack_rows
 from ctopd_jax.build import make_collector
 from ctopd_jax.config import from_dict, load_config
@@ -99,7 +100,7 @@ slow = pytest.mark.slow   # ~10-20 s each on 2 cores: one per pair stays in the 
     pytest.param("tcod", (), marks=slow)])
 def test_packed_rows_give_the_unpacked_loss_and_gradient(tmp_path, name, extra):
     trainer = trainer_for(name, tmp_path, *extra)
-    assert trainer.objective.packed_rows is not None
+    assert trainer.objective.packs
     assert_same(trainer)
 
 
@@ -124,7 +125,7 @@ def test_served_objectives_pack_to_the_unpacked_loss_and_gradient(tmp_path, serv
     """The served teacher's scores (token log-probs and top-8) come with the host batch and are
     read through the moved teacher rows."""
     trainer = trainer_for(name, tmp_path, served=served_teachers[name])
-    assert trainer.default_parts.served is not None and trainer.objective.packed_rows is not None
+    assert trainer.default_parts.served is not None and trainer.objective.packs
     assert_same(trainer)
 
 
@@ -144,16 +145,9 @@ def test_an_objective_that_cannot_pack_falls_back_alone(tmp_path, name, extra):
     """Its loss depends on the micro-batch boundaries: one row per sample, micro_batch_size of
     them, whatever the budget."""
     trainer = trainer_for(name, tmp_path, *extra)
-    assert trainer.objective.packed_rows is None
+    assert not trainer.objective.packs
     assert not trainer.packing
     assert trainer.micro_ranges(None, 0, 7) == [(0, 7)]
-
-
-def test_an_undeclared_row_array_is_refused():
-    arrays = {"student_ids": np.ones((2, 4), np.int32), "student_mask": np.ones((2, 4), bool),
-              "response_rows": np.zeros(3, np.int32), "other_rows": np.zeros(3, np.int32)}
-    with pytest.raises(PackingError, match="other_rows"):
-        pack_rows(arrays, {"response_rows": "student"}, 64)
 
 
 def test_rows_move_to_their_sample_in_the_packed_row():
@@ -161,15 +155,14 @@ def test_rows_move_to_their_sample_in_the_packed_row():
     width bucket): offsets 0, 3, 4 (hand-written)."""
     mask = np.arange(64)[None] < np.array([3, 1, 4])[:, None]
     ids = np.where(mask, np.arange(1, 193).reshape(3, 64), 0).astype(np.int32)
-    out = pack_rows({"student_ids": ids, "student_mask": mask,
-                     "response_rows": np.array([1, 64, 128, 131], np.int32)}, {"response_rows": "student"}, 64)
-    assert out["student_ids"].shape == (1, 16)
-    assert out["student_ids"][0, :9].tolist() == [1, 2, 3, 65, 129, 130, 131, 132, 0]
-    assert out["student_mask"][0, :9].tolist() == [1, 1, 1, 2, 3, 3, 3, 3, 0]
-    assert out["response_rows"].tolist() == [1, 3, 4, 7]
+    out = pack_rows(MicroBatch(student_ids=ids, student_mask=mask,
+                               response_rows=np.array([1, 64, 128, 131], np.int32)), 64)
+    assert out.student_ids.shape == (1, 16)
+    assert out.student_ids[0, :9].tolist() == [1, 2, 3, 65, 129, 130, 131, 132, 0]
+    assert out.student_mask[0, :9].tolist() == [1, 1, 1, 2, 3, 3, 3, 3, 0]
+    assert out.response_rows.tolist() == [1, 3, 4, 7]
     with pytest.raises(PackingError, match="past its sample"):
-        pack_rows({"student_ids": ids, "student_mask": mask, "response_rows": np.array([65])},
-                  {"response_rows": "student"}, 64)
+        pack_rows(MicroBatch(student_ids=ids, student_mask=mask, response_rows=np.array([65])), 64)
 
 
 def test_samples_go_first_fit_into_rows_of_their_bucket():
@@ -178,12 +171,11 @@ def test_samples_go_first_fit_into_rows_of_their_bucket():
     mask = np.arange(64)[None] < np.array([40, 30, 8])[:, None]
     ids = np.where(mask, 7, 0).astype(np.int32)
     rows = np.array([0, 39, 64, 64 + 29, 128, 128 + 7], np.int32)   # first and last of each
-    out = pack_rows({"student_ids": ids, "student_mask": mask, "response_rows": rows},
-                    {"response_rows": "student"}, 128)
-    assert out["student_mask"].shape == (2, 48)
-    assert out["response_rows"].tolist() == [0, 39, 48, 48 + 29, 40, 47]
-    assert (out["student_mask"][0] == np.repeat([1, 3], [40, 8])).all()
-    assert (out["student_mask"][1, :30] == 2).all() and not out["student_mask"][1, 30:].any()
+    out = pack_rows(MicroBatch(student_ids=ids, student_mask=mask, response_rows=rows), 128)
+    assert out.student_mask.shape == (2, 48)
+    assert out.response_rows.tolist() == [0, 39, 48, 48 + 29, 40, 47]
+    assert (out.student_mask[0] == np.repeat([1, 3], [40, 8])).all()
+    assert (out.student_mask[1, :30] == 2).all() and not out.student_mask[1, 30:].any()
     # 40, 30 fill the two rows of 48; 20 and 50 (rows of 64) start the next micro-batch
     assert micro_ranges(np.array([[40, 40], [30, 30], [20, 20], [50, 10]]), 10, 128, (64, 64)) == [
         (10, 12), (12, 14)]

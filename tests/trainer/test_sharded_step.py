@@ -18,6 +18,7 @@ from flax import nnx
 
 from ctopd_jax.algorithms import get_objective
 from ctopd_jax.step.grad import micro_grad, zero_grads
+from ctopd_jax.algorithms.micro_batch import map_rows
 from ctopd_jax.step.shards import stack_shards
 from ctopd_jax.mesh_arrays import to_global
 from ctopd_jax.config import from_dict
@@ -74,8 +75,8 @@ def per_shard_check(name):
 
     def run(batch_arrays, step_mesh):
         batch = to_global(batch_arrays, mesh)
-        t_hidden = teacher_hidden_rows(t_graph, t_state, batch["teacher_ids"], batch["teacher_mask"],
-                                       batch["teacher_rows"], mesh=step_mesh)
+        t_hidden = teacher_hidden_rows(t_graph, t_state, batch.teacher_ids, batch.teacher_mask,
+                                       batch.teacher_rows, mesh=step_mesh)
         args = (params, rest, batch, t_hidden, lm_head_of(t_graph, t_state), overlap, total)
         kw = dict(graphdef=graphdef, accumulation=1, objective=objective, mesh=step_mesh)
         compiled = micro_grad.lower(*args, zero_grads(params), **kw).compile()
@@ -90,8 +91,9 @@ def per_shard_check(name):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-7)
 
     def carries_rows(shape, arrays):
-        tokens = int(np.prod(arrays["student_ids"].shape))  # M * T hidden rows
-        row_counts = {len(v) for k, v in arrays.items() if k.endswith("rows")}
+        tokens = int(np.prod(arrays.student_ids.shape))  # M * T hidden rows
+        row_counts = set()   # the lengths of every row field (micro_batch.rows)
+        map_rows(arrays, lambda rows, side, name: row_counts.add(len(rows)) or rows)
         return bool(set(shape) & ({tokens} | row_counts)) or shape[:1] == (M,)
 
     # the detector works: computed as one unit over batch-sharded arrays, rows are gathered

@@ -136,9 +136,9 @@ def test_accumulated_loss_and_grad_match_hand_computation(name, kd_ratio, topk):
         """Accumulated (loss, grads) over micro-batches: in the donated step, or on the host."""
         loss, grads = 0.0, zero_grads(params)
         for start in range(0, len(batch_samples), micro):
-            batch = {k: jnp.asarray(v) for k, v in objective.prepare(host, start, start + micro).items()}
-            hidden = teacher_hidden_rows(tgraph, tstate, batch["teacher_ids"], batch["teacher_mask"],
-                                         batch["teacher_rows"])
+            batch = jax.tree.map(jnp.asarray, objective.prepare(host, start, start + micro))
+            hidden = teacher_hidden_rows(tgraph, tstate, batch.teacher_ids, batch.teacher_mask,
+                                         batch.teacher_rows)
             l, sums, metrics, g = micro_grad(params, rest, batch, hidden, lm_head_of(tgraph, tstate), overlap,
                                              jnp.float32(total), grads if in_jit else zero_grads(params),
                                              graphdef=graphdef, accumulation=len(batch_samples) // micro,
