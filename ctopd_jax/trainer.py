@@ -40,7 +40,7 @@ from flax import nnx
 
 from ctopd_jax import build, heap, host_offload, teacher_batches
 from ctopd_jax.algorithms.packing import (budget as packing_budget, host_micro_ranges, objective_budget,
-                                          pack_rows, pack_shards)
+                                          pack_rows)
 from ctopd_jax.align import CoverageMeter
 from ctopd_jax.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig, default_teacher
@@ -145,7 +145,7 @@ class Trainer:
         with timer("prepare"):   # host work, hidden under the device's previous micro-batch
             parts = [self.objective.prepare(host, a, a + step) for a in range(start, stop, step)]
             if packed:   # one micro-batch: rows of the budget; a shard's part: rows enough for it
-                parts = [pack_rows(parts[0], packing_budget(self.config))] if shards == 1 else pack_shards(parts)
+                parts = [pack_rows(p, packing_budget(self.config) if shards == 1 else None) for p in parts]
             batch = to_global(stack_shards(parts), self.mesh)
         mesh = self.mesh if shards > 1 else None
         t_graphdef, t_state, t_lm_head = teacher.scoring

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 
 SIDES = ("student", "teacher")
 
@@ -100,3 +101,24 @@ def map_rows(node, move):
             raise PackingError(f"{type(node).__name__}.{f.name}: row indices without a side; declare the "
                                "field with micro_batch.rows('student') or rows('teacher')")
     return dataclasses.replace(node, **changes)
+
+
+def widened(batch: MicroBatch, widths: dict[str, int]) -> MicroBatch:
+    """`batch` with each side's rows [M, T] right-padded to `widths[side]` (≥ T) and that side's
+    declared row fields moved to match: flat row b·T + p becomes b·W + p (a packed row's
+    offsets stay, as positions within their row). The batch shards' parts of one micro-batch
+    are prepared on their own, so their widths differ when their samples fall in different
+    length buckets; stacked as they are, every flat row index past each part's first row would
+    point at another position (step.shards.stack_shards)."""
+    tokens = side_tokens(batch)
+    width = {side: ids.shape[1] for side, (ids, _) in tokens.items()}
+
+    def move(x, side, name):
+        x = np.asarray(x)
+        return (x // width[side] * widths[side] + x % width[side]).astype(x.dtype) if side in width else x
+
+    def pad(a, side):
+        return np.pad(a, [(0, 0), (0, widths[side] - a.shape[1])])
+
+    return with_side_tokens(map_rows(batch, move),
+                            {side: (pad(ids, side), pad(mask, side)) for side, (ids, mask) in tokens.items()})

@@ -186,18 +186,10 @@ def move_rows(rows: np.ndarray, width: int, flat_start: np.ndarray, lengths: np.
     return (flat_start[b] + p).astype(np.asarray(rows).dtype)
 
 
-def pack_shards(parts: list[MicroBatch]) -> list[MicroBatch]:
-    """The batch shards' parts of a micro-batch, each packed into rows enough for it, all of one
-    width per side (the widest part's), so that stacking them (shards.stack_shards) pads rows
-    only, never a row's width, which would move every flat row index past the first row."""
-    packed = [pack_rows(part, None) for part in parts]
-    widths = {side: max(side_tokens(p)[side][0].shape[1] for p in packed) for side in side_tokens(parts[0])}
-    return [pack_rows(part, None, widths) for part in parts]
-
-
-def pack_rows(batch: MicroBatch, budget: int | None, widths: dict[str, int] | None = None) -> MicroBatch:
+def pack_rows(batch: MicroBatch, budget: int | None) -> MicroBatch:
     """`batch` of one micro-batch (one sample per row) with both sides packed (module doc);
-    `widths`: each side's row width, at least its own (pack_shards)."""
+    budget None: a batch shard's part of a micro-batch, in rows enough for it (stacking the
+    parts, step.shards.stack_shards, widens them to one width per side)."""
     sides, moves = {}, {}
     for side, (ids, mask) in side_tokens(batch).items():
         lengths = lengths_of(mask)
@@ -205,7 +197,6 @@ def pack_rows(batch: MicroBatch, budget: int | None, widths: dict[str, int] | No
         if placed is None:
             raise PackingError(f"the {side} samples do not fit rows of {budget} tokens (micro_ranges)")
         rows, width, row, offset = placed
-        width = max(width, (widths or {}).get(side, 0))
         packed, segments = np.zeros((rows, width), ids.dtype), np.zeros((rows, width), np.int32)
         for b, (r, at, n) in enumerate(zip(row, offset, lengths)):
             packed[r, at:at + n] = ids[b, :n]

@@ -7,6 +7,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ctopd_jax.algorithms.base import batch_shard_axes
+from ctopd_jax.algorithms.micro_batch import side_tokens, widened
 from ctopd_jax.mesh import BATCH_AXES
 
 
@@ -30,11 +31,15 @@ def per_shard(fn, mesh, n_sharded: int, n_replicated: int):
 
 def stack_shards(parts: list):
     """Per-shard micro-batches (algorithms.micro_batch.MicroBatch, each prepared from its own
-    samples, with shard-local row indices) -> one: every array zero-padded to the largest shape
-    over the parts, then concatenated along the leading axis, so shard s owns block s of every
-    array. Zero padding is inert by the packing convention (weight 0, index 0, pad tokens masked)."""
+    samples, with shard-local row indices) -> one: each side's rows first widened to the widest
+    part's (micro_batch.widened moves the row indices with them), then every array zero-padded
+    to the largest shape over the parts and concatenated along the leading axis, so shard s owns
+    block s of every array. Zero padding is inert by the packing convention (weight 0, index 0,
+    pad tokens masked)."""
     if len(parts) == 1:
         return parts[0]
+    widths = {side: max(side_tokens(p)[side][0].shape[1] for p in parts) for side in side_tokens(parts[0])}
+    parts = [widened(p, widths) for p in parts]
 
     def stacked(*arrays):
         shape = np.max([a.shape for a in arrays], axis=0)

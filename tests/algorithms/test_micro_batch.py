@@ -38,6 +38,40 @@ def test_stacked_shards_keep_every_field_in_place():
     assert out.teacher_ids is None and out.base_hidden is None
 
 
+def test_stacked_shards_of_different_widths_keep_each_row_on_its_token():
+    """Shard parts prepared on their own have their own widths (64 and 128 here: samples in
+    different length buckets). After stacking, every declared row of a part still indexes the
+    token it indexed in that part (token ids are unique, so the oracle is the token itself)."""
+    def part(lengths, width, first_id):
+        mask = np.arange(width)[None] < np.asarray(lengths)[:, None]
+        ids = np.where(mask, first_id + np.arange(mask.size).reshape(mask.shape), 0).astype(np.int32)
+        flat = np.flatnonzero(mask.reshape(-1)).astype(np.int32)
+        pairs = StrictPairs(strict_student_rows=flat[::2], strict_teacher_rows=flat[1::2],
+                            strict_weight=np.ones(len(flat[::2]), np.float32))
+        return MicroBatch(student_ids=ids, student_mask=mask, response_rows=flat, teacher_ids=ids + 1,
+                          teacher_mask=mask, teacher_rows=flat[1::2], terms=pairs)
+
+    parts = [part([5, 60], 64, 1000), part([100, 3], 128, 5000)]
+    out = stack_shards(parts)
+    assert out.student_ids.shape == (4, 128) and out.teacher_mask.shape == (4, 128)
+
+    def tokens(ids, rows, shard=None):
+        """The tokens at `rows`: of a part, or of shard `shard`'s block of the stacked batch (its
+        2 samples, and its block of the rows, padded to the larger part's count)."""
+        if shard is None:
+            return ids.reshape(-1)[rows].tolist()
+        block = len(rows) // len(parts)
+        return ids[2 * shard:2 * shard + 2].reshape(-1)[rows[shard * block:(shard + 1) * block]].tolist()
+
+    for shard, p in enumerate(parts):
+        for field in ("response_rows", "teacher_rows"):
+            ids = "student_ids" if field == "response_rows" else "teacher_ids"
+            got = tokens(getattr(out, ids), getattr(out, field), shard)
+            assert got[:len(getattr(p, field))] == tokens(getattr(p, ids), getattr(p, field))
+        got = tokens(out.student_ids, out.terms.strict_student_rows, shard)
+        assert got[:len(p.terms.strict_student_rows)] == tokens(p.student_ids, p.terms.strict_student_rows)
+
+
 def test_packed_rows_move_the_declared_rows_of_the_terms():
     """Student lengths 3, 1, 4 -> one row of 16 at offsets 0, 3, 4; teacher lengths 2, 2, 2 ->
     one row of 16 at offsets 0, 2, 4. Row fields of both sides move, weights do not."""
