@@ -234,9 +234,9 @@ class MpOpd(Objective):
     def packs(self) -> bool:
         """grass_chunk cannot pack: its noise EMA advances once per micro-batch, so a token
         budget (other micro-batch boundaries) would change the loss, not only its layout.
-        align does not pack yet: its chunk Gram layout (`gram_*`, [spans, K] student rows) has
-        not been tested through the packed layout, so it keeps one sample per row."""
-        return self.settings.mp_opd_mode not in ("grass_chunk", "align")
+        atomic and align pack (align's chunk Gram rows are declared student rows, so they move
+        with their tokens)."""
+        return self.settings.mp_opd_mode not in ("grass_chunk",)
 
     def after_micro_batch(self, metrics: dict) -> dict:
         """Host, after each micro-batch (device.micro_grad): the micro-batch's per-sample noise
