@@ -20,11 +20,11 @@ Decisions:
   first reachable query (backward): about half the tiles for causal training, and only the
   filled part of a KV cache when decoding.  Loop bounds are dynamic, so they are
   ``fori_loop``s that lower to while loops; the custom VJP means nothing differentiates them.
-  Key blocks after the last valid key of every row are skipped too.
 - Packed rows (``segments``) also skip the (query block, key block) tiles that lie wholly
   before the segment of the block's first query: for a query block, keys from the start of
   its first query's segment to its last query; for a key block, the query blocks from the
-  first that reaches it to the last whose first query's segment starts inside or before it.
+  first that reaches it to the last whose first query's segment starts inside or before it;
+  and the key blocks after the row's last valid key.
   Samples sit in different places in each row, so packed rows loop one row at a time
   (``_over_rows``), each with its own bounds; the decoder gives them smaller tiles
   (``ModelConfig.packed_attention_block``), which skip more: a row of width W holding samples
@@ -125,8 +125,11 @@ def _tile_segments(segments, i, bq, j, bk):
             jax.lax.dynamic_slice_in_dim(kv_seg, j * bk, bk, axis=1))
 
 
-def _valid_key_blocks(kv_valid, bk):
-    """Key blocks up to the last valid key of any row: those after it hold no visible key."""
+def _key_blocks(kv_valid, segments, bk):
+    """The key blocks the loops visit: all, or for packed rows those up to the last valid key
+    (a packed row ends in pads, or is all pads where the row count was rounded up)."""
+    if segments is None:
+        return kv_valid.shape[1] // bk
     slots = jnp.arange(kv_valid.shape[1], dtype=jnp.int32)
     return (jnp.max(jnp.where(kv_valid, slots, -1)) + bk) // bk
 
@@ -137,7 +140,7 @@ def _blockwise_forward(q5, k, v, q_slots, kv_valid, segments, bq, bk):
     segment, least over the B rows [Tp], non-decreasing: _over_rows).
     Returns out [B,Tp,K,G,D] (q dtype) and lse [B,K,G,Tp] float32."""
     b, tp, nkv, g, d = q5.shape
-    n_qb, n_kb = tp // bq, _valid_key_blocks(kv_valid, bk)
+    n_qb, n_kb = tp // bq, _key_blocks(kv_valid, segments, bk)
     scale = 1.0 / math.sqrt(d)
 
     def q_block(i, bufs):
@@ -185,7 +188,7 @@ def _blockwise_forward(q5, k, v, q_slots, kv_valid, segments, bq, bk):
 def _blockwise_backward(q5, k, v, q_slots, kv_valid, segments, out, lse, d_out, bq, bk):
     """Gradients for padded inputs; key blocks outer, query blocks inner, dq accumulated."""
     b, tp, nkv, g, d = q5.shape
-    n_qb, n_kb = tp // bq, _valid_key_blocks(kv_valid, bk)
+    n_qb, n_kb = tp // bq, _key_blocks(kv_valid, segments, bk)
     scale = 1.0 / math.sqrt(d)
     # delta_t = sum_d dO * O: the softmax backward's row term, computed once.
     delta = jnp.einsum("bqkgd,bqkgd->bkgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
