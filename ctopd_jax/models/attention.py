@@ -355,13 +355,16 @@ def resolve_implementation(name: str, dtype, with_cache: bool) -> str:
 
 
 def attend(q, k, v, mask, implementation: str = "blockwise",
-           block_q: int = 512, block_k: int = 512):
-    """Dispatch to one concrete implementation (``resolve_implementation`` picks it).
+           block_q: int = 512, block_k: int = 512, packed_block: int | None = None):
+    """Dispatch to one concrete implementation (``resolve_implementation`` picks it);
+    ``packed_block``: the blockwise tiles of packed rows (``mask.segments``), if not block_q/k.
 
     A dense [B, T, S] bool ``mask`` (what callers passed before ``AttentionMask``) can only go
     to the einsum reference, whatever ``implementation`` says."""
     if implementation == "einsum" or not isinstance(mask, AttentionMask):
         return attend_einsum(q, k, v, mask)
+    if mask.segments is not None and packed_block:
+        block_q = block_k = packed_block
     if implementation == "blockwise":
         return attend_blockwise(q, k, v, mask, block_q, block_k)
     if implementation == "cudnn":   # no segment ids in cuDNN's API: packed rows go blockwise

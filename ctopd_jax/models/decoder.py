@@ -168,8 +168,7 @@ class Attention(nnx.Module):
             cache = cache._replace(k=k_all, v=v_all)
             k, v = k_all[layer].astype(dt), v_all[layer].astype(dt)
         implementation = resolve_implementation(self.implementation, dt, cache is not None)
-        block = self.block if mask.segments is None else self.packed_block
-        out = attend(q, k, v, mask, implementation, block, block)
+        out = attend(q, k, v, mask, implementation, self.block, self.block, self.packed_block)
         o = jnp.einsum("btnd,ndh->bth", out, lora_weight(self, "o_proj", dt, dr))
         return add_lora_path(self, "o_proj", out, o, dr), cache
 

@@ -115,7 +115,7 @@ def _loss_and_grads(model, ids, mask, weight):
 def test_packed_row_equals_samples_alone_values_and_gradients(model, attention):
     """Σ over samples of a weighted hidden-state loss, each sample alone in a right-padded
     row of its own (bool mask) vs all of them packed in one row: equal to 1e-6 relative."""
-    m = with_options(model, attention=attention, attention_block=8)
+    m = with_options(model, attention=attention, attention_block=8, packed_attention_block=8)
     rng = np.random.RandomState(1)
     width, hidden = 32, m.cfg.hidden_size
     seg = _segments(LENGTHS, width)
