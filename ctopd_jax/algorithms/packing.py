@@ -15,8 +15,8 @@ pack.length_bucket's 1.5x / 2x steps; never wider than unpacked's bucket, at mos
 padded length); the samples go first-fit into at most budget // W such rows, in order; the
 rows used, rounded up to a power of two or 1.5 times one (`row_count`), are the array's rows
 (a handful of shapes per width). A micro-batch is the consecutive samples that fit that way on
-both sides. Attention costs rows · W², as unpacked, but the rows hold several short samples
-instead of one each.
+both sides. Blockwise attention skips, row by row, the tiles no query of the row's samples
+needs (models/attention.py), so a packed row costs about its samples' own attention, not W².
 
 Order: `order` lays out the samples of an optimizer batch so that these consecutive
 micro-batches are first-fit-decreasing bins over the whole batch: each micro-batch starts with

@@ -20,6 +20,15 @@ Decisions:
   first reachable query (backward): about half the tiles for causal training, and only the
   filled part of a KV cache when decoding.  Loop bounds are dynamic, so they are
   ``fori_loop``s that lower to while loops; the custom VJP means nothing differentiates them.
+- Packed rows (``segments``) also skip the (query block, key block) tiles that lie wholly
+  before the segment of the block's first query: for a query block, keys from the start of
+  its first query's segment to its last query; for a key block, the query blocks from the
+  first that reaches it to the last whose first query's segment starts inside or before it;
+  and the key blocks after the row's last valid key.
+  Samples sit in different places in each row, so packed rows loop one row at a time
+  (``_over_rows``), each with its own bounds; the decoder gives them smaller tiles
+  (``ModelConfig.packed_attention_block``), which skip more: a row of width W holding samples
+  of lengths L_i then costs about sum L_i^2 / 2 + W * block instead of W^2 / 2.
 - GQA without repeating K/V: queries are viewed as [B, T, kv_heads, group, D] and every tile
   contracts against the shared K/V head.
 - Scores, softmax statistics and the accumulators are float32; probabilities are cast to the
@@ -116,13 +125,22 @@ def _tile_segments(segments, i, bq, j, bk):
             jax.lax.dynamic_slice_in_dim(kv_seg, j * bk, bk, axis=1))
 
 
+def _key_blocks(kv_valid, segments, bk):
+    """The key blocks the loops visit: all, or for packed rows those up to the last valid key
+    (a packed row ends in pads, or is all pads where the row count was rounded up)."""
+    if segments is None:
+        return kv_valid.shape[1] // bk
+    slots = jnp.arange(kv_valid.shape[1], dtype=jnp.int32)
+    return (jnp.max(jnp.where(kv_valid, slots, -1)) + bk) // bk
+
+
 def _blockwise_forward(q5, k, v, q_slots, kv_valid, segments, bq, bk):
     """Padded inputs: q5 [B,Tp,K,G,D], k/v [B,Sp,K,D], q_slots [Tp], kv_valid [B,Sp],
     segments None or (query segments [B,Tp], key segments [B,Sp], first slot of each query's
-    segment, least over the rows [Tp], non-decreasing).
+    segment, least over the B rows [Tp], non-decreasing: _over_rows).
     Returns out [B,Tp,K,G,D] (q dtype) and lse [B,K,G,Tp] float32."""
     b, tp, nkv, g, d = q5.shape
-    n_qb, n_kb = tp // bq, k.shape[1] // bk
+    n_qb, n_kb = tp // bq, _key_blocks(kv_valid, segments, bk)
     scale = 1.0 / math.sqrt(d)
 
     def q_block(i, bufs):
@@ -170,8 +188,7 @@ def _blockwise_forward(q5, k, v, q_slots, kv_valid, segments, bq, bk):
 def _blockwise_backward(q5, k, v, q_slots, kv_valid, segments, out, lse, d_out, bq, bk):
     """Gradients for padded inputs; key blocks outer, query blocks inner, dq accumulated."""
     b, tp, nkv, g, d = q5.shape
-    sp = k.shape[1]
-    n_qb, n_kb = tp // bq, sp // bk
+    n_qb, n_kb = tp // bq, _key_blocks(kv_valid, segments, bk)
     scale = 1.0 / math.sqrt(d)
     # delta_t = sum_d dO * O: the softmax backward's row term, computed once.
     delta = jnp.einsum("bqkgd,bqkgd->bkgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
@@ -234,7 +251,7 @@ def _pad_inputs(q, k, v, q_slots, kv_valid, segments, block_q, block_k):
                                jnp.broadcast_to(q_slots[-1].astype(jnp.int32), (tp - t,))])
     if segments is not None:   # padded queries and keys sit in segment -1, seen by no real query
         q_seg, kv_seg, q_start = segments
-        q_start = jnp.concatenate([q_start, jnp.broadcast_to(q_start[-1], (tp - t,))])
+        q_start = jnp.concatenate([q_start, jnp.broadcast_to(q_start[:, -1:], (b, tp - t))], axis=1)
         segments = (_pad_axis(q_seg, 1, tp, -1), _pad_axis(kv_seg, 1, sp, -1), q_start)
     return (q5, _pad_axis(k, 1, sp), _pad_axis(v, 1, sp), q_slots,
             _pad_axis(kv_valid.astype(jnp.bool_), 1, sp, False), segments, bq, bk)
@@ -249,7 +266,8 @@ def _blockwise_fwd(q, k, v, q_slots, kv_valid, segments, block_q, block_k):
     b, t, nq, d = q.shape
     q5, kp, vp, slots, valid, segs, bq, bk = _pad_inputs(q, k, v, q_slots, kv_valid, segments,
                                                          block_q, block_k)
-    out, lse = _blockwise_forward(q5, kp, vp, slots, valid, segs, bq, bk)
+    out, lse = _over_rows(lambda q5, kp, vp, valid, segs: _blockwise_forward(
+        q5, kp, vp, slots, valid, segs, bq, bk), (q5, kp, vp, valid), segs, bq, bk)
     result = out[:, :t].reshape(b, t, nq, d)
     return result, (q, k, v, q_slots, kv_valid, segments, out, lse)
 
@@ -260,8 +278,10 @@ def _blockwise_bwd(block_q, block_k, residuals, d_result):
     q5, kp, vp, slots, valid, segs, bq, bk = _pad_inputs(q, k, v, q_slots, kv_valid, segments,
                                                          block_q, block_k)
     d_out = _pad_axis(d_result.reshape(q5.shape[:1] + (t,) + q5.shape[2:]), 1, q5.shape[1])
-    dq, dk, dv = _blockwise_backward(q5, kp, vp, slots, valid, segs, out, lse,
-                                     d_out.astype(q.dtype), bq, bk)
+    dq, dk, dv = _over_rows(
+        lambda q5, kp, vp, valid, out, lse, d_out, segs: _blockwise_backward(
+            q5, kp, vp, slots, valid, segs, out, lse, d_out, bq, bk),
+        (q5, kp, vp, valid, out, lse, d_out.astype(q.dtype)), segs, bq, bk)
     s = k.shape[1]
     no_grad = None if segments is None else (None, None, None)
     return (dq[:, :t].reshape(q.shape).astype(q.dtype), dk[:, :s].astype(k.dtype),
@@ -269,6 +289,21 @@ def _blockwise_bwd(block_q, block_k, residuals, d_result):
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def _over_rows(loops, arrays, segments, bq, bk):
+    """loops(*arrays, segments) over all rows at once, or, for packed rows of more than one
+    tile, one row at a time: each row's samples sit elsewhere than another row's, so a batch of
+    rows would share the union of their bounds where a row alone skips the tiles its own
+    segments never need.  arrays: [B, ...] each (q5 and the keys first)."""
+    if segments is None or arrays[0].shape[1] // bq * (arrays[1].shape[1] // bk) == 1:
+        shared = None if segments is None else (*segments[:2], segments[2].min(axis=0))
+        return loops(*arrays, shared)
+
+    def row(xs):
+        *one, q_seg, kv_seg, q_start = (x[None] for x in xs)
+        return loops(*one, (q_seg, kv_seg, q_start[0]))
+    return jax.tree.map(lambda x: x[:, 0], jax.lax.map(row, (*arrays, *segments)))
 
 
 def segment_starts(segments: jax.Array) -> jax.Array:
@@ -280,9 +315,9 @@ def segment_starts(segments: jax.Array) -> jax.Array:
 
 
 def _query_segment_starts(mask: AttentionMask) -> jax.Array:
-    """[T] the first slot of each query's segment, least over the batch rows: it never
-    decreases along T (the loops' block bounds rely on that)."""
-    return jnp.take(segment_starts(mask.segments), mask.q_slots, axis=1).min(axis=0).astype(jnp.int32)
+    """[B, T] the first slot of each query's segment: it never decreases along T (the loops'
+    block bounds rely on that)."""
+    return jnp.take(segment_starts(mask.segments), mask.q_slots, axis=1).astype(jnp.int32)
 
 
 def attend_blockwise(q, k, v, mask: AttentionMask, block_q: int = 512, block_k: int = 512):
@@ -320,13 +355,16 @@ def resolve_implementation(name: str, dtype, with_cache: bool) -> str:
 
 
 def attend(q, k, v, mask, implementation: str = "blockwise",
-           block_q: int = 512, block_k: int = 512):
-    """Dispatch to one concrete implementation (``resolve_implementation`` picks it).
+           block_q: int = 512, block_k: int = 512, packed_block: int | None = None):
+    """Dispatch to one concrete implementation (``resolve_implementation`` picks it);
+    ``packed_block``: the blockwise tiles of packed rows (``mask.segments``), if not block_q/k.
 
     A dense [B, T, S] bool ``mask`` (what callers passed before ``AttentionMask``) can only go
     to the einsum reference, whatever ``implementation`` says."""
     if implementation == "einsum" or not isinstance(mask, AttentionMask):
         return attend_einsum(q, k, v, mask)
+    if mask.segments is not None and packed_block:
+        block_q = block_k = packed_block
     if implementation == "blockwise":
         return attend_blockwise(q, k, v, mask, block_q, block_k)
     if implementation == "cudnn":   # no segment ids in cuDNN's API: packed rows go blockwise

@@ -64,6 +64,9 @@ class ModelConfig:
     remat_policy: str = ""
     attention: str = "auto"        # auto | einsum (reference) | blockwise | cudnn
     attention_block: int = 512     # query and key block of the blockwise path
+    # ... over packed rows: smaller tiles skip more of what no query of a row's segments needs
+    # (128 was the fastest of 64/128/256/512 on the CPU long tail, benchmarks/RESULTS.md)
+    packed_attention_block: int = 128
     scan_layers: bool = False      # run the layers under lax.scan (memory path; no-cache only)
     mlp_chunk: int = 0             # tokens per row in one rematerialised MLP chunk; 0 = whole
 
@@ -95,10 +98,10 @@ class ModelConfig:
         if self.remat_policy and self.remat_policy not in REMAT_POLICIES:
             raise ModelConfigError(
                 f"model.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
-        if (not isinstance(self.attention_block, int) or isinstance(self.attention_block, bool)
-                or self.attention_block <= 0):
-            raise ModelConfigError(
-                f"model.attention_block must be a positive integer, got {self.attention_block!r}")
+        for name in ("attention_block", "packed_attention_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelConfigError(f"model.{name} must be a positive integer, got {value!r}")
         if (not isinstance(self.mlp_chunk, int) or isinstance(self.mlp_chunk, bool)
                 or self.mlp_chunk < 0):
             raise ModelConfigError(
@@ -148,8 +151,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any], **overrides) -> "ModelConfig":
         """Reads a transformers ``config.json`` dict; ``overrides`` set dtype/param_dtype and the
-        execution options (remat, remat_policy, attention, attention_block, scan_layers,
-        mlp_chunk)."""
+        execution options (remat, remat_policy, attention, attention_block,
+        packed_attention_block, scan_layers, mlp_chunk)."""
         model_type = hf.get("model_type")
         if model_type not in FAMILIES:
             raise ModelConfigError(

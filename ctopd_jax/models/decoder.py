@@ -136,7 +136,7 @@ class Attention(nnx.Module):
         self.qkv_bias = cfg.qkv_bias
         self.dtype = cfg.compute_dtype
         self.implementation = cfg.attention
-        self.block = cfg.attention_block
+        self.block, self.packed_block = cfg.attention_block, cfg.packed_attention_block
 
     def __call__(self, x, cos, sin, mask: AttentionMask, cache: KVCache | None = None,
                  layer: int = 0, dropout=None):
@@ -168,7 +168,7 @@ class Attention(nnx.Module):
             cache = cache._replace(k=k_all, v=v_all)
             k, v = k_all[layer].astype(dt), v_all[layer].astype(dt)
         implementation = resolve_implementation(self.implementation, dt, cache is not None)
-        out = attend(q, k, v, mask, implementation, self.block, self.block)
+        out = attend(q, k, v, mask, implementation, self.block, self.block, self.packed_block)
         o = jnp.einsum("btnd,ndh->bth", out, lora_weight(self, "o_proj", dt, dr))
         return add_lora_path(self, "o_proj", out, o, dr), cache
 

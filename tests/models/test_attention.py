@@ -115,6 +115,8 @@ def test_resolve_implementation_and_config_validation():
         tiny_llama(remat_policy="some")
     with pytest.raises(ModelConfigError, match="model.attention_block"):
         tiny_llama(attention_block=0)
+    with pytest.raises(ModelConfigError, match="model.packed_attention_block"):
+        tiny_llama(packed_attention_block=True)
     assert tiny_llama(remat=True).layer_remat_policy == "full"
     assert tiny_llama(remat=True, remat_policy="blocks").layer_remat_policy == "blocks"
     assert tiny_llama().layer_remat_policy == "none"

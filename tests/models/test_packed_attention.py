@@ -19,11 +19,12 @@ from ctopd_jax.models.decoder import Decoder
 LENGTHS = (5, 11, 3, 8)   # one row of 32 slots: 27 tokens in four samples, then 5 pads
 
 
-def _segments(lengths, width):
+def _segments(lengths, width, first=1):
+    """One row: sample i of `lengths` is segment first + i, then pads (0)."""
     seg = np.zeros(width, np.int32)
     at = 0
     for i, n in enumerate(lengths):
-        seg[at:at + n] = i + 1
+        seg[at:at + n] = first + i
         at += n
     return seg
 
@@ -60,6 +61,36 @@ def test_attention_never_crosses_a_segment(implementation):
         at += n
 
 
+# Three packed rows of 40 slots laid out differently, as first-fit leaves them (samples of one
+# micro-batch, ids 1..8), then an empty row (row_count rounding): with blocks of 16 (40 -> 48
+# padded) and of 12 the samples cross block edges, and a row's tiles differ from another's.
+ROWS = ((17, 9, 6), (3, 30), (38,), ())
+
+
+@pytest.mark.parametrize("block", [16, 12])
+def test_packed_rows_of_several_tiles_match_the_einsum_oracle(block):
+    """Each row loops over its own tiles (attention._over_rows), skipping those its segments
+    never need: values and gradients equal the einsum reference over the dense mask."""
+    rng = np.random.RandomState(2)
+    width, nq, nkv, d = 40, 4, 2, 8
+    firsts = np.cumsum([1] + [len(lengths) for lengths in ROWS])
+    seg = np.stack([_segments(lengths, width, first) for lengths, first in zip(ROWS, firsts)])
+    q, k, v = (rng.randn(len(ROWS), width, n, d).astype(np.float32) for n in (nq, nkv, nkv))
+    weight = (rng.randn(len(ROWS), width, nq, d) * (seg > 0)[..., None, None]).astype(np.float32)
+    mask = AttentionMask(jnp.arange(width, dtype=jnp.int32), jnp.asarray(seg > 0), jnp.asarray(seg))
+
+    def run(implementation):
+        fn = lambda q, k, v: attend(q, k, v, mask, implementation, block, block)  # noqa: E731
+        loss = lambda q, k, v: jnp.sum(fn(q, k, v) * weight)  # noqa: E731
+        return jax.jit(fn)(q, k, v), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    (out, grads), (ref, ref_grads) = run("blockwise"), run("einsum")
+    real = seg > 0   # pad queries: zeros blockwise, finite garbage in the reference, never read
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_positions_restart_per_segment():
     seg = jnp.asarray(_segments(LENGTHS, 32))[None]
     expected = np.concatenate([np.arange(n) for n in LENGTHS] + [np.zeros(5, int)])
@@ -84,7 +115,7 @@ def _loss_and_grads(model, ids, mask, weight):
 def test_packed_row_equals_samples_alone_values_and_gradients(model, attention):
     """Σ over samples of a weighted hidden-state loss, each sample alone in a right-padded
     row of its own (bool mask) vs all of them packed in one row: equal to 1e-6 relative."""
-    m = with_options(model, attention=attention, attention_block=8)
+    m = with_options(model, attention=attention, attention_block=8, packed_attention_block=8)
     rng = np.random.RandomState(1)
     width, hidden = 32, m.cfg.hidden_size
     seg = _segments(LENGTHS, width)
@@ -107,16 +138,17 @@ def test_packed_row_equals_samples_alone_values_and_gradients(model, attention):
 
 def test_packed_attention_lowers_for_cuda():
     """GPU readiness without a GPU: the packed path asked of cuDNN (which falls back to
-    blockwise), forward and gradient, exports for the CUDA platform in bf16."""
+    blockwise, two rows of four tiles: one row at a time), forward and gradient, exports for
+    the CUDA platform in bf16."""
     from jax import export
 
-    seg = jnp.asarray(np.repeat(np.arange(1, 5), 64)[None].astype(np.int32))
+    seg = jnp.asarray(np.stack([np.repeat(np.arange(1, 5), 64), np.repeat(np.arange(5, 7), 128)]).astype(np.int32))
 
     def loss(q, k, v):
         mask = AttentionMask(jnp.arange(256, dtype=jnp.int32), seg > 0, seg)
         return jnp.sum(attend(q, k, v, mask, "cudnn", 64, 64).astype(jnp.float32))
 
-    q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
     for fn in (loss, jax.grad(loss, argnums=(0, 1, 2))):
         assert export.export(jax.jit(fn), platforms=["cuda"])(q, kv, kv).platforms == ("cuda",)
