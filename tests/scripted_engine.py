@@ -42,13 +42,13 @@ class ScriptedEngine:
 
 
 def long_tail_engine(side, rng, n: int, longest: int, break_every: int = 256) -> ScriptedEngine:
-    """A uniform sampler's answers (each token's log-prob -log of the tokens it draws from) for
-    `n` samples: lengths log-uniform over 8..`longest` (the first two
-    exactly 8 and `longest`, so the spread is always covered) with the EOS last, the text of
-    random ids of the side's own tokens (not added, whole UTF-8 characters: no replacement
-    character, which fails MP-OPD's atoms closed) with a blank line about every `break_every`
-    tokens (paragraph turns), as the side tokenizes it, so that re-tokenizing the response
-    keeps about its length."""
+    """A uniform sampler's answers for `n` samples (each token's log-prob: -log of the number
+    of tokens it draws from): lengths log-uniform over 8..`longest` (the first two exactly 8
+    and `longest`, so the spread is always covered) with the EOS last; the text of random ids
+    of the side's own tokens (not added, whole UTF-8 characters: a replacement character fails
+    MP-OPD's atoms closed) with a blank line about every `break_every` tokens (paragraph
+    turns), as the side tokenizes it, so that re-tokenizing the response keeps its length
+    about."""
     plain = [i for i in np.flatnonzero(~np.asarray(side.is_added)) if whole_characters(side.token_bytes[i])]
     lengths = [8, longest] + list(np.exp(rng.uniform(np.log(8), np.log(longest), n - 2)).astype(int))
     script = []
