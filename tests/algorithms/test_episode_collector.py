@@ -2,9 +2,6 @@
 episodes (trained rows, rollout log-probs, turns, rewards, TCOD's curriculum, SAGE's judge)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -16,8 +13,7 @@ from ctopd_jax.host_episodes import EpisodeCollector
 from ctopd_jax.metrics import StepTimer
 from ctopd_jax.tokenization import load_tokenizer_side
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
-from test_episodes import EOS, ScriptedEngine  # noqa: E402
+from scripted_engine import EOS, ScriptedEngine
 
 
 @pytest.fixture(scope="module")

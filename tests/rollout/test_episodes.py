@@ -9,39 +9,17 @@ from hypothesis import strategies as st
 
 from ctopd_jax.envs import make_environment
 from ctopd_jax.host import token_batch
-from ctopd_jax.rollout.base import RolloutResult, SamplingParams
+from ctopd_jax.rollout.base import SamplingParams
 from ctopd_jax.rollout.episodes import play
 from ctopd_jax.tokenization import load_tokenizer_side
 from ctopd_jax.turns import CONTEXT, STUDENT, Episode, episode_arrays, paragraph_turns
 
-EOS = "<|end|>"
+from scripted_engine import EOS, ScriptedEngine
 
 
 @pytest.fixture(scope="module")
 def side():
     return load_tokenizer_side("char")
-
-
-class ScriptedEngine:
-    """Answers call c, active sample j with script[j][c] (EOS written as <|end|>); log-prob of
-    the i-th token of a turn: -(i + 1) / 100. Records the contexts it was given."""
-
-    def __init__(self, side, script):
-        self.side, self.script, self.calls = side, script, []
-        self.eos_ids = (side.eos_id,)
-
-    def generate(self, prompts, params):
-        self.calls.append([list(p) for p in prompts])
-        c = len(self.calls) - 1
-        active = [j for j, turns in enumerate(self.script) if len(turns) > c][:len(prompts)]
-        toks = []
-        for j in active:
-            text = self.script[j][c]
-            body = text.replace(EOS, "")
-            ids = self.side.encode(body) + ([self.side.eos_id] if text.endswith(EOS) else [])
-            toks.append(ids[:params.max_new_tokens])
-        return RolloutResult([list(p) for p in prompts], toks, [[-(i + 1) / 100 for i in range(len(t))] for t in toks],
-                             ["stop"] * len(toks), list(range(len(toks))))
 
 
 def prompt(answer="408"):

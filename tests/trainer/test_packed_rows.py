@@ -6,9 +6,19 @@ a right-padded row of its own), which the objective tests check against their re
 
 Pairs: the tiny random cross-tokenizer pair (tests/trainer/conftest.py) and the demo's char
 pair (configs/tiny_cpu_same.yaml) for the same-tokenizer objectives; the served objectives on
-the demo pairs behind the fake vLLM server of test_served_teacher_training, and a long-tail
-synthetic batch (lengths 8..2,048), in the slow suite. Also: the 8 test devices' batch shards,
-the packing layout (hand-written cases) and a resume across a change of micro-batching."""
+the demo pairs behind the fake vLLM server of test_served_teacher_training. Batches: the
+prompts' sampled responses, and for every objective a long-tail batch (5 responses of lengths
+8..2,048, in the slow suite; 8..256 for strict in the default one) that the real collector
+builds from a scripted engine's responses (tests/scripted_engine.py). Also: the 8 test
+devices' batch shards, the packing layout (hand-written cases) and a resume across a change of
+micro-batching."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
 import jax
 import numpy as np
 import pytest
@@ -26,20 +36,24 @@ from ctopd_jax.preflight import preflight
 from ctopd_jax.step.grad import zero_grads
 from ctopd_jax.trainer import Trainer
 
-from conftest import tiny_tree
+from conftest import subprocess_env, tiny_tree
+from scripted_engine import long_tail_engine
 
 SAME = ("opd", "opd_full", "opd2", "gkd", "vopd", "sod", "sage_opd", "tcod")
 CROSS = ("strict", "topk_strict", "span", "simct", "mp_opd")
 SERVED = ("teacher_topk_strict", "topk_gkd")   # need a served teacher (the fake vLLM server)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_registered_objective_is_covered_here():
     assert set(registry()) == set(SAME + CROSS + SERVED)
 
 
-def trainer_for(name, tmp_path, *extra, budget=512, samples=7, served=None):
+def trainer_for(name, tmp_path, *extra, budget=512, samples=7, served=None, checked=True):
     """A trainer whose packed micro-batch of 7 samples spreads over several rows of the budget;
-    `served`: the fake vLLM server of its teacher (the served objectives)."""
+    `served`: the fake vLLM server of its teacher (the served objectives), built after
+    preflight's checks when `checked` (the long tail's are not: its responses pass the demo
+    models' 256 positions, which preflight refuses for a run; RoPE computes any position)."""
     if name in SAME or served is not None:
         teacher = () if served is None else ("teacher.engine=vllm_server", f"teacher.url={served.url}",
                                              f"teacher.model={served.model}", "teacher.top_k=8")
@@ -48,14 +62,15 @@ def trainer_for(name, tmp_path, *extra, budget=512, samples=7, served=None):
             f"optimizer.train_batch_size={samples}", f"optimizer.micro_batch_size={samples}", "evaluation.dataset=",
             f"optimizer.micro_batch_tokens={budget}", "rollout.generate_max_len=24",
             "logging.tensorboard=false", *teacher, *extra])
-        return Trainer(config, preflight=preflight(config) if served is not None else None)
+        return Trainer(config, preflight=preflight(config) if served is not None and checked else None)
     tree = tiny_tree(tmp_path / name, **{"rollout.rollout_batch_size": samples, "rollout.n_samples_per_prompt": 1,
                                           "optimizer.train_batch_size": samples, "optimizer.micro_batch_size": samples,
                                           "optimizer.micro_batch_tokens": budget})
     tree["algorithm"] = {"name": name, "chunked_loss_size": 64}
-    for item in extra:
+    for item in extra:   # section.key=value
         key, value = item.split("=", 1)
-        tree["algorithm"][key.split(".", 1)[1]] = yaml.safe_load(value)
+        section, field = key.split(".", 1)
+        tree[section][field] = yaml.safe_load(value)
     return Trainer(from_dict(tree))
 
 
@@ -69,9 +84,15 @@ def loss_and_grads(trainer, host, packed):
     return float(loss), jax.tree.leaves(jax.device_get(grads))
 
 
-def assert_same(trainer, samples=7):
+def collect(trainer, rollout_index=0):
+    """The host batch of the trainer's next prompts, as its iteration `rollout_index` collects it."""
     host, = teacher_batches.collect(trainer.teachers, trainer.config, trainer.objective,
-                                    trainer.stream.next_batch(), 5, StepTimer(), 0).values()
+                                    trainer.stream.next_batch(), 5, StepTimer(), rollout_index).values()
+    return host
+
+
+def assert_same(trainer, samples=7):
+    host = collect(trainer)
     assert host.size == samples
     ref_loss, ref = loss_and_grads(trainer, host, packed=False)
     got_loss, got = loss_and_grads(trainer, host, packed=True)
@@ -87,17 +108,12 @@ def assert_close(got_loss, ref_loss, got, ref):
     assert norm > 0 and diff <= 1e-6 * norm, (diff, norm)
 
 
-slow = pytest.mark.slow   # ~10-20 s each on 2 cores: one per pair stays in the default suite
+slow = pytest.mark.slow
 
 
-@pytest.mark.parametrize("name,extra", [
-    ("strict", ()), pytest.param("topk_strict", ("algorithm.ctkd_topk=8",), marks=slow),
-    pytest.param("span", (), marks=slow), pytest.param("simct", (), marks=slow),
-    pytest.param("mp_opd", ("algorithm.mp_opd_mode=atomic",), marks=slow),
-    ("opd", ()), pytest.param("opd_full", (), marks=slow), pytest.param("opd2", (), marks=slow),
-    pytest.param("gkd", (), marks=slow), pytest.param("vopd", (), marks=slow),
-    pytest.param("sod", (), marks=slow),
-    pytest.param("tcod", (), marks=slow)])
+# One objective per pair on the prompts' sampled responses; every objective that packs runs on
+# the long-tail batch of the same pairs (LONG_TAIL, slow), which holds short responses too.
+@pytest.mark.parametrize("name,extra", [("strict", ()), ("opd", ())])
 def test_packed_rows_give_the_unpacked_loss_and_gradient(tmp_path, name, extra):
     trainer = trainer_for(name, tmp_path, *extra)
     assert trainer.objective.packs
@@ -111,9 +127,9 @@ def served_teachers():
     from test_served_teacher_training import CHAR_TEACHER, DEMO_TEACHER, LocalModelScores, LocalModelVllmServer
 
     servers = {"topk_gkd": LocalModelVllmServer("vllm", LocalModelScores(CHAR_TEACHER, 20), model="char-teacher",
-                                                max_model_len=256, max_logprobs=20),
+                                                max_model_len=4096, max_logprobs=20),
                "teacher_topk_strict": LocalModelVllmServer("vllm", LocalModelScores(DEMO_TEACHER, 20),
-                                                           model="demo-teacher", max_model_len=256, max_logprobs=20)}
+                                                           model="demo-teacher", max_model_len=4096, max_logprobs=20)}
     yield servers
     for server in servers.values():
         server.close()
@@ -139,15 +155,17 @@ def test_packed_rows_on_a_mesh_give_the_unpacked_loss_and_gradient(tmp_path):
 
 @pytest.mark.parametrize("name,extra", [
     ("mp_opd", ("algorithm.mp_opd_mode=grass_chunk",)),
-    ("mp_opd", ("algorithm.mp_opd_mode=align",)),
     pytest.param("sage_opd", ("algorithm.sage_judge=proxy",), marks=slow)])
 def test_an_objective_that_cannot_pack_falls_back_alone(tmp_path, name, extra):
     """Its loss depends on the micro-batch boundaries: one row per sample, micro_batch_size of
-    them, whatever the budget."""
-    trainer = trainer_for(name, tmp_path, *extra)
+    them, whatever the budget. On the long-tail batch (lengths 8..2,048) with a budget of 3,072
+    tokens, which packing would cut into several micro-batches."""
+    trainer = long_tail_trainer(name, tmp_path, 2048, *extra, budget=3072)
     assert not trainer.objective.packs
     assert not trainer.packing
-    assert trainer.micro_ranges(None, 0, 7) == [(0, 7)]
+    host = collect(trainer)
+    assert len(packing.host_micro_ranges(host, 0, 5, 3072)) > 1
+    assert trainer.micro_ranges(host, 0, 5) == [(0, 5)]
 
 
 def test_rows_move_to_their_sample_in_the_packed_row():
@@ -214,39 +232,85 @@ def test_the_auto_budget_is_micro_batch_size_rows_of_the_longest_sequence(tmp_pa
     assert packing.budget(from_dict(tree)) == 0
 
 
-def long_tail_host(rng, n, longest, s_vocab, t_vocab):
-    """A synthetic batch of `n` samples, lengths log-uniform over 8..`longest` on both sides,
-    random strict pairs (test_student_step's hand-made host batch layout)."""
-    from types import SimpleNamespace
-
-    from test_student_step import side
-    from ctopd_jax.host import HostBatch
-
-    lengths = np.exp(rng.uniform(np.log(8), np.log(longest), n)).astype(int)
-    width = int(lengths.max()) + 8
-    s_seqs, t_seqs, prompts, pairs = [], [], [], []
-    for i, length in enumerate(lengths):
-        prompt = int(rng.integers(2, 6))
-        s_seqs.append(rng.integers(1, s_vocab, length))
-        t_seqs.append(rng.integers(1, t_vocab, int(length) + int(rng.integers(0, 8))))
-        prompts.append(prompt)
-        k = int(rng.integers(1, length - prompt))
-        pairs.append((np.full(k, i), i * width + prompt - 1 + np.sort(rng.choice(length - prompt, k, replace=False)),
-                      i * width + prompt - 1 + np.sort(rng.choice(length - prompt, k, replace=False))))
-    s, t = side(s_seqs, prompts, width), side(t_seqs, prompts, width)
-    sample, s_rows, t_rows = (np.concatenate(x) for x in zip(*pairs))
-    return HostBatch(s, t, SimpleNamespace(pair_sample=sample, student_rows=s_rows, teacher_rows=t_rows),
-                     None, [], [])
+def long_tail_trainer(name, tmp_path, longest, *extra, samples=5, budget=None, served=None):
+    """trainer_for with its collectors' engine scripted (scripted_engine.long_tail_engine), so
+    that each objective's host data (atoms, alignment, rollout log-probs, turns) comes from the
+    real collector, as in a run; the default budget holds the samples in one micro-batch."""
+    trainer = trainer_for(name, tmp_path, f"rollout.generate_max_len={longest}", *extra, samples=samples,
+                          budget=budget or samples * 4 * longest, served=served, checked=False)
+    engine = long_tail_engine(trainer.s_tok, np.random.default_rng(longest), samples, longest)
+    for t in trainer.teachers.values():
+        t.collector = make_collector(trainer.config, trainer.objective, trainer.s_tok, t.tokenizer, engine,
+                                     t.model, trainer.mesh)
+    return trainer
 
 
-@pytest.mark.parametrize("longest", [256, pytest.param(2048, marks=slow)])
-def test_a_long_tail_batch_packs_to_the_unpacked_loss_and_gradient(tmp_path, longest):
-    """Lengths spread 8..2,048 (8..256 in the default suite) in one micro-batch of 7."""
-    trainer = trainer_for("strict", tmp_path, budget=7 * 3072)
-    host = long_tail_host(np.random.default_rng(longest), 7, longest, 901, 800)
-    ref_loss, ref = loss_and_grads(trainer, host, packed=False)
-    got_loss, got = loss_and_grads(trainer, host, packed=True)
-    assert_close(got_loss, ref_loss, got, ref)
+# The rollout batch the long-tail cases collect: TCOD's f2b curriculum (tcod_period 1) lets the
+# student play 1 + 8 turns there, the longest response's 8 paragraphs; no other objective reads it.
+LONG_TAIL_INDEX = 8
+
+
+def long_tail_steps(case: dict) -> None:
+    """One long-tail case (`case`: out, name, longest, extra, served: {url, model} or None):
+    the unpacked then the packed step's loss and gradient leaves, to the npz `out`."""
+    out = Path(case["out"])
+    served = SimpleNamespace(**case["served"]) if case["served"] else None
+    trainer = long_tail_trainer(case["name"], out.parent, case["longest"], *case["extra"], served=served)
+    assert trainer.objective.packs
+    host = collect(trainer, LONG_TAIL_INDEX)
+    lengths = host.student.response_lens
+    assert host.size == 5 and lengths.min() <= 16 and lengths.max() >= case["longest"] // 2, lengths
+    (ref_loss, ref), (got_loss, got) = (loss_and_grads(trainer, host, packed) for packed in (False, True))
+    np.savez(out, losses=[ref_loss, got_loss], **{f"ref{i}": r for i, r in enumerate(ref)},
+             **{f"got{i}": g for i, g in enumerate(got)})
+
+
+def assert_long_tail_packs(tmp_path, compile_cache, name, longest, extra, served=None):
+    """long_tail_steps on one device, in a process of its own: 5 samples do not divide over the
+    8 test devices, so each of them would compute the whole micro-batch (several times the
+    work on a 2-core machine)."""
+    out = tmp_path / "steps.npz"
+    case = {"out": str(out), "name": name, "longest": longest, "extra": list(extra),
+            "served": None if served is None else {"url": served.url, "model": served.model}}
+    subprocess.run([sys.executable, __file__, json.dumps(case)], check=True, cwd=ROOT, timeout=600,
+                   env=subprocess_env(compile_cache, devices=1,
+                                      PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")])))
+    steps = np.load(out)
+    ref_loss, got_loss = steps["losses"]
+    leaves = range(len(steps.files) // 2)   # ref0.., got0.. and the losses
+    assert_close(got_loss, ref_loss, [steps[f"got{i}"] for i in leaves], [steps[f"ref{i}"] for i in leaves])
+
+
+LONG_TAIL = [  # (objective, settings): every registered one that packs, local teacher
+    ("strict", ()), ("topk_strict", ("algorithm.ctkd_topk=8",)), ("span", ()), ("simct", ()),
+    ("mp_opd", ("algorithm.mp_opd_mode=atomic",)), ("mp_opd", ("algorithm.mp_opd_mode=align",)),
+    ("opd", ()), ("opd_full", ()), ("opd2", ()),
+    ("gkd", ("algorithm.gkd_lambda=1.0",)), ("vopd", ()), ("sod", ()), ("tcod", ("algorithm.tcod_period=1",))]
+
+
+@pytest.mark.parametrize("name,extra,longest", [("strict", (), 256)] + [
+    pytest.param(name, extra, 2048, marks=slow) for name, extra in LONG_TAIL])
+def test_a_long_tail_batch_packs_to_the_unpacked_loss_and_gradient(tmp_path, compile_cache, name, extra, longest):
+    """5 responses of lengths 8..2,048 (8..256 in the default suite) in one micro-batch."""
+    assert_long_tail_packs(tmp_path, compile_cache, name, longest, extra)
+
+
+# topk_gkd's tail bucket, log1p(-sum of the support's p) (teacher_service/topk.py _with_tail),
+# cancels where the support holds most of the student's mass: its gradient is fp32 rounding
+# times 1 / (1 - mass). On this batch the same step split into one micro-batch per sample, no
+# packing, moves the gradient by 3.4e-6 relative, packing by 1.8e-6; with topk_gkd_tail=false
+# packing moves it by 2.0e-7. The fix: the tail's log-mass as a logsumexp over the non-support
+# vocabulary (a masked token_rows), not 1 minus the support's.
+TAIL_CANCELS = pytest.mark.xfail(strict=True, raises=AssertionError,
+                                 reason="topk_gkd's tail bucket cancels in fp32 (comment above)")
+
+
+@slow
+@pytest.mark.parametrize("name", ["teacher_topk_strict", pytest.param("topk_gkd", marks=TAIL_CANCELS)])
+def test_a_long_tail_batch_packs_with_a_served_teacher(tmp_path, compile_cache, served_teachers, name):
+    """The served teacher's scores of 8..2,048-token responses, read through the moved teacher rows."""
+    assert_long_tail_packs(tmp_path, compile_cache, name, 2048, ("algorithm.gkd_lambda=1.0",) * (name == "topk_gkd"),
+                           served_teachers[name])
 
 
 class _StopAfterFirstStep:
@@ -288,3 +352,7 @@ def test_a_checkpoint_resumes_bit_exactly_under_another_micro_batching(tmp_path)
     assert resumed.train(resume=True).final_step == 2
     for a, b in zip(state(straight), state(resumed)):
         np.testing.assert_array_equal(a, b)
+
+
+if __name__ == "__main__":   # one long-tail case (assert_long_tail_packs)
+    long_tail_steps(json.loads(sys.argv[1]))
