@@ -146,9 +146,11 @@ def test_served_objectives_pack_to_the_unpacked_loss_and_gradient(tmp_path, serv
 
 
 def test_packed_rows_on_a_mesh_give_the_unpacked_loss_and_gradient(tmp_path):
-    """16 samples over the 8 test devices' batch shards: each shard packs its own 2 samples
-    (rows enough for them), against one row per sample."""
-    trainer = trainer_for("strict", tmp_path, samples=16)
+    """16 long-tail samples (8..256 tokens) over the 8 test devices' batch shards: each shard
+    packs its own 2 samples (rows enough for them), against one row per sample. The shards'
+    parts have different widths either way (their samples fall in different length buckets),
+    which stacking them must not let move any row index (step.shards.stack_shards)."""
+    trainer = long_tail_trainer("strict", tmp_path, 256, samples=16)
     assert trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"] == 8
     assert_same(trainer, samples=16)
 
