@@ -45,10 +45,10 @@ from ctopd_jax.algorithms.micro_batch import terms_class
 from ctopd_jax.algorithms.same_tokenizer import same_inputs
 from ctopd_jax.algorithms.strict import StrictPairs, strict_inputs
 from ctopd_jax.config import AlgorithmSection, require, teacher_views
-from ctopd_jax.kernels.token_rows import token_rows
 from ctopd_jax.teacher_service.topk import (head_columns, overlap_pairs_by_teacher_id,
                                             topk_gkd_rows, topk_gkd_support,
-                                            topk_strict_columns, topk_strict_rows)
+                                            topk_strict_columns, topk_strict_rows,
+                                            vocabulary_logsumexps)
 
 
 def require_served_teacher(config, name: str, exact: str) -> None:
@@ -192,13 +192,15 @@ class TopkGkd(ServedTopkInputs, Gkd):
         s, b, support = self.settings, x.batch, x.batch.terms
         tau = s.kd_temperature
         rows = jnp.take(x.hidden, b.response_rows, axis=0)
-        student = head_columns(rows, x.lm_head, support.topk_ids) / tau
-        if s.topk_gkd_tail:   # the tail needs full-vocabulary log-softmax(z / τ) at the support:
-            # minus the row's logsumexp (chunked over the vocabulary, differentiable); without
-            # the tail the support's renormalisation removes it
-            _, lse = token_rows(rows, x.lm_head, b.response_targets, temperature=tau,
-                                chunk_rows=s.chunked_loss_size, implementation=s.implementation)
-            student = student - lse[:, None]
+        student, tail = head_columns(rows, x.lm_head, support.topk_ids) / tau, None
+        if s.topk_gkd_tail:   # the tail needs full-vocabulary log-softmax(z / τ) at the support
+            # (minus the row's logsumexp) and the log-mass outside it, summed outside it rather
+            # than as 1 − the support's, which cancels in float32; without the tail the
+            # support's renormalisation removes the logsumexp
+            lse, outside = vocabulary_logsumexps(rows, x.lm_head, support.topk_ids, support.topk_valid,
+                                                 temperature=tau, chunk_rows=s.chunked_loss_size)
+            student, tail = student - lse[:, None], outside - lse
         per_row = topk_gkd_rows(student, support.topk_teacher_logprobs, support.topk_valid,
-                                beta=float(s.gkd_beta), tail=s.topk_gkd_tail, temperature=tau)
+                                beta=float(s.gkd_beta), tail=s.topk_gkd_tail, temperature=tau,
+                                student_tail=tail)
         return {"topk_gkd": losses.masked_sum(per_row, b.response_weight)}, {}

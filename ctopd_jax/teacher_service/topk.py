@@ -140,6 +140,29 @@ def head_columns(hidden, lm_head, ids):
                       preferred_element_type=jnp.float32)
 
 
+def vocabulary_logsumexps(hidden, lm_head, ids, valid, temperature: float = 1.0, chunk_rows: int = 2048):
+    """(logsumexp over the whole vocabulary, over the vocabulary outside each row's support)
+    of hidden [R, H] @ lm_head [H, V] / τ, float32 [R] each, in one pass over chunks of
+    `chunk_rows` rows (each chunk's [c, V] logits rematerialised in the backward). The second
+    is the student's tail bucket, exact where log(1 − Σ_support p) cancels (rounding over
+    1 − mass when the support holds most of the mass)."""
+    rows = hidden.shape[0]
+    c = max(1, min(int(chunk_rows), rows))
+    pad = -rows % c
+    chunks = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape((-1, c) + x.shape[1:])
+
+    @jax.checkpoint
+    def chunk(args):
+        h, i, v = args
+        z = jnp.dot(h, lm_head.astype(h.dtype), preferred_element_type=jnp.float32) / temperature
+        hit = jnp.zeros(z.shape, jnp.int8).at[jnp.arange(c)[:, None], i].max(v.astype(jnp.int8)) > 0
+        return jax.nn.logsumexp(z, axis=-1), jax.nn.logsumexp(jnp.where(hit, -jnp.inf, z), axis=-1)
+
+    whole, outside = jax.lax.map(chunk, (chunks(hidden), chunks(jnp.asarray(ids, jnp.int32)),
+                                         chunks(jnp.asarray(valid))))
+    return whole.reshape(-1)[:rows], outside.reshape(-1)[:rows]
+
+
 def _renormalised(scores, valid):
     """log-softmax over the valid entries of each row, -inf elsewhere; all -inf on an empty row
     (its value is masked by the caller, and no NaN reaches the gradient)."""
@@ -184,11 +207,12 @@ def topk_gkd_support(topk_ids, topk_logprobs, sampled_ids, sampled_logprobs,
 # ----------------------------------------------------------------------- top-k GKD (device)
 
 def topk_gkd_rows(student_logprobs, teacher_logprobs, valid, *, beta: float, tail: bool = True,
-                  temperature: float = 1.0):
+                  temperature: float = 1.0, student_tail=None):
     """Per-row generalised JSD_β on the support (+ tail bucket), float32 [R].
 
     `student_logprobs` [R, C]: the student's FULL-vocabulary log-softmax(z / τ) at the support
-    ids (`gather_logprobs`); `teacher_logprobs` the served τ = 1 values."""
+    ids (`gather_logprobs`); `teacher_logprobs` the served τ = 1 values; `student_tail` [R]: the
+    student's log-mass outside the support (vocabulary_logsumexps), else log(1 − Σ p)."""
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta={beta} must be in [0, 1]")
     if tail and temperature != 1.0:
@@ -199,7 +223,7 @@ def topk_gkd_rows(student_logprobs, teacher_logprobs, valid, *, beta: float, tai
     log_ps = jnp.where(valid, student_logprobs.astype(jnp.float32), -jnp.inf)
     log_pt = jnp.where(valid, jnp.asarray(teacher_logprobs, jnp.float32) / temperature, -jnp.inf)
     if tail:
-        log_ps, log_pt = _with_tail(log_ps), _with_tail(log_pt)
+        log_ps, log_pt = _with_tail(log_ps, student_tail), _with_tail(log_pt)
     else:
         log_ps, log_pt = _renormalised(log_ps, valid), _renormalised(log_pt, valid)
     log_pt = jax.lax.stop_gradient(log_pt)
@@ -217,8 +241,13 @@ def gather_logprobs(logits, ids, temperature: float = 1.0):
     return take_columns(losses.log_softmax_f32(logits, temperature), ids)
 
 
-def _with_tail(log_p):
-    """Append log(1 − Σ p) (the mass outside the support) as one more column."""
-    mass = jnp.sum(jnp.exp(log_p), axis=-1, keepdims=True)
-    capped = jnp.minimum(mass, TAIL_MASS_CAP)
-    return jnp.concatenate([log_p, jnp.log1p(-capped)], axis=-1)
+def _with_tail(log_p, tail=None):
+    """Append the log-mass outside the support as one more column: `tail` [R] where given (the
+    student's, vocabulary_logsumexps), else log(1 − Σ p) (the served teacher's, which has only
+    its top-k); never above 1 − TAIL_MASS_CAP of the mass in the support's favour."""
+    if tail is None:
+        mass = jnp.sum(jnp.exp(log_p), axis=-1, keepdims=True)
+        tail = jnp.log1p(-jnp.minimum(mass, TAIL_MASS_CAP))
+    else:
+        tail = jnp.maximum(tail[:, None], np.log1p(-TAIL_MASS_CAP))
+    return jnp.concatenate([log_p, tail], axis=-1)

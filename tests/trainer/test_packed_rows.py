@@ -297,18 +297,8 @@ def test_a_long_tail_batch_packs_to_the_unpacked_loss_and_gradient(tmp_path, com
     assert_long_tail_packs(tmp_path, compile_cache, name, longest, extra)
 
 
-# topk_gkd's tail bucket, log1p(-sum of the support's p) (teacher_service/topk.py _with_tail),
-# cancels where the support holds most of the student's mass: its gradient is fp32 rounding
-# times 1 / (1 - mass). On this batch the same step split into one micro-batch per sample, no
-# packing, moves the gradient by 3.4e-6 relative, packing by 1.8e-6; with topk_gkd_tail=false
-# packing moves it by 2.0e-7. The fix: the tail's log-mass as a logsumexp over the non-support
-# vocabulary (a masked token_rows), not 1 minus the support's.
-TAIL_CANCELS = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                 reason="topk_gkd's tail bucket cancels in fp32 (comment above)")
-
-
 @slow
-@pytest.mark.parametrize("name", ["teacher_topk_strict", pytest.param("topk_gkd", marks=TAIL_CANCELS)])
+@pytest.mark.parametrize("name", SERVED)
 def test_a_long_tail_batch_packs_with_a_served_teacher(tmp_path, compile_cache, served_teachers, name):
     """The served teacher's scores of 8..2,048-token responses, read through the moved teacher rows."""
     assert_long_tail_packs(tmp_path, compile_cache, name, 2048, ("algorithm.gkd_lambda=1.0",) * (name == "topk_gkd"),
