@@ -25,22 +25,22 @@ def test_slices_rebase_rows_to_the_same_tokens():
     for start in (0, 2):
         mb = strict_inputs(host, start, start + 2)
         longest = s_rt.attention_mask[start:start + 2].sum(1).max()
-        assert mb["student_ids"].shape[1] == length_bucket(longest)  # its own bucket
-        assert mb["teacher_rows"] is mb["strict_teacher_rows"]
+        assert mb.student_ids.shape[1] == length_bucket(longest)  # its own bucket
+        assert mb.teacher_rows is mb.terms.strict_teacher_rows
         sel = (alignment.pair_sample >= start) & (alignment.pair_sample < start + 2)
         n = int(sel.sum())
-        w = mb["strict_weight"]
+        w = mb.terms.strict_weight
         assert w[:n].all() and not w[n:].any() and len(w) == rows_bucket(n, 64)
         # the token each strict row predicts is the token the whole-batch row predicts
-        np.testing.assert_array_equal(mb["student_ids"].reshape(-1)[mb["strict_student_rows"][:n] + 1],
+        np.testing.assert_array_equal(mb.student_ids.reshape(-1)[mb.terms.strict_student_rows[:n] + 1],
                                       s_rt.input_ids.reshape(-1)[alignment.student_rows[sel] + 1])
-        np.testing.assert_array_equal(mb["teacher_ids"].reshape(-1)[mb["strict_teacher_rows"][:n] + 1],
+        np.testing.assert_array_equal(mb.teacher_ids.reshape(-1)[mb.terms.strict_teacher_rows[:n] + 1],
                                       t_rt.input_ids.reshape(-1)[alignment.teacher_rows[sel] + 1])
         r = int(s_rt.loss_mask[start:start + 2].sum())
-        assert mb["response_weight"][:r].all() and not mb["response_weight"][r:].any()
-        np.testing.assert_array_equal(mb["response_targets"][:r],
-                                      mb["student_ids"].reshape(-1)[mb["response_rows"][:r] + 1])
-        np.testing.assert_array_equal(mb["rollout_logprobs"][:r], lp[0][seen_rows:seen_rows + r])
+        assert mb.response_weight[:r].all() and not mb.response_weight[r:].any()
+        np.testing.assert_array_equal(mb.response_targets[:r],
+                                      mb.student_ids.reshape(-1)[mb.response_rows[:r] + 1])
+        np.testing.assert_array_equal(mb.rollout_logprobs[:r], lp[0][seen_rows:seen_rows + r])
         seen_pairs, seen_rows = seen_pairs + n, seen_rows + r
     assert seen_pairs == alignment.num_pairs and seen_rows == s_rt.num_response_tokens
     assert s_rt.seq_len > 64  # the long sample made the whole batch longer than one bucket
