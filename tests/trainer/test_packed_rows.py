@@ -99,13 +99,14 @@ def assert_same(trainer, samples=7):
     assert_close(got_loss, ref_loss, got, ref)
 
 
-def assert_close(got_loss, ref_loss, got, ref):
-    """Loss and gradient (as one vector) equal to 1e-6 relative."""
+def assert_close(got_loss, ref_loss, got, ref, gradient_tolerance=1e-6):
+    """Loss and gradient (as one vector) equal to 1e-6 relative (the gradient to
+    `gradient_tolerance`)."""
     assert ref_loss != 0.0
     assert abs(got_loss - ref_loss) <= 1e-6 * abs(ref_loss)
     norm = np.sqrt(sum(float(np.sum(np.square(r, dtype=np.float64))) for r in ref))
     diff = np.sqrt(sum(float(np.sum(np.square(g - r, dtype=np.float64))) for g, r in zip(got, ref)))
-    assert norm > 0 and diff <= 1e-6 * norm, (diff, norm)
+    assert norm > 0 and diff <= gradient_tolerance * norm, (diff, norm)
 
 
 slow = pytest.mark.slow
@@ -280,8 +281,18 @@ def assert_long_tail_packs(tmp_path, compile_cache, name, longest, extra, served
     steps = np.load(out)
     ref_loss, got_loss = steps["losses"]
     leaves = range(len(steps.files) // 2)   # ref0.., got0.. and the losses
-    assert_close(got_loss, ref_loss, [steps[f"got{i}"] for i in leaves], [steps[f"ref{i}"] for i in leaves])
+    assert_close(got_loss, ref_loss, [steps[f"got{i}"] for i in leaves], [steps[f"ref{i}"] for i in leaves],
+                 GRADIENT_FLOOR.get(name, 1e-6))
 
+
+# The policy-gradient objectives' gradient, Σ (log π_T − log π_S) ∇ log π_S over 2,048-token
+# responses, cancels: float32 summation order alone moves it by ~1e-6 relative on this batch
+# (the unpacked step split into one micro-batch per sample: 9.4e-7 for opd), and the packed
+# rows' attention, in tiles of 128 instead of 512, sums in another order again: packed against
+# unpacked reads 2.6-3.0e-6 for these four (their loss stays within 1e-6; every other objective's
+# gradient within 1e-6). A row in the wrong place reads 1e-3 and more (the batch-shard width bug
+# of stack_shards: 1e-2 on the loss).
+GRADIENT_FLOOR = {"opd": 5e-6, "vopd": 5e-6, "sod": 5e-6, "tcod": 5e-6}
 
 LONG_TAIL = [  # (objective, settings): every registered one that packs, local teacher
     ("strict", ()), ("topk_strict", ("algorithm.ctkd_topk=8",)), ("span", ()), ("simct", ()),
