@@ -236,7 +236,7 @@ class MpOpd(Objective):
         budget (other micro-batch boundaries) would change the loss, not only its layout.
         atomic and align pack (align's chunk Gram rows are declared student rows, so they move
         with their tokens)."""
-        return self.settings.mp_opd_mode not in ("grass_chunk",)
+        return self.settings.mp_opd_mode != "grass_chunk"
 
     def after_micro_batch(self, metrics: dict) -> dict:
         """Host, after each micro-batch (device.micro_grad): the micro-batch's per-sample noise
