@@ -27,6 +27,7 @@ before any model is loaded.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -164,8 +165,18 @@ def _load_parquet(path: Path) -> EvalDataset:
     return EvalDataset(str(path), problems, answer_fallbacks=True)
 
 
+def _eval_extra(module: str, name: str):
+    """The package behind a named evaluation set; it ships in the `eval` extra, not the base
+    install (training needs none of it)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DatasetError(f"the evaluation set {name!r} needs the package {module}: "
+                           "pip install -e '.[eval]' (or pass a .jsonl/.parquet file)") from None
+
+
 def _load_gsm_symbolic(size: int, seed: int) -> EvalDataset:
-    import reasoning_gym   # a heavy import, needed for this evaluation set only
+    reasoning_gym = _eval_extra("reasoning_gym", "gsm_symbolic")
 
     generated = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
     problems = [EvalProblem(f"gsm_symbolic:{seed}:{i}", item["question"], str(item["answer"]),
@@ -177,9 +188,7 @@ def _load_gsm_symbolic(size: int, seed: int) -> EvalDataset:
 @functools.lru_cache(maxsize=1)
 def _champ_problems() -> tuple[EvalProblem, ...]:
     """CHAMP's file also holds every model conversation (tens of MB): parse it once."""
-    import champ_dataset   # a heavy import, needed for this evaluation set only
-
-    data = champ_dataset.load("v0")
+    data = _eval_extra("champ_dataset", "champ").load("v0")
     return tuple(EvalProblem(pid, p.text, p.answer, None, f"champ_dataset v0 {pid}")
                  for pid, p in data.problems.items())
 

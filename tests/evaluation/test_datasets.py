@@ -1,5 +1,6 @@
 """Dataset loaders on fixtures in the real layouts, and file:line errors on malformed rows."""
 import json
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -103,6 +104,17 @@ def test_champ_registry_set():
     assert 0 < len(numeric) < 270
     by_id = {p.id: p for p in full.problems}
     assert by_id["P_Combinatorics_1"].answer == "239"
+
+
+@pytest.mark.parametrize("name,module", [("gsm_symbolic:5", "reasoning_gym"),
+                                         ("champ", "champ_dataset")])
+def test_a_named_set_without_the_eval_extra_names_the_extra(monkeypatch, name, module):
+    import ctopd_jax.datasets as datasets
+    datasets._champ_problems.cache_clear()
+    monkeypatch.setitem(sys.modules, module, None)   # what an install without `[eval]` sees
+    with pytest.raises(DatasetError, match=rf"needs the package {module}: pip install -e '\.\[eval\]'"):
+        load_dataset(name)
+    datasets._champ_problems.cache_clear()
 
 
 def test_demo_task_dataset_uses_its_own_grader():
