@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 assets: $(STAMP)
-	$(PY) -m ctopd_jax.tokenization.setup_assets
+	$(PY) -m ctopd_jax.setup_assets
 
 demo: $(STAMP) assets
 	$(PY) -m ctopd_jax.demo

@@ -19,7 +19,7 @@ import json
 
 from ctopd_jax.models.config import PRESETS
 from ctopd_jax.models.lora import TARGETS, _hf_module
-from ctopd_jax.plan_model import lora_param_count, param_count
+from ctopd_jax.plan.model import lora_param_count, param_count
 
 BYTES = {"bfloat16": 2, "float32": 4}
 

@@ -56,7 +56,7 @@ def cos(a: np.ndarray, b: np.ndarray) -> float:
 def trainers(out: Path, lr: float, seed: int, opd2_base: str, opd2_temperature: float, top_p: float) -> dict:
     from ctopd_jax.config import load_config
     from ctopd_jax.demo.compare import write_config
-    from ctopd_jax.trainer import Trainer
+    from ctopd_jax.loop.trainer import Trainer
 
     built = {}
     for name in OBJECTIVES:
@@ -79,8 +79,8 @@ def gradients(built: dict, batches: int, seed: int) -> list[dict[str, np.ndarray
     """Per batch, each objective's gradient (one micro-batch of the whole batch) on the
     responses that the first trainer's collector sampled; row["lm_head <objective>"] is its
     [H, V] lm_head part, row["seen"] the token ids in the batch."""
-    from ctopd_jax import teacher_batches
-    from ctopd_jax.metrics import StepTimer
+    from ctopd_jax.loop import teacher_batches
+    from ctopd_jax.common.metrics import StepTimer
     from ctopd_jax.step.grad import zero_grads
 
     first = built[OBJECTIVES[0]]

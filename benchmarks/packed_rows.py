@@ -71,8 +71,8 @@ def long_tail_host(trainer, budget: int, n: int = 64, seed: int = 0):
     packing.order's first-fit-decreasing micro-batches of it."""
     import numpy as np
 
-    from ctopd_jax.algorithms.packing import order
-    from ctopd_jax.host import HostBatch
+    from ctopd_jax.algorithms.packed_rows import order
+    from ctopd_jax.collect.collector import HostBatch
 
     rng = np.random.default_rng(seed)
     lengths = np.sort(16 + (1008 * rng.uniform(size=n) ** 4).astype(int))[::-1]
@@ -104,8 +104,8 @@ def layout(trainer, host, tokens: int):
 
     import jax
 
-    from ctopd_jax.algorithms.packing import pack_rows
-    from ctopd_jax.metrics import StepTimer
+    from ctopd_jax.algorithms.packed_rows import pack_rows
+    from ctopd_jax.common.metrics import StepTimer
     from ctopd_jax.step.grad import zero_grads
 
     base = trainer.config
@@ -149,9 +149,9 @@ def timed(runs, repeats: int) -> list[float]:
 
 
 def compare(name: str, make, budget: int, repeats: int) -> None:
-    from ctopd_jax import teacher_batches
-    from ctopd_jax.metrics import StepTimer
-    from ctopd_jax.trainer import Trainer
+    from ctopd_jax.loop import teacher_batches
+    from ctopd_jax.common.metrics import StepTimer
+    from ctopd_jax.loop.trainer import Trainer
 
     out = Path(tempfile.mkdtemp(prefix=f"packed_rows_{name}_"))
     config, synthetic = make(out, budget)
@@ -179,8 +179,8 @@ def compare(name: str, make, budget: int, repeats: int) -> None:
 def memory() -> None:
     import numpy as np
 
-    from ctopd_jax.algorithms.pack import micro_length
-    from ctopd_jax.algorithms.packing import budget, place
+    from ctopd_jax.algorithms.padded_rows import micro_length
+    from ctopd_jax.algorithms.packed_rows import budget, place
     from ctopd_jax.config import load_config
     from ctopd_jax.models.config import llama3_2_3b
     from ctopd_jax.models.memory_probe import student_grad_temp_bytes

@@ -130,7 +130,7 @@ def dense_sampler_class():
 def read_bytes_per_token(cfg, result, slots, cache_len, page):
     """Analytic bytes read per generated token (see the module docstring), one wave."""
     from ctopd_jax.models.kv_cache import page_pool_token_bytes
-    from ctopd_jax.plan_model import param_count
+    from ctopd_jax.plan.model import param_count
 
     kv, weights = page_pool_token_bytes(cfg), param_count(cfg) * np.dtype(cfg.dtype).itemsize
     prompt = np.array([len(p) for p in result.prompt_ids])

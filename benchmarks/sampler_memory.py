@@ -14,7 +14,7 @@ and the seconds of the optimizer-state offload against the pages it frees.
    a copy of the pool would show here). On CPU XLA computes bf16 in float32: with
    `--dtype bfloat16` the temporaries include float32 upcasts of the weights and of the pool
    that a GPU does not make; `--dtype float32` shows the program without them.
-2. Times host_offload.move of an AdamW-like float32 state of `--offload-gb` GB to pinned host
+2. Times offload.move of an AdamW-like float32 state of `--offload-gb` GB to pinned host
    memory and back, and converts the bytes into 16-token pages of the preset. On this CPU
    "pinned host" and "device" are both host RAM: the seconds are a memcpy's, not a PCIe
    transfer's; the GPU figure is for scripts/gpu_check.py.
@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ctopd_jax import host_offload
+from ctopd_jax.loop import offload
 from ctopd_jax.models import PRESETS
 from ctopd_jax.models.kv_cache import page_pool_token_bytes
-from ctopd_jax.plan_model import param_count
+from ctopd_jax.plan.model import param_count
 from ctopd_jax.rollout.paged_decode import lower_decode
 
 PAGE = 16
@@ -69,15 +69,15 @@ def main() -> None:
     n = int(args.offload_gb * 1e9 / 4 / 2)
     state = {"mu": jnp.ones((n,), jnp.float32), "nu": jnp.ones((n,), jnp.float32) * 2}
     jax.block_until_ready(state)
-    size = host_offload.tree_bytes(state)
+    size = offload.tree_bytes(state)
     times = {}
-    for kind in (host_offload.HOST, host_offload.DEVICE):
+    for kind in (offload.HOST, offload.DEVICE):
         start = time.perf_counter()
-        state = host_offload.move(state, kind)
+        state = offload.move(state, kind)
         times[kind] = time.perf_counter() - start
     assert float(state["nu"][0]) == 2.0 and np.asarray(state["mu"][:3]).tolist() == [1, 1, 1]
-    print(f"offload of {size / 1e9:.2f} GB: to host {times[host_offload.HOST]:.3f}s, back "
-          f"{times[host_offload.DEVICE]:.3f}s (CPU memcpy); frees {size / page_bytes:,.0f} pages "
+    print(f"offload of {size / 1e9:.2f} GB: to host {times[offload.HOST]:.3f}s, back "
+          f"{times[offload.DEVICE]:.3f}s (CPU memcpy); frees {size / page_bytes:,.0f} pages "
           f"of {PAGE} tokens at {args.preset} = {size / page_bytes * PAGE:,.0f} cached tokens")
 
 

@@ -40,7 +40,7 @@ from ctopd_jax.models.weights import load_hf_checkpoint  # noqa: E402
 from ctopd_jax.rollout import SamplingParams  # noqa: E402
 from ctopd_jax.rollout.jax_sampler import JaxSampler  # noqa: E402
 from ctopd_jax.rollout.served import ServedRolloutEngine  # noqa: E402
-from ctopd_jax.trainer import Trainer  # noqa: E402
+from ctopd_jax.loop.trainer import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny_cpu_served_rollouts.yaml"

@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 def restored_student(run_dir: Path):
     """The student of `run_dir`'s latest checkpoint."""
-    from ctopd_jax.checkpoint import Checkpointer
+    from ctopd_jax.loop.checkpoint import Checkpointer
     from ctopd_jax.config import from_dict
-    from ctopd_jax.trainer import Trainer
+    from ctopd_jax.loop.trainer import Trainer
 
     tree = json.loads((run_dir / "config.json").read_text())
     tree["output_dir"] = str(run_dir)      # nothing is written: the trainer only restores

@@ -46,8 +46,8 @@ def main(argv=None):
     import numpy as np
 
     from ctopd_jax.config import load_config
-    from ctopd_jax.metrics import read_metrics
-    from ctopd_jax.trainer import Trainer
+    from ctopd_jax.common.metrics import read_metrics
+    from ctopd_jax.loop.trainer import Trainer
 
     out = tempfile.mkdtemp(prefix="bench_train_step_")
     overrides = [f"steps={args.steps}", f"output_dir={out}", "evaluation.dataset=", "checkpoint.every=0",

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ctopd_jax import algorithms, config
-from ctopd_jax.cli import Parser, run
+from ctopd_jax.common.cli import Parser, run
 
 PROG = "python -m ctopd_jax.config_doc"
 UNDOCUMENTED = "(undocumented)"

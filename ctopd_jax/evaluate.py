@@ -7,7 +7,7 @@
 `--out` is held by one evaluation at a time (`<out>/.run.lock`, as a run's output_dir): a
 second one into the same folder is refused in one line before any work.
 
-The definitions (mean@K, pass@K, prompts, engine, sampling) are ctopd_jax.evaluation's.
+The definitions (mean@K, pass@K, prompts, engine, sampling) are ctopd_jax.loop.mean_at_k's.
 """
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ from typing import Sequence
 
 import jax
 
-from ctopd_jax.cli import Parser, UserError, at_least, positive, run, seed
+from ctopd_jax.common.cli import Parser, UserError, at_least, positive, run, seed
 from ctopd_jax.config import load_config, validate
-from ctopd_jax.datasets import build_prompt, load_dataset
-from ctopd_jax.evaluation import REPORT_FILES, EvalReport, evaluate_model, grade_file, write_report
+from ctopd_jax.data.eval_sets import build_prompt, load_dataset
+from ctopd_jax.loop.mean_at_k import REPORT_FILES, EvalReport, evaluate_model, grade_file, write_report
 from ctopd_jax.grading import MathGrader
-from ctopd_jax.mesh import make_mesh, parse_mesh
+from ctopd_jax.mesh.device_mesh import make_mesh, parse_mesh
 from ctopd_jax.models import weights   # weights.load_hf_checkpoint read at call time (tests trip on it)
 from ctopd_jax.preflight import check_hf_checkpoint
-from ctopd_jax.run_dir import RunDirError, RunLock, check_writable
+from ctopd_jax.common.run_dir import RunDirError, RunLock, check_writable
 from ctopd_jax.tokenization.side import load_tokenizer_side
 
 
@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", help="shard the model, e.g. data=2,fsdp=2,tensor=2 (default: one device)")
     p.add_argument("--tokenizer", help="tokenizer name or directory (default: see module doc)")
     p.add_argument("--eos-token", help="end-of-turn token string if not the tokenizer's eos_token")
-    p.add_argument("--dataset", help="dataset name or file (see ctopd_jax.datasets)")
+    p.add_argument("--dataset", help="dataset name or file (see ctopd_jax.data.eval_sets)")
     p.add_argument("--limit", type=at_least(1), help="evaluate only the first N problems")
     p.add_argument("--samples", type=at_least(1), help="samples per problem K (default: config evaluation.samples)")
     p.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=None,
@@ -160,7 +160,7 @@ def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
     """Entry point: bad input ends with one line naming the problem and exit status 2
-    (`ctopd_jax.cli`; --debug shows the traceback)."""
+    (`ctopd_jax.common.cli`; --debug shows the traceback)."""
     return run(lambda a: (main(a), 0)[1], argv, PROG)
 
 

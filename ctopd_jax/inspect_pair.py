@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ctopd_jax.align import strict_align
 from ctopd_jax.align.strict import describe_byte_mismatch
-from ctopd_jax.cli import Parser, UserError, at_least, run
+from ctopd_jax.common.cli import Parser, UserError, at_least, run
 from ctopd_jax.tokenization import load_tokenizer_side, overlap_map, retokenize_pair
 
 GREEN, YELLOW, RESET = "\x1b[32m", "\x1b[33m", "\x1b[0m"

@@ -14,8 +14,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from ctopd_jax.cli import Parser, run
-from ctopd_jax.metrics import MetricsError, read_metrics
+from ctopd_jax.common.cli import Parser, run
+from ctopd_jax.common.metrics import MetricsError, read_metrics
 
 
 # group -> (series keys, y-axis label)

@@ -43,7 +43,7 @@ Stages (results keys):
                   teacher, real tokenizers, random weights, JAX sampler, 3 iterations; per
                   iteration rollout / teacher / student / sync / compile seconds, response
                   tokens/s and coverage; the start-up phases; peak device memory beside
-                  ctopd_jax.plan's estimate for the same config
+                  ctopd_jax.plan.planner's estimate for the same config
   e2e_pallas      the e2e config's first 2 iterations with algorithm.implementation=pallas:
                   iteration 1's loss against e2e's (xla, same rollouts; fails above
                   E2E_LOSS_RTOL), time_student / time_compile / time_total of each path
@@ -164,7 +164,7 @@ def _compile_run(fn, *args, repeat: int = 5) -> tuple[object, dict]:
     """(output, {"compile_s", "first_call_s", "run_s"}) of calling `fn` (jitted) on `args`:
     the XLA compile seconds and wall time of the first call, the median of `repeat` more."""
     import jax
-    from ctopd_jax.metrics import compile_seconds
+    from ctopd_jax.common.metrics import compile_seconds
     compiled_before = compile_seconds()
     t0 = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
@@ -282,7 +282,7 @@ def _env_rate(out: Path, part: str, key: str):
 def _run_trainer(report: Report, sets: list[str], run_dir: Path) -> dict:
     """`python -m ctopd_jax.train --config configs/gpu_e2e.yaml --set ...`, its output streamed
     through the stage's stderr; its start-up phases and metrics rows as they come."""
-    from ctopd_jax.metrics import read_metrics
+    from ctopd_jax.common.metrics import read_metrics
     cmd = [sys.executable, "-m", "ctopd_jax.train", "--config", str(E2E_CONFIG),
            *[x for s in sets for x in ("--set", s)]]
     report.say("$ " + " ".join(cmd[1:]))
@@ -323,7 +323,7 @@ def _e2e_sets(report: Report, *extra: str) -> tuple[list[str], Path]:
 
 def stage_e2e(report: Report) -> None:
     """The real trainer as a user runs it; its output streams through this stage's stderr."""
-    from ctopd_jax import plan
+    from ctopd_jax.plan import planner as plan
     from ctopd_jax.config import load_config
     sets, run_dir = _e2e_sets(report)
     config = load_config(str(E2E_CONFIG), sets)
@@ -500,7 +500,7 @@ def _memory(compiled, limit) -> dict:
 
 
 def _compile_only(lowered, limit) -> dict:
-    from ctopd_jax.metrics import compile_seconds
+    from ctopd_jax.common.metrics import compile_seconds
     before = compile_seconds()
     res = _memory(lowered.compile(), limit)
     res["compile_s"] = compile_seconds() - before
@@ -511,7 +511,7 @@ def stage_compile_memory(report: Report) -> None:
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from ctopd_jax import plan_model
+    from ctopd_jax.plan import model as plan_model
     from ctopd_jax.models import PRESETS
     limit = _bytes_limit()
     if report.dry:
@@ -531,7 +531,7 @@ def stage_compile_memory(report: Report) -> None:
                                 "sampler_slots": slots, "sampler_prompt": prompt}
 
     def teacher():
-        from ctopd_jax.teacher import teacher_hidden_rows
+        from ctopd_jax.step.teacher import teacher_hidden_rows
         graphdef, state = _abstract_model(t_cfg)
         return _compile_only(teacher_hidden_rows.lower(graphdef, state, ids, mask, rows), limit)
 
@@ -574,7 +574,7 @@ def stage_train_step(report: Report) -> None:
     import jax.numpy as jnp
     import optax
     from flax import nnx
-    from ctopd_jax import plan_model
+    from ctopd_jax.plan import model as plan_model
     from ctopd_jax.models import PRESETS
     from ctopd_jax.models.init import init_decoder
     name, batch, seq = ("tiny_llama", 2, 64) if report.dry else ("llama3_2_3b", 2, 4096)
@@ -583,7 +583,7 @@ def stage_train_step(report: Report) -> None:
 
     def init():
         t0 = time.perf_counter()
-        from ctopd_jax.metrics import compile_seconds
+        from ctopd_jax.common.metrics import compile_seconds
         before = compile_seconds()
         model = init_decoder(cfg, 0)
         jax.block_until_ready(nnx.state(model))
@@ -639,11 +639,11 @@ def stage_train_step(report: Report) -> None:
 def stage_sampler(report: Report) -> None:
     import jax
     import numpy as np
-    from ctopd_jax.metrics import compile_seconds
+    from ctopd_jax.common.metrics import compile_seconds
     from ctopd_jax.models import PRESETS
     from ctopd_jax.models.init import init_decoder
     from ctopd_jax.models.kv_cache import page_pool_token_bytes
-    from ctopd_jax.plan_model import param_count
+    from ctopd_jax.plan.model import param_count
     from ctopd_jax.rollout.base import SamplingParams
     from ctopd_jax.rollout.jax_sampler import JaxSampler
     # the issue-31 shape: 64 and 128 concurrent samples of 2,048-token prompts + 2,048 new

@@ -20,7 +20,7 @@ def _real_side(name):
     from ctopd_jax.tokenization.side import cached_tokenizer_side
 
     if not (cache_root() / name / ".ready").is_file():
-        from ctopd_jax.tokenization.setup_assets import setup_assets
+        from ctopd_jax.setup_assets import setup_assets
         setup_assets()
     return cached_tokenizer_side(name)
 

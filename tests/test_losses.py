@@ -1,4 +1,4 @@
-"""ctopd_jax.losses against the independent PyTorch reference (tests/reference/torch_strict.py):
+"""ctopd_jax.kernels.losses against the independent PyTorch reference (tests/reference/torch_strict.py):
 per-row divergences (values and gradients), edge cases, normalization, CE and kd_ratio mixing."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "reference"))
 import torch_strict  # noqa: E402
 
-from ctopd_jax import losses  # noqa: E402
+from ctopd_jax.kernels import losses  # noqa: E402
 
 KW = dict(temperature=1.3, jsd_beta=0.4, skl_lambda=0.2, akl_alpha=0.45)
 

@@ -191,6 +191,25 @@ def test_no_import_cycle_in_the_package():
     assert _cycle(_graph()) is None
 
 
+def _folder_graph(graph) -> dict[str, set[str]]:
+    """The import graph between the package's top-level folders (and top-level modules)."""
+    def top(module):
+        return module.split(".")[1] if "." in module else module
+    folders = {top(m): set() for m in graph}
+    for name, deps in graph.items():
+        folders[top(name)] |= {top(d) for d in deps if top(d) != top(name)}
+    return folders
+
+
+def test_no_two_folders_import_each_other():
+    """Within a layer too: a folder's imports point one way (the objectives import the settings,
+    never the settings the objectives)."""
+    planted = {"ctopd_jax.a.x": {"ctopd_jax.b.y"}, "ctopd_jax.b.y": {"ctopd_jax.c"},
+               "ctopd_jax.c": {"ctopd_jax.a.z"}, "ctopd_jax.a.z": set()}
+    assert _cycle(_folder_graph(planted)) == ["a", "b", "c", "a"]
+    assert _cycle(_folder_graph(_graph())) is None
+
+
 def _private_reads(name: str, path: Path, modules, table) -> list[str]:
     """`from X import _y` and `X._y` where X is a package module of another layer."""
     here, bad = _layer_of(name, table), []

@@ -17,8 +17,10 @@ import json
 
 import pytest
 
-from ctopd_jax import plan, plan_model
-from ctopd_jax.cli import run
+from ctopd_jax.plan import planner as plan
+
+from ctopd_jax.plan import model as plan_model
+from ctopd_jax.common.cli import run
 from ctopd_jax.models import PRESETS, ModelConfig
 
 

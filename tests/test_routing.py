@@ -2,7 +2,7 @@
 line naming the entry or the row."""
 import pytest
 
-from ctopd_jax.routing import check_teacher_names, route_rows
+from ctopd_jax.common.routing import check_teacher_names, route_rows
 
 
 def test_rows_route_by_field_or_default():

@@ -15,7 +15,7 @@ from flax import nnx  # noqa: E402
 
 from ctopd_jax.kernels.strict.row_chunks import teacher_columns  # noqa: E402
 from ctopd_jax.kernels.token_rows import token_rows  # noqa: E402
-from ctopd_jax.teacher import lm_head_of, teacher_hidden_rows  # noqa: E402
+from ctopd_jax.step.teacher import lm_head_of, teacher_hidden_rows  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -72,7 +72,7 @@ def test_columns_and_logprobs_from_hidden_rows_equal_full_forward(pair, left):
 
 
 def test_sharded_mesh_rows_equal_full_forward(pair, tmp_path):
-    from ctopd_jax.mesh import make_mesh, shard_module
+    from ctopd_jax.mesh.device_mesh import make_mesh, shard_module
 
     hf, model = pair
     rng = np.random.default_rng(1)

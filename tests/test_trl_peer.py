@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from ctopd_jax.algorithms.gkd import Gkd, GkdSettings
-from ctopd_jax.host import load_response_prompts, response_text
+from ctopd_jax.data.prompts import load_response_prompts, response_text
 
 PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "trl_peer.py"
 

@@ -1,7 +1,7 @@
 """The objective interface the trainer drives (docs/architecture.md, "The objective contract").
 
 An objective is one module in `algorithms/` (or named in `algorithm.modules`) that registers a
-class (algorithms/catalog.py) with:
+class (config/catalog.py) with:
 
 - `settings_class`: its config section, a frozen dataclass extending `config.AlgorithmSection`
   with the objective's own fields (`algorithm.span_lambda`, ...), validated once, by its own
@@ -34,8 +34,8 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from ctopd_jax import losses
-from ctopd_jax.algorithms.catalog import register  # noqa: F401  (objective modules' decorator)
+from ctopd_jax.kernels import losses
+from ctopd_jax.config.catalog import register  # noqa: F401  (objective modules' decorator)
 from ctopd_jax.algorithms.micro_batch import MicroBatch
 from ctopd_jax.config import AlgorithmSection
 from ctopd_jax.kernels.token_rows import token_rows

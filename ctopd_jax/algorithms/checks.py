@@ -10,7 +10,7 @@ in every dataset row), and async rollouts, are objective_factory.check_objective
 """
 from __future__ import annotations
 
-from ctopd_jax.algorithms.catalog import get_objective, objectives_that
+from ctopd_jax.config.catalog import get_objective, objectives_that
 from ctopd_jax.config import ConfigError, TrainConfig, teacher_views
 
 

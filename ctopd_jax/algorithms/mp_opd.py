@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from ctopd_jax.algorithms import pack
+from ctopd_jax.algorithms import padded_rows
 from ctopd_jax.algorithms.base import Needs, Objective, register
 from ctopd_jax.algorithms.micro_batch import rows, terms_class
 from ctopd_jax.algorithms.mp_opd_credits import GrassNoise, align_sample, sample_spans
@@ -146,43 +146,43 @@ def atom_arrays(settings, host, start: int, stop: int, student_len: int, teacher
             span_sample.append(b - start)
             span_len.append(hi - lo)
             first += 1
-    size = pack.rows_bucket(n, min_rows)
-    spans = pack.rows_bucket(first, min_rows)
-    s_rows, s_atom = pack.expand_ranges(a[:, 3], w)
-    s_rows = pack.rebase(s_rows, host.student.seq_len, start, student_len)
+    size = padded_rows.rows_bucket(n, min_rows)
+    spans = padded_rows.rows_bucket(first, min_rows)
+    s_rows, s_atom = padded_rows.expand_ranges(a[:, 3], w)
+    s_rows = padded_rows.rebase(s_rows, host.student.seq_len, start, student_len)
     real = response_rows[:int(response_weight.sum())]
     s_index = np.searchsorted(real, s_rows)
     t_count = a[:, 2] - a[:, 1]
-    t_rows, t_atom = pack.expand_ranges(a[:, 1], t_count)
+    t_rows, t_atom = padded_rows.expand_ranges(a[:, 1], t_count)
     t_targets = host.teacher.labels.reshape(-1)[t_rows]
-    s_size, t_size = pack.rows_bucket(len(s_index), min_rows), pack.rows_bucket(len(t_rows), min_rows)
+    s_size, t_size = padded_rows.rows_bucket(len(s_index), min_rows), padded_rows.rows_bucket(len(t_rows), min_rows)
     counts = atoms.fail_counts(start, stop)
     out = {
-        "atom_weight": pack.padded(np.ones(n), size)[1],
-        "atom_w": pack.padded(w, size, np.float32)[0],
-        "atom_span": pack.padded(span_id, size)[0],
-        "atom_pos": pack.padded(span_pos, size)[0],
-        "atom_sample": pack.padded(a[:, 0] - start, size)[0],
-        "span_sample": pack.padded(np.asarray(span_sample, np.int64), spans)[0],
-        "span_weight": pack.padded(np.ones(first), spans)[1],
-        "atom_student_index": pack.padded(s_index, s_size)[0],
-        "atom_student_atom": pack.padded(s_atom, s_size)[0],
-        "atom_student_weight": pack.padded(s_index, s_size)[1],
-        "atom_teacher_rows": pack.padded(pack.rebase(t_rows, host.teacher.seq_len, start, teacher_len), t_size)[0],
-        "atom_teacher_targets": pack.padded(t_targets, t_size)[0],
-        "atom_teacher_atom": pack.padded(t_atom, t_size)[0],
-        "atom_teacher_weight": pack.padded(t_rows, t_size)[1],
+        "atom_weight": padded_rows.padded(np.ones(n), size)[1],
+        "atom_w": padded_rows.padded(w, size, np.float32)[0],
+        "atom_span": padded_rows.padded(span_id, size)[0],
+        "atom_pos": padded_rows.padded(span_pos, size)[0],
+        "atom_sample": padded_rows.padded(a[:, 0] - start, size)[0],
+        "span_sample": padded_rows.padded(np.asarray(span_sample, np.int64), spans)[0],
+        "span_weight": padded_rows.padded(np.ones(first), spans)[1],
+        "atom_student_index": padded_rows.padded(s_index, s_size)[0],
+        "atom_student_atom": padded_rows.padded(s_atom, s_size)[0],
+        "atom_student_weight": padded_rows.padded(s_index, s_size)[1],
+        "atom_teacher_rows": padded_rows.padded(padded_rows.rebase(t_rows, host.teacher.seq_len, start, teacher_len), t_size)[0],
+        "atom_teacher_targets": padded_rows.padded(t_targets, t_size)[0],
+        "atom_teacher_atom": padded_rows.padded(t_atom, t_size)[0],
+        "atom_teacher_weight": padded_rows.padded(t_rows, t_size)[1],
         "mp_opd_samples": np.float32([stop - start]),
         "mp_opd_valid_samples": np.float32([atoms.sample_valid[start:stop].sum()]),
         "mp_opd_fail_counts": np.float32([[counts[name] for name in FAIL_REASONS]]),
     }
     if host.served_teacher_rows is not None:   # a served teacher: the atoms' log π_T already scored
-        out["atom_teacher_token_logprobs"] = pack.served_token_logprobs(host, t_rows, t_size)
+        out["atom_teacher_token_logprobs"] = padded_rows.served_token_logprobs(host, t_rows, t_size)
     if s.mp_opd_mode in ("grass_chunk", "align"):
         # chunk token layout for the Gram pass: [chunks, K] student rows, target, atom position
         tok_span = span_id[s_atom]
         per_span = np.bincount(tok_span, minlength=first) if n else np.zeros(0, np.int64)
-        k = pack.rows_bucket(int(per_span.max(initial=1)), 1)
+        k = padded_rows.rows_bucket(int(per_span.max(initial=1)), 1)
         order = np.argsort(tok_span, kind="stable")
         slot = np.arange(len(tok_span)) - np.repeat(np.cumsum(per_span) - per_span, per_span)
         rows = np.zeros((spans, k), np.int32)
@@ -191,7 +191,7 @@ def atom_arrays(settings, host, start: int, stop: int, student_len: int, teacher
         valid = np.zeros((spans, k), np.float32)
         sp, sl = tok_span[order], slot
         rows[sp, sl] = real[s_index[order]] if len(order) else 0
-        targets[sp, sl] = host.student.labels.reshape(-1)[pack.expand_ranges(a[:, 3], w)[0][order]] if len(order) else 0
+        targets[sp, sl] = host.student.labels.reshape(-1)[padded_rows.expand_ranges(a[:, 3], w)[0][order]] if len(order) else 0
         pos[sp, sl] = span_pos[s_atom[order]]
         valid[sp, sl] = 1.0
         out.update({"gram_rows": rows, "gram_targets": targets, "gram_pos": pos, "gram_valid": valid})
@@ -254,7 +254,7 @@ class MpOpd(Objective):
         return metrics
 
     def prepare(self, host, start, stop):
-        batch = pack.micro_batch(host, start, stop)
+        batch = padded_rows.micro_batch(host, start, stop)
         fields = atom_arrays(self.settings, host, start, stop, batch.student_ids.shape[1],
                              batch.teacher_ids.shape[1], batch.response_rows, batch.response_weight)
         if self.settings.mp_opd_mode == "grass_chunk":

@@ -1,6 +1,6 @@
 """Shared ground of the same-tokenizer OPD family (SPEC §9): gkd, opd, opd_full, vopd, opd2.
 
-Teacher and student share one tokenizer and chat template (host.same_tokenizer_mismatch refuses
+Teacher and student share one tokenizer and chat template (tokenization.same_pair.same_tokenizer_mismatch refuses
 any other pair before a model loads), the sampled ids are reused (host.SameTokenizerCollector),
 so the student's response rows and the teacher's rows are the same positions of the same ids:
 `prepare` asks the teacher for hidden states at exactly the student's response rows, and every
@@ -28,7 +28,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from ctopd_jax.algorithms import pack
+from ctopd_jax.algorithms import padded_rows
 from ctopd_jax.algorithms.base import Needs, Objective
 from ctopd_jax.algorithms.micro_batch import MicroBatch
 from ctopd_jax.config import AlgorithmSection, require
@@ -54,13 +54,13 @@ class SameTokenizerSettings(AlgorithmSection):
 def same_inputs(host, start: int, stop: int) -> MicroBatch:
     """Student tokens and response rows; the teacher (and a teacher base) read the
     same ids and hand back hidden states at the same rows."""
-    batch = pack.micro_batch(host, start, stop)
+    batch = padded_rows.micro_batch(host, start, stop)
     if batch.teacher_ids.shape != batch.student_ids.shape:
         raise ValueError("same-tokenizer objectives need a host batch whose teacher side is the "
                          "student side (host.SameTokenizerCollector)")
     served = None
     if host.served_teacher_rows is not None:   # a served teacher: log π_T(y) already scored
-        served = pack.served_token_logprobs(host, pack.response_batch_rows(host.teacher, start, stop),
+        served = padded_rows.served_token_logprobs(host, padded_rows.response_batch_rows(host.teacher, start, stop),
                                             batch.response_rows.shape[0])
     return dataclasses.replace(batch, teacher_rows=batch.response_rows, teacher_token_logprobs=served)
 

@@ -37,15 +37,15 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ctopd_jax import losses
-from ctopd_jax.algorithms import pack
+from ctopd_jax.kernels import losses
+from ctopd_jax.algorithms import padded_rows
 from ctopd_jax.algorithms.base import Needs, Objective, register
 from ctopd_jax.algorithms.gkd import Gkd, GkdSettings
 from ctopd_jax.algorithms.micro_batch import terms_class
 from ctopd_jax.algorithms.same_tokenizer import same_inputs
 from ctopd_jax.algorithms.strict import StrictPairs, strict_inputs
 from ctopd_jax.config import AlgorithmSection, require, teacher_views
-from ctopd_jax.teacher_service.topk import (head_columns, overlap_pairs_by_teacher_id,
+from ctopd_jax.algorithms.served_topk_loss import (head_columns, overlap_pairs_by_teacher_id,
                                             topk_gkd_rows, topk_gkd_support,
                                             topk_strict_columns, topk_strict_rows,
                                             vocabulary_logsumexps)
@@ -111,10 +111,10 @@ class TeacherTopkStrict(ServedTopkInputs, Objective):
         """`pairs` with the teacher's top-k at them (ids, log-probs [n, k]), padded to `size`
         rows; `table`: overlap_table of the pair's overlap map."""
         cols = topk_strict_columns(topk_ids, topk_logprobs, *table)
-        return TopkPairs(**vars(pairs), topk_student_ids=pack.padded_rows(cols.student_ids, size),
-                         topk_teacher_logprobs=pack.padded_rows(cols.teacher_logprobs, size, -np.inf),
-                         topk_valid=pack.padded_rows(cols.valid, size, False),
-                         topk_teacher_mass=pack.padded(cols.teacher_mass, size, np.float32)[0])
+        return TopkPairs(**vars(pairs), topk_student_ids=padded_rows.padded_rows(cols.student_ids, size),
+                         topk_teacher_logprobs=padded_rows.padded_rows(cols.teacher_logprobs, size, -np.inf),
+                         topk_valid=padded_rows.padded_rows(cols.valid, size, False),
+                         topk_teacher_mass=padded_rows.padded(cols.teacher_mass, size, np.float32)[0])
 
     def exact_inputs(self, host, start, stop):
         batch, a = strict_inputs(host, start, stop), host.alignment
@@ -172,13 +172,13 @@ class TopkGkd(ServedTopkInputs, Gkd):
         its served log-prob), padded to `size` rows."""
         support = topk_gkd_support(topk_ids, topk_logprobs, sampled_ids, sampled_logprobs,
                                    include_sampled=self.settings.gkd_beta > 0)
-        return TopkSupport(topk_ids=pack.padded_rows(support.ids, size),
-                           topk_teacher_logprobs=pack.padded_rows(support.teacher_logprobs, size, -np.inf),
-                           topk_valid=pack.padded_rows(support.valid, size, False))
+        return TopkSupport(topk_ids=padded_rows.padded_rows(support.ids, size),
+                           topk_teacher_logprobs=padded_rows.padded_rows(support.teacher_logprobs, size, -np.inf),
+                           topk_valid=padded_rows.padded_rows(support.valid, size, False))
 
     def exact_inputs(self, host, start, stop):
         batch = same_inputs(host, start, stop)
-        return batch, pack.response_batch_rows(host.teacher, start, stop), batch.response_rows.shape[0]
+        return batch, padded_rows.response_batch_rows(host.teacher, start, stop), batch.response_rows.shape[0]
 
     def served_terms(self, terms, host, rows, topk_ids, topk_logprobs, size):
         sampled = host.teacher.labels.reshape(-1)[rows]

@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ctopd_jax import losses
-from ctopd_jax.algorithms import pack
+from ctopd_jax.kernels import losses
+from ctopd_jax.algorithms import padded_rows
 from ctopd_jax.algorithms.base import Objective, register
 from ctopd_jax.algorithms.micro_batch import rows, terms_class
 from ctopd_jax.align.simct import simct_segments
@@ -98,14 +98,14 @@ def segment_arrays(host, start: int, stop: int, student_len: int, teacher_len: i
     sel = (seg.segments[:, 0] >= start) & (seg.segments[:, 0] < stop)
     g, span = seg.segments[sel].astype(np.int64), seg.is_span[sel]
     n = len(g)
-    size = pack.rows_bucket(n, min_rows)
+    size = padded_rows.rows_bucket(n, min_rows)
     s_seq, t_seq = host.student.seq_len, host.teacher.seq_len
-    first_s = pack.rebase(g[:, 3], s_seq, start, student_len)
-    first_t = pack.rebase(g[:, 1], t_seq, start, teacher_len)
+    first_s = padded_rows.rebase(g[:, 3], s_seq, start, student_len)
+    first_t = padded_rows.rebase(g[:, 1], t_seq, start, teacher_len)
     sg, tg = g[span], np.flatnonzero(span)
-    s_rows, s_group = pack.expand_ranges(sg[:, 3], sg[:, 4] - sg[:, 3])
-    t_rows, t_group = pack.expand_ranges(sg[:, 1], sg[:, 2] - sg[:, 1])
-    s_size, t_size = pack.rows_bucket(len(s_rows), min_rows), pack.rows_bucket(len(t_rows), min_rows)
+    s_rows, s_group = padded_rows.expand_ranges(sg[:, 3], sg[:, 4] - sg[:, 3])
+    t_rows, t_group = padded_rows.expand_ranges(sg[:, 1], sg[:, 2] - sg[:, 1])
+    s_size, t_size = padded_rows.rows_bucket(len(s_rows), min_rows), padded_rows.rows_bucket(len(t_rows), min_rows)
     s_len, t_len = (g[:, 4] - g[:, 3]), (g[:, 2] - g[:, 1])
     s_count = np.zeros(n, np.float32)
     t_count = np.zeros(n, np.float32)
@@ -113,20 +113,20 @@ def segment_arrays(host, start: int, stop: int, student_len: int, teacher_len: i
     resp_s = host.student.response_lens[start:stop].astype(np.int64)
     resp_t = host.teacher.response_lens[start:stop].astype(np.int64)
     return SimctTerms(**{
-        "simct_student_first": pack.padded(first_s, size)[0],
-        "simct_teacher_first": pack.padded(first_t, size)[0],
-        "simct_weight": pack.padded(np.ones(n), size)[1],
-        "simct_is_span": pack.padded(span, size, np.float32)[0],
-        "simct_student_count": pack.padded(s_count, size, np.float32)[0],
-        "simct_teacher_count": pack.padded(t_count, size, np.float32)[0],
-        "simct_student_rows": pack.padded(pack.rebase(s_rows, s_seq, start, student_len), s_size)[0],
-        "simct_student_targets": pack.padded(host.student.labels.reshape(-1)[s_rows], s_size)[0],
-        "simct_student_group": pack.padded(tg[s_group] if len(s_group) else s_group, s_size)[0],
-        "simct_student_token_weight": pack.padded(s_rows, s_size)[1],
-        "simct_teacher_span_rows": pack.padded(pack.rebase(t_rows, t_seq, start, teacher_len), t_size)[0],
-        "simct_teacher_targets": pack.padded(host.teacher.labels.reshape(-1)[t_rows], t_size)[0],
-        "simct_teacher_group": pack.padded(tg[t_group] if len(t_group) else t_group, t_size)[0],
-        "simct_teacher_token_weight": pack.padded(t_rows, t_size)[1],
+        "simct_student_first": padded_rows.padded(first_s, size)[0],
+        "simct_teacher_first": padded_rows.padded(first_t, size)[0],
+        "simct_weight": padded_rows.padded(np.ones(n), size)[1],
+        "simct_is_span": padded_rows.padded(span, size, np.float32)[0],
+        "simct_student_count": padded_rows.padded(s_count, size, np.float32)[0],
+        "simct_teacher_count": padded_rows.padded(t_count, size, np.float32)[0],
+        "simct_student_rows": padded_rows.padded(padded_rows.rebase(s_rows, s_seq, start, student_len), s_size)[0],
+        "simct_student_targets": padded_rows.padded(host.student.labels.reshape(-1)[s_rows], s_size)[0],
+        "simct_student_group": padded_rows.padded(tg[s_group] if len(s_group) else s_group, s_size)[0],
+        "simct_student_token_weight": padded_rows.padded(s_rows, s_size)[1],
+        "simct_teacher_span_rows": padded_rows.padded(padded_rows.rebase(t_rows, t_seq, start, teacher_len), t_size)[0],
+        "simct_teacher_targets": padded_rows.padded(host.teacher.labels.reshape(-1)[t_rows], t_size)[0],
+        "simct_teacher_group": padded_rows.padded(tg[t_group] if len(t_group) else t_group, t_size)[0],
+        "simct_teacher_token_weight": padded_rows.padded(t_rows, t_size)[1],
         "simct_aligned_tokens": np.float32([np.maximum(s_len, t_len).sum()]),
         "simct_sample_tokens": np.float32([np.maximum(resp_s, resp_t).sum()]),
         "simct_samples": np.float32([stop - start]),
@@ -216,7 +216,7 @@ class SimCT(Objective):
     stale_responses = "none"   # a divergence per segment row
 
     def prepare(self, host, start, stop):
-        batch = pack.micro_batch(host, start, stop)
+        batch = padded_rows.micro_batch(host, start, stop)
         terms = segment_arrays(host, start, stop, batch.student_ids.shape[1], batch.teacher_ids.shape[1])
         # the teacher hands back the first rows of the segments, then the span-token rows
         return dataclasses.replace(batch, terms=terms, teacher_rows=np.concatenate(

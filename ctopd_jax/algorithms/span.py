@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ctopd_jax.algorithms import pack
+from ctopd_jax.algorithms import padded_rows
 from ctopd_jax.algorithms.base import GradientComparison, Objective, register
 from ctopd_jax.algorithms.micro_batch import rows, terms_class
 from ctopd_jax.algorithms.strict import (StrictPairs, StrictSettings, check_topk, span_comparison,
@@ -77,23 +77,23 @@ def group_arrays(host, start: int, stop: int, student_len: int, teacher_len: int
 
     s_batch_rows, s_group = expand(g[:, 3].astype(np.int64), s_len)
     t_batch_rows, t_group = expand(g[:, 1].astype(np.int64), t_len)
-    s_rows = pack.rebase(s_batch_rows, host.student.seq_len, start, student_len)
+    s_rows = padded_rows.rebase(s_batch_rows, host.student.seq_len, start, student_len)
     real = response_rows[:int(response_weight.sum())]  # ascending: sample-major, then position
     s_index = np.searchsorted(real, s_rows)
     t_targets = host.teacher.labels.reshape(-1)[t_batch_rows]
-    groups = pack.rows_bucket(len(g), min_rows)
-    s_size, t_size = pack.rows_bucket(len(s_index), min_rows), pack.rows_bucket(len(t_group), min_rows)
+    groups = padded_rows.rows_bucket(len(g), min_rows)
+    s_size, t_size = padded_rows.rows_bucket(len(s_index), min_rows), padded_rows.rows_bucket(len(t_group), min_rows)
     return {
-        "span_student_index": pack.padded(s_index, s_size)[0],
-        "span_student_group": pack.padded(s_group, s_size)[0],
-        "span_student_weight": pack.padded(s_index, s_size)[1],
-        "span_teacher_rows": pack.padded(pack.rebase(t_batch_rows, host.teacher.seq_len, start, teacher_len),
+        "span_student_index": padded_rows.padded(s_index, s_size)[0],
+        "span_student_group": padded_rows.padded(s_group, s_size)[0],
+        "span_student_weight": padded_rows.padded(s_index, s_size)[1],
+        "span_teacher_rows": padded_rows.padded(padded_rows.rebase(t_batch_rows, host.teacher.seq_len, start, teacher_len),
                                          t_size)[0],
-        "span_teacher_targets": pack.padded(t_targets, t_size)[0],
-        "span_teacher_group": pack.padded(t_group, t_size)[0],
-        "span_teacher_weight": pack.padded(t_group, t_size)[1],
-        "span_group_weight": pack.padded(ids, groups)[1],
-        "span_group_student_tokens": pack.padded(s_len, groups, np.float32)[0],
+        "span_teacher_targets": padded_rows.padded(t_targets, t_size)[0],
+        "span_teacher_group": padded_rows.padded(t_group, t_size)[0],
+        "span_teacher_weight": padded_rows.padded(t_group, t_size)[1],
+        "span_group_weight": padded_rows.padded(ids, groups)[1],
+        "span_group_student_tokens": padded_rows.padded(s_len, groups, np.float32)[0],
     }
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from ctopd_jax.algorithms import pack
+from ctopd_jax.algorithms import padded_rows
 from ctopd_jax.algorithms.base import GradientComparison, Objective, register
-from ctopd_jax.algorithms.catalog import objective_class
+from ctopd_jax.config.catalog import objective_class
 from ctopd_jax.algorithms.micro_batch import MicroBatch, rows, terms_class
 from ctopd_jax.config import AlgorithmSection, require
 from ctopd_jax.kernels import strict_kd_rows
@@ -44,9 +44,9 @@ def strict_pairs(host, start: int, stop: int, student_len: int, teacher_len: int
     """The fields of StrictPairs for samples [start, stop) in micro-batch rows."""
     a = host.alignment
     sel = (a.pair_sample >= start) & (a.pair_sample < stop)
-    size = pack.rows_bucket(int(sel.sum()), min_rows)
-    s_rows, weight = pack.padded(pack.rebase(a.student_rows[sel], host.student.seq_len, start, student_len), size)
-    t_rows, _ = pack.padded(pack.rebase(a.teacher_rows[sel], host.teacher.seq_len, start, teacher_len), size)
+    size = padded_rows.rows_bucket(int(sel.sum()), min_rows)
+    s_rows, weight = padded_rows.padded(padded_rows.rebase(a.student_rows[sel], host.student.seq_len, start, student_len), size)
+    t_rows, _ = padded_rows.padded(padded_rows.rebase(a.teacher_rows[sel], host.teacher.seq_len, start, teacher_len), size)
     return dict(strict_student_rows=s_rows, strict_teacher_rows=t_rows, strict_weight=weight)
 
 
@@ -54,7 +54,7 @@ def strict_inputs(host, start: int, stop: int) -> MicroBatch:
     """Student and teacher tokens, response rows and strict pairs (the terms) of one
     micro-batch; the teacher hands back hidden states at the strict teacher rows. Objectives
     that extend the pairs build their terms from `vars(batch.terms)`."""
-    batch = pack.micro_batch(host, start, stop)
+    batch = padded_rows.micro_batch(host, start, stop)
     pairs = strict_pairs(host, start, stop, batch.student_ids.shape[1], batch.teacher_ids.shape[1])
     return dataclasses.replace(batch, teacher_rows=pairs["strict_teacher_rows"], terms=StrictPairs(**pairs))
 

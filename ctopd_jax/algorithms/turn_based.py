@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ctopd_jax.algorithms import pack
+from ctopd_jax.algorithms import padded_rows
 from ctopd_jax.algorithms.base import Needs
 from ctopd_jax.algorithms.micro_batch import terms_class
 from ctopd_jax.algorithms.opd import OpdSampled
@@ -43,9 +43,9 @@ def turn_terms(host, start: int, stop: int, size: int) -> TurnTerms:
     opens = np.r_[True, sample[1:] != sample[:-1]] if len(turn) else np.zeros(0, bool)
     first = seg[opens][np.cumsum(opens) - 1]
     judgment = host.turns.judgment[lo:hi] if host.turns.judgment is not None else np.full(hi - lo, -1.0)
-    return TurnTerms(turn_segment=pack.padded(seg, size)[0], first_segment=pack.padded(first, size)[0],
-                     outcome_advantage=pack.padded(host.turns.outcome[sample], size, np.float32)[0],
-                     turn_judgment=pack.padded(judgment, size, np.float32)[0])
+    return TurnTerms(turn_segment=padded_rows.padded(seg, size)[0], first_segment=padded_rows.padded(first, size)[0],
+                     outcome_advantage=padded_rows.padded(host.turns.outcome[sample], size, np.float32)[0],
+                     turn_judgment=padded_rows.padded(judgment, size, np.float32)[0])
 
 
 def segment_means(values, x):

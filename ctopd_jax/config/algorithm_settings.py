@@ -1,11 +1,11 @@
 """algorithm.name -> that objective's settings class (its config section), read from the one
-registry of objectives (algorithms/catalog.py, which imports nothing of the project)."""
+registry of objectives (config/catalog.py, which imports nothing of the project)."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Sequence
 
-from ctopd_jax.algorithms import catalog
+from ctopd_jax.config import catalog
 from ctopd_jax.config.errors import ConfigError
 
 

@@ -14,7 +14,7 @@ from ctopd_jax.config.overrides import drop_other_objectives_keys, parse_overrid
 from ctopd_jax.config.sections import TrainConfig
 from ctopd_jax.config.validate import validate
 from ctopd_jax.config.yaml_text import DuplicateKeyError, load_yaml
-from ctopd_jax.mesh import MeshError, parse_mesh
+from ctopd_jax.mesh.device_mesh import MeshError, parse_mesh
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ctopd_jax import losses
+from ctopd_jax.kernels import losses
 from ctopd_jax.config.algorithm_settings import algorithm_class
 from ctopd_jax.config.errors import ConfigError, require
 from ctopd_jax.config.served import TeacherServiceSettings, TeacherSettingError
@@ -270,7 +270,7 @@ class EvaluationSection:
 
 @dataclass(frozen=True)
 class GuardSection:
-    """When a run stops as diverged (`ctopd_jax.run_guard.DivergenceGuard`, checked per step).
+    """When a run stops as diverged (`ctopd_jax.common.run_guard.DivergenceGuard`, checked per step).
 
     A NaN/inf loss or gradient norm always stops the run (the update is not applied). The other
     two rules catch a run that is wrecked while its numbers stay finite (e.g. lr 1e6): the

@@ -5,9 +5,9 @@
 1. Loads the committed tiny teacher (Qwen2 architecture, byte-level BPE ``tiny_bpe``) and
    student (Llama architecture, Unigram ``tiny_unigram``) named by the config
    (``demo:teacher`` / ``demo:student``; rebuilt by ``python -m ctopd_jax.demo.pretrain``).
-2. Greedy accuracy of both on the task's held-out split (``ctopd_jax.evaluation.evaluate_model``
+2. Greedy accuracy of both on the task's held-out split (``ctopd_jax.loop.mean_at_k.evaluate_model``
    with the task grader); every graded sample is written under ``<out>/eval/<who>/``.
-3. Runs the real trainer (``ctopd_jax.trainer.Trainer``, what ``python -m ctopd_jax.train``
+3. Runs the real trainer (``ctopd_jax.loop.trainer.Trainer``, what ``python -m ctopd_jax.train``
    runs) with the config: on-policy samples from the student, both-side re-tokenization,
    strict alignment, teacher scoring, strict top-k objective, AdamW, checkpoints, metrics.
 4. Re-loads the exported HF student from disk and grades it the same way, then plots the run.
@@ -31,22 +31,22 @@ import jax
 import numpy as np
 
 import ctopd_jax
-from ctopd_jax import cli
+from ctopd_jax.common import cli
 from ctopd_jax.algorithms import registry
 from ctopd_jax.align import strict_align
-from ctopd_jax.build import model_dir
-from ctopd_jax.cli import Parser, at_least
+from ctopd_jax.loop.build import model_dir
+from ctopd_jax.common.cli import Parser, at_least
 from ctopd_jax.config import load_config
-from ctopd_jax.datasets import load_dataset
+from ctopd_jax.data.eval_sets import load_dataset
 from ctopd_jax.demo import task
 from ctopd_jax.demo.compare import algorithm_config, compare, episode_accuracy, gap_closed
-from ctopd_jax.evaluation import evaluate_model
+from ctopd_jax.loop.mean_at_k import evaluate_model
 from ctopd_jax.models.weights import load_hf_checkpoint
 from ctopd_jax.plot import plot_run
 from ctopd_jax.preflight import preflight, start_served_teachers
-from ctopd_jax.run_guard import SignalGuard
+from ctopd_jax.common.run_guard import SignalGuard
 from ctopd_jax.tokenization import retokenize_pair
-from ctopd_jax.trainer import Trainer
+from ctopd_jax.loop.trainer import Trainer
 
 STRICT_DEMO_OBJECTIVE = "topk_strict"  # the objective of DEFAULT_CONFIG, whose target is 50%
 DEFAULT_CONFIG = Path(ctopd_jax.__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
@@ -240,7 +240,7 @@ def _print_summary(s: dict) -> None:
 
 
 def main(argv=None) -> int:
-    """Bad input: one line and exit status 2 (`ctopd_jax.cli`; --debug for the traceback)."""
+    """Bad input: one line and exit status 2 (`ctopd_jax.common.cli`; --debug for the traceback)."""
     return cli.run(lambda a: (run(a), 0)[1], argv, PROG)
 
 

@@ -1,6 +1,6 @@
 """Where the demo's files live: prompt files for the trainer and the committed checkpoints.
 
-``ctopd_jax.data.resolve_named_source`` turns ``data.path: demo:train`` into
+``ctopd_jax.data.prompts.resolve_named_source`` turns ``data.path: demo:train`` into
 ``prompt_file("train")``; ``checkpoint_dir("teacher" | "student")`` is what ``model.teacher:
 demo:teacher`` / ``model.student: demo:student`` name.
 
@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from ctopd_jax import cache as ctopd_cache
+from ctopd_jax.common import cache as ctopd_cache
 from ctopd_jax.demo import task
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"

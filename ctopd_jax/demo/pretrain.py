@@ -23,7 +23,7 @@ Recipe decisions (SPEC is silent; this is demo scaffolding, not the method under
   side's chat template with no system prompt, ``tok(prompt + response) + [eos]``), and the loss
   is token-mean cross-entropy over the response tokens and the EOS. Batches are padded to a
   fixed length so one program is compiled.
-- Optimizer: the trainer's AdamW (``ctopd_jax.optimizer``; SPEC §1 betas, clipping, cosine
+- Optimizer: the trainer's AdamW (``ctopd_jax.step.optimizer``; SPEC §1 betas, clipping, cosine
   with min lr and warmup) with a demo-sized learning rate.
 
 ``--pair char_tools`` (the tool-use task, ``tools_task.py``): the char pair's architectures and
@@ -49,16 +49,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ctopd_jax.cli import Parser, at_least
+from ctopd_jax.common.cli import Parser, at_least
 from ctopd_jax.config import OptimizerSection
-from ctopd_jax.datasets import load_dataset
+from ctopd_jax.data.eval_sets import load_dataset
 from ctopd_jax.demo import task, tools_task
 from ctopd_jax.demo.data import ASSET_DIR
 from ctopd_jax.demo.pretrain_tools import TOOLS_SEQ_LEN, tools_held_out_metrics, tools_sft_batch
-from ctopd_jax.evaluation import evaluate_model
+from ctopd_jax.loop.mean_at_k import evaluate_model
 from ctopd_jax.models import Decoder, ModelConfig, tiny_llama, tiny_qwen2
 from ctopd_jax.models.weights import export_hf_checkpoint, load_hf_checkpoint
-from ctopd_jax.optimizer import make_optimizer
+from ctopd_jax.step.optimizer import make_optimizer
 from ctopd_jax.rollout import SamplingParams, make_rollout_engine
 from ctopd_jax.tokenization import IGNORE_INDEX, TokenizerSide, load_tokenizer_side, retokenize
 
@@ -374,6 +374,6 @@ def record_teacher_entropy(out_root: Path, log=print) -> dict:
 
 
 if __name__ == "__main__":
-    from ctopd_jax.cli import run
+    from ctopd_jax.common.cli import run
 
     sys.exit(run(lambda argv: 0 if main(argv) else 1, None, PROG))

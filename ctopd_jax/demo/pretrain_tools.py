@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ctopd_jax.demo import tools_task
-from ctopd_jax.evaluation import stop_ids
+from ctopd_jax.loop.mean_at_k import stop_ids
 from ctopd_jax.models import Decoder
 from ctopd_jax.rollout import SamplingParams, make_rollout_engine
 from ctopd_jax.tokenization import IGNORE_INDEX, TokenizerSide

@@ -1,4 +1,4 @@
-"""The demo's named sources (see ctopd_jax.sources): `demo:teacher` / `demo:student` models (the
+"""The demo's named sources (see ctopd_jax.common.sources): `demo:teacher` / `demo:student` models (the
 cross-tokenizer pair), `demo:char_teacher` / `demo:char_student` / `demo:char_teacher_base` (the
 same-tokenizer character pair, ctopd_jax/assets/demo_char/, for the OPD family),
 `demo:train` / `demo:held_out` prompt files and the `demo:held_out` evaluation set; and the
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ctopd_jax import sources
-from ctopd_jax.datasets import EvalDataset, EvalProblem
+from ctopd_jax.common import sources
+from ctopd_jax.data.eval_sets import EvalDataset, EvalProblem
 from ctopd_jax.demo import data, task, tools_task
 
 TOOLS_PREFIX = "tools_"

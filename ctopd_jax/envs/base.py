@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from ctopd_jax.data import Prompt
+    from ctopd_jax.data.prompts import Prompt
 
 # Longest observation that `run_step` builds from an exception (one line).
 _ERROR_CHARS = 200

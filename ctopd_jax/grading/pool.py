@@ -33,7 +33,7 @@ class _Worker:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ctopd_jax.grading.worker", str(memory_bytes), str(cpu_seconds)],
+            [sys.executable, "-m", "ctopd_jax.grading_worker", str(memory_bytes), str(cpu_seconds)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
         )
         self.buffer = b""

@@ -8,7 +8,7 @@ Decisions:
   RMSNorm statistics, RoPE angles and the attention softmax are computed in float32. Logits are
   returned in float32 (the lm_head matmul accumulates in float32).
 - Every parameter carries its logical axis names in the flax ``out_sharding`` metadata
-  (``eager_sharding=False`` so creation never needs a mesh); ``ctopd_jax.mesh.shard_module`` or
+  (``eager_sharding=False`` so creation never needs a mesh); ``ctopd_jax.mesh.device_mesh.shard_module`` or
   ``nnx.get_partition_spec`` under ``nnx.logical_axis_rules`` turn them into shardings.
 - Kernels keep the head structure ([H, heads, head_dim]) so heads can be sharded on "tensor"
   without reshapes; weights.py owns the mapping to HF's flat [out, in] matrices.
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ctopd_jax.mesh import LOGICAL_RULES, logical_spec
+from ctopd_jax.mesh.device_mesh import LOGICAL_RULES, logical_spec
 from ctopd_jax.models.attention import AttentionMask, attend, resolve_implementation
 from ctopd_jax.models.config import ModelConfig
 from ctopd_jax.kernels.paged_attention import api as paged_attention

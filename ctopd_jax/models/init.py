@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ctopd_jax.mesh import logical_sharding, variable_logical_axes
+from ctopd_jax.mesh.device_mesh import logical_sharding, variable_logical_axes
 from ctopd_jax.models.config import ModelConfig
 from ctopd_jax.models.decoder import INIT_STD, Decoder
 

@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from ctopd_jax.mesh import logical_sharding, variable_logical_axes
+from ctopd_jax.mesh.device_mesh import logical_sharding, variable_logical_axes
 from ctopd_jax.models.config import ModelConfigError
 
 

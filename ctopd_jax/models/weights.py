@@ -31,7 +31,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open as _safe_open
 from safetensors.numpy import save_file
 
-from ctopd_jax.mesh import logical_sharding, variable_logical_axes
+from ctopd_jax.mesh.device_mesh import logical_sharding, variable_logical_axes
 from ctopd_jax.models.config import DTYPES, ModelConfig, ModelConfigError
 from ctopd_jax.models.decoder import Decoder
 from ctopd_jax.models.lora import merged
@@ -180,7 +180,7 @@ def load_hf_checkpoint(path, mesh=None, dtype: str | None = None,
 
     ``dtype`` / ``param_dtype`` are the compute / storage dtypes (names as in ModelConfig);
     ``param_dtype`` defaults to ``dtype``, which defaults to float32.  With ``mesh``, each
-    parameter lands on its logical sharding (`ctopd_jax.mesh.logical_sharding`).  ``expect``:
+    parameter lands on its logical sharding (`ctopd_jax.mesh.device_mesh.logical_sharding`).  ``expect``:
     a config the checkpoint must agree with (architecture fields only), e.g. the run config.
     ``options``: further execution fields of ModelConfig (attention, scan_layers,
     remat_policy, mlp_chunk, ...); they do not change the parameter tree.

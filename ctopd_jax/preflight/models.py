@@ -5,8 +5,8 @@ import json
 import math
 from pathlib import Path
 
-from ctopd_jax import sources
-from ctopd_jax.build import model_dir, served_teacher_model_config
+from ctopd_jax.common import sources
+from ctopd_jax.loop.build import model_dir, served_teacher_model_config
 from ctopd_jax.config import TrainConfig
 from ctopd_jax.models import PRESETS
 from ctopd_jax.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS

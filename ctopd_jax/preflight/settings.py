@@ -10,7 +10,7 @@ import jax
 from ctopd_jax.config import TrainConfig, device_count_hint, teacher_views
 from ctopd_jax.config.served import settings_for as served_rollout_settings
 from ctopd_jax.envs import ENVIRONMENTS
-from ctopd_jax.mesh import MeshError, resolve_mesh_shape
+from ctopd_jax.mesh.device_mesh import MeshError, resolve_mesh_shape
 from ctopd_jax.preflight.errors import as_teacher, fail
 from ctopd_jax.rollout.served import check_rollout_settings
 from ctopd_jax.teacher_service.launch import check_launch_python

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ctopd_jax.build import context_room
+from ctopd_jax.loop.build import context_room
 from ctopd_jax.config import TrainConfig
-from ctopd_jax.datasets import build_prompt
-from ctopd_jax.host import render
+from ctopd_jax.data.eval_sets import build_prompt
+from ctopd_jax.collect.collector import render
 from ctopd_jax.preflight.errors import fail
 from ctopd_jax.preflight.models import model_cfg
 from ctopd_jax.tokenization import overlap as vocab_overlap   # patched by tests: read at call time

@@ -3,7 +3,7 @@
 What it is for: the engine that runs with nothing else installed (CPU tests, the tiny demo, a
 student on one accelerator beside the trainer). A decode step is memory-bound; its floor is
 (decode weights + the KV of the tokens that exist) / HBM bandwidth, and this engine is built
-to read only that (ctopd_jax/plan.py predicts it):
+to read only that (ctopd_jax/plan/planner.py predicts it):
 
 - Decode weights in the compute dtype: each call casts the live student's wider floating
   parameters to `cfg.dtype` once, on the device (no host round trip), and decodes from that
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ctopd_jax.mesh import batch_sharding, logical_sharding
+from ctopd_jax.mesh.device_mesh import batch_sharding, logical_sharding
 from ctopd_jax.models.kv_cache import page_pool_token_bytes
 from ctopd_jax.rollout.base import (RolloutConfigError, RolloutEngine, RolloutResult, SamplingParams,
                                     check_prompts, finish_sample, normalize_eos_ids)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from ctopd_jax import losses
+from ctopd_jax.kernels import losses
 from ctopd_jax.models.kv_cache import prefill_positions
 from ctopd_jax.step.shards import per_shard
 

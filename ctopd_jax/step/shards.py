@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from ctopd_jax.algorithms.base import batch_shard_axes
 from ctopd_jax.algorithms.micro_batch import side_tokens, widened
-from ctopd_jax.mesh import BATCH_AXES
+from ctopd_jax.mesh.device_mesh import BATCH_AXES
 
 
 

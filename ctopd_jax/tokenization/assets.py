@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ctopd_jax.cache import cache_dir
+from ctopd_jax.common.cache import cache_dir
 
 PACKAGED_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizers"
 PACKAGED_NAMES = ("tiny_bpe", "tiny_unigram")
@@ -27,7 +27,7 @@ def resolve_tokenizer_dir(name_or_path: str | os.PathLike) -> Path:
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(
                 f"tokenizer {text!r}: not built yet at {path}; run "
-                "`python -m ctopd_jax.tokenization.setup_assets` (needs the test extras and npm)")
+                "`python -m ctopd_jax.setup_assets` (needs the test extras and npm)")
         return path
     path = Path(text).expanduser()
     if path.is_file() and path.name.endswith(".json"):

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from ctopd_jax.cli import Parser
+from ctopd_jax.common.cli import Parser
 from ctopd_jax.tokenization.assets import PACKAGED_DIR
 from ctopd_jax.tokenization.byte_view import gpt2_printable_table
 
@@ -89,6 +89,6 @@ def main(argv: list[str]) -> int:
 PROG = "python -m ctopd_jax.tokenization.char_vocab"
 
 if __name__ == "__main__":
-    from ctopd_jax.cli import run
+    from ctopd_jax.common.cli import run
 
     sys.exit(run(main, None, PROG))

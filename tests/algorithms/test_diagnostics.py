@@ -19,13 +19,13 @@ import pytest
 import torch
 from flax import nnx
 
-from ctopd_jax.algorithms import pack
+from ctopd_jax.algorithms import padded_rows
 from ctopd_jax.step.diagnostics import Diagnostics, unit_statistics
 from ctopd_jax.algorithms.span import SpanLoss, SpanSettings
 from ctopd_jax.algorithms import get_objective
 from ctopd_jax.align import strict_align
 from ctopd_jax.config import ConfigError, load_config
-from ctopd_jax.host import HostBatch
+from ctopd_jax.collect.collector import HostBatch
 from ctopd_jax.tokenization.retokenize import retokenize_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
@@ -153,12 +153,12 @@ def test_identical_halves_give_control_cosine_one(setup):
     objective = SpanLoss(SpanSettings(name="span", span_base="topk_strict", ctkd_topk=16))
     arrays = objective.prepare(host, 0, host.size)
     n = int(arrays.terms.strict_weight.sum())
-    size = pack.rows_bucket(2 * n)
+    size = padded_rows.rows_bucket(2 * n)
     pairs = arrays.terms
-    twice = lambda rows: pack.padded(np.concatenate([rows[:n], rows[:n]]), size)[0]  # noqa: E731
+    twice = lambda rows: padded_rows.padded(np.concatenate([rows[:n], rows[:n]]), size)[0]  # noqa: E731
     dup = dataclasses.replace(arrays, terms=dataclasses.replace(
         pairs, strict_student_rows=twice(pairs.strict_student_rows),
-        strict_teacher_rows=twice(pairs.strict_teacher_rows), strict_weight=pack.padded(np.zeros(2 * n), size)[1]))
+        strict_teacher_rows=twice(pairs.strict_teacher_rows), strict_weight=padded_rows.padded(np.zeros(2 * n), size)[1]))
     t_hidden, t_head = _teacher(arrays)
     strict_rows = len(arrays.terms.strict_weight)
     strict_hidden = np.zeros((size, H_T), np.float32)

@@ -7,10 +7,10 @@ import pytest
 
 from ctopd_jax.algorithms import get_objective
 from ctopd_jax.config import from_dict
-from ctopd_jax.data import Prompt
+from ctopd_jax.data.prompts import Prompt
 from ctopd_jax.envs import make_environment
-from ctopd_jax.host_episodes import EpisodeCollector
-from ctopd_jax.metrics import StepTimer
+from ctopd_jax.collect.episode_collector import EpisodeCollector
+from ctopd_jax.common.metrics import StepTimer
 from ctopd_jax.tokenization import load_tokenizer_side
 
 from scripted_engine import EOS, ScriptedEngine

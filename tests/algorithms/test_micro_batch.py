@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ctopd_jax.algorithms.micro_batch import MicroBatch, rows, terms_class
-from ctopd_jax.algorithms.packing import PackingError, pack_rows
+from ctopd_jax.algorithms.packed_rows import PackingError, pack_rows
 from ctopd_jax.algorithms.strict import StrictPairs
 from ctopd_jax.step.shards import stack_shards
 

@@ -21,7 +21,7 @@ from ctopd_jax.algorithms import get_objective, mp_opd_credits, mp_opd_device  #
 from ctopd_jax.algorithms.base import StepInputs  # noqa: E402
 from ctopd_jax.align import strict_align  # noqa: E402
 from ctopd_jax.config import ConfigError, from_dict  # noqa: E402
-from ctopd_jax.host import HostBatch  # noqa: E402
+from ctopd_jax.collect.collector import HostBatch  # noqa: E402
 from ctopd_jax.tokenization import retokenize_pair  # noqa: E402
 
 H = 8
@@ -369,7 +369,7 @@ def test_grass_sharded_equals_one_unit_and_updates_the_ema_once_per_sample(tiny_
     EMA state (one update per valid sample with >= 8 pairs, in sample order, not one per
     device) and the batch's noise metric (a mean over the samples, not a sum over devices);
     the second micro-batch starts from the state the first left."""
-    from ctopd_jax.mesh import make_mesh
+    from ctopd_jax.mesh.device_mesh import make_mesh
 
     host = make_host(tiny_bpe, tiny_unigram, LONG_TEXTS)
     hs, ws, ht, wt = random_model(host, tiny_bpe, tiny_unigram, seed=5)

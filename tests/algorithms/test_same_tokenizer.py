@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 
 import ctopd_jax.algorithms  # noqa: F401  (heavy imports at collection, not inside a test)
-from ctopd_jax import build, host
+from ctopd_jax.loop import build
+from ctopd_jax.collect.collector import SameTokenizerCollector, same_tokenizer_batch
+from ctopd_jax.data.prompts import load_response_prompts, response_text
+from ctopd_jax.tokenization import same_pair
 from ctopd_jax.algorithms import get_objective
 from ctopd_jax.config import load_config
-from ctopd_jax.records import RecordError
+from ctopd_jax.common.records import RecordError
 from ctopd_jax.rollout.base import RolloutResult
 from ctopd_jax.tokenization import char_vocab
 from ctopd_jax.tokenization.side import load_tokenizer_side
@@ -50,18 +53,18 @@ def test_char_vocabulary_ids_are_the_documented_ones(char):
 
 
 def test_pair_check_names_the_first_difference(char, tmp_path):
-    assert host.same_tokenizer_mismatch(char, char) is None
+    assert same_pair.same_tokenizer_mismatch(char, char) is None
     bpe = load_tokenizer_side("tiny_bpe")
-    assert "teacher vocabulary has 800 tokens, the student's 104" in host.same_tokenizer_mismatch(bpe, char)
+    assert "teacher vocabulary has 800 tokens, the student's 104" in same_pair.same_tokenizer_mismatch(bpe, char)
     other = tmp_path / "other"
     shutil.copytree(char_vocab.tokenizer_dir(), other)
     cfg = json.loads((other / "tokenizer_config.json").read_text())
     cfg["chat_template"] = cfg["chat_template"].replace("<|end|>' }}", "<|end|>\n' }}")
     (other / "tokenizer_config.json").write_text(json.dumps(cfg))
-    msg = host.same_tokenizer_mismatch(load_tokenizer_side(str(other)), char)
+    msg = same_pair.same_tokenizer_mismatch(load_tokenizer_side(str(other)), char)
     assert msg.startswith("the chat templates differ at character ") and "\n" not in msg.replace("\\n", "")
     with pytest.raises(ValueError, match=r"^model\.teacher / model\.student: algorithm\.name=opd reuses"):
-        host.check_same_tokenizer(bpe, char, "opd")
+        same_pair.check_same_tokenizer(bpe, char, "opd")
 
 
 def test_sampled_ids_are_reused_first_eos_trained_rest_masked(char):
@@ -69,7 +72,7 @@ def test_sampled_ids_are_reused_first_eos_trained_rest_masked(char):
     a = char.encode("(1+2)=3") + [char.eos_id] + char.encode("junk")   # EOS then junk
     b = char.encode("(1+2)=3, 3-3")                                     # truncated
     lps = [[-0.1 * (i + 1) for i in range(len(a))], [-0.2] * len(b)]
-    rt, (values, weights) = host.same_tokenizer_batch(char, [prompt, prompt], [a, b], lps, eos_ids=())
+    rt, (values, weights) = same_tokenizer_batch(char, [prompt, prompt], [a, b], lps, eos_ids=())
     body = char.encode("(1+2)=3")
     assert rt.input_ids[0, :len(prompt) + len(body) + 1].tolist() == prompt + body + [char.eos_id]
     assert rt.attention_mask[0].sum() == len(prompt) + len(body) + 1    # junk after the EOS unseen
@@ -114,7 +117,7 @@ class Timer:
 
 
 def _prompts():
-    from ctopd_jax.data import Prompt
+    from ctopd_jax.data.prompts import Prompt
     return [Prompt(({"role": "user", "content": f"Compute {i} + 1 - 1."},), f"f.jsonl:{i + 1}",
                    {"response": f"({i}+1)={i + 1}, {i + 1}-1={i}. The answer is {i}."}) for i in range(4)]
 
@@ -125,7 +128,7 @@ def test_collector_sources_student_teacher_dataset(char):
                                 "optimizer.train_batch_size=4", "optimizer.micro_batch_size=1"])
     objective = get_objective(config.algorithm)
     student, teacher = FakeEngine(char, "S"), FakeEngine(char, "TT")
-    collector = host.SameTokenizerCollector(char, student, config.rollout, objective, teacher_engine=teacher,
+    collector = SameTokenizerCollector(char, student, config.rollout, objective, teacher_engine=teacher,
                                             train_batch_size=4, micro_batch_size=1)
     batch = collector.collect(_prompts(), seed=1, timer=Timer())
     u = np.random.Generator(np.random.PCG64(0)).uniform(size=4)
@@ -143,7 +146,7 @@ def test_collector_sources_student_teacher_dataset(char):
 
     config = load_config(SAME, ["algorithm.name=gkd", "algorithm.gkd_lambda=0.0", "rollout.rollout_batch_size=4",
                                 "optimizer.train_batch_size=4", "optimizer.micro_batch_size=4"])
-    collector = host.SameTokenizerCollector(char, student, config.rollout, get_objective(config.algorithm),
+    collector = SameTokenizerCollector(char, student, config.rollout, get_objective(config.algorithm),
                                             train_batch_size=4, micro_batch_size=4)
     batch = collector.collect(_prompts(), seed=1, timer=Timer())
     assert batch.responses == [p.extra["response"] for p in _prompts()]
@@ -155,13 +158,13 @@ def test_dataset_response_rows(tmp_path):
     good.write_text(json.dumps({"prompt": "Compute 1 + 1 - 1.", "completion": "(1+1)=2"}) + "\n" +
                     json.dumps({"messages": [{"role": "user", "content": "Q"},
                                              {"role": "assistant", "content": "A"}]}) + "\n")
-    prompts = host.load_response_prompts(good)
-    assert [host.response_text(p) for p in prompts] == ["(1+1)=2", "A"]
+    prompts = load_response_prompts(good)
+    assert [response_text(p) for p in prompts] == ["(1+1)=2", "A"]
     assert prompts[1].messages == ({"role": "user", "content": "Q"},)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "x", "response": "y"}) + "\n\n" + json.dumps({"prompt": "z"}) + "\n")
     with pytest.raises(RecordError, match=rf"^{bad}:3: no dataset response: the row needs"):
-        host.load_response_prompts(bad)
+        load_response_prompts(bad)
 
 
 def _tok_dir(tmp_path, name, source):
@@ -173,7 +176,7 @@ def _tok_dir(tmp_path, name, source):
 
 
 def test_mismatched_pair_refused_before_any_model_loads(tmp_path, monkeypatch):
-    from ctopd_jax.trainer import Trainer, TrainerSetupError
+    from ctopd_jax.loop.trainer import Trainer, TrainerSetupError
 
     monkeypatch.setattr(build, "load_side", lambda *a, **k: pytest.fail("a model was loaded"))
     config = load_config(SAME, [f"output_dir={tmp_path}", "algorithm.name=opd_full",
@@ -185,7 +188,7 @@ def test_mismatched_pair_refused_before_any_model_loads(tmp_path, monkeypatch):
 
 
 def test_bad_teacher_base_refused_in_one_line(tmp_path, monkeypatch):
-    from ctopd_jax.trainer import Trainer, TrainerSetupError
+    from ctopd_jax.loop.trainer import Trainer, TrainerSetupError
 
     monkeypatch.setattr(build, "load_side", lambda *a, **k: pytest.fail("a model was loaded"))
     same = _tok_dir(tmp_path, "s", char_vocab.tokenizer_dir())
@@ -204,7 +207,7 @@ def test_trainer_step_on_the_char_pair(tmp_path):
     """The real loop with the same-tokenizer collector: teacher = the student's own checkpoint,
     so the sampled gap is 0 (loss 0), the engine's π_old equals the trainer's recomputation
     (logprob_gap ~ 0) and every response token is supervised (coverage 1)."""
-    from ctopd_jax.trainer import Trainer
+    from ctopd_jax.loop.trainer import Trainer
 
     student = ROOT / "ctopd_jax" / "assets" / "demo_char" / "student"
     config = load_config(SAME, [f"output_dir={tmp_path}", "steps=1", "rollout.rollout_batch_size=8",

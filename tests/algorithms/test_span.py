@@ -23,7 +23,7 @@ import torch
 from ctopd_jax.algorithms.span import SpanLoss, SpanSettings
 from ctopd_jax.algorithms.strict import StrictFull, StrictSettings, StrictTopK
 from ctopd_jax.align import strict_align
-from ctopd_jax.host import HostBatch
+from ctopd_jax.collect.collector import HostBatch
 from ctopd_jax.tokenization.retokenize import RetokenizedBatch, retokenize_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from ctopd_jax import sources
+from ctopd_jax.common import sources
 from ctopd_jax.demo import tools_task
 from ctopd_jax.demo.pretrain_tools import TOOLS_SEQ_LEN, tools_sft_batch
 from ctopd_jax.tokenization import IGNORE_INDEX, load_tokenizer_side

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from ctopd_jax.data import Prompt
+from ctopd_jax.data.prompts import Prompt
 from ctopd_jax.envs import EnvConfigError, StepResult, make_environment, run_step
 
 

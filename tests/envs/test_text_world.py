@@ -4,7 +4,7 @@ from collections import deque
 
 import pytest
 
-from ctopd_jax.data import Prompt
+from ctopd_jax.data.prompts import Prompt
 from ctopd_jax.envs import EnvConfigError, StepResult, make_environment, run_step
 from ctopd_jax.envs.text_world import TASKS, task_rows
 

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ctopd_jax.datasets import MATH_SYSTEM_PROMPT, DatasetError, load_dataset
+from ctopd_jax.data.eval_sets import MATH_SYSTEM_PROMPT, DatasetError, load_dataset
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -109,7 +109,7 @@ def test_champ_registry_set():
 @pytest.mark.parametrize("name,module", [("gsm_symbolic:5", "reasoning_gym"),
                                          ("champ", "champ_dataset")])
 def test_a_named_set_without_the_eval_extra_names_the_extra(monkeypatch, name, module):
-    import ctopd_jax.datasets as datasets
+    import ctopd_jax.data.eval_sets as datasets
     datasets._champ_problems.cache_clear()
     monkeypatch.setitem(sys.modules, module, None)   # what an install without `[eval]` sees
     with pytest.raises(DatasetError, match=rf"needs the package {module}: pip install -e '\.\[eval\]'"):

@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from ctopd_jax import evaluate, evaluation
-from ctopd_jax.evaluation import pass_at_k, summarize
+from ctopd_jax import evaluate
+
+from ctopd_jax.loop import mean_at_k
+from ctopd_jax.loop.mean_at_k import pass_at_k, summarize
 from ctopd_jax.models.config import tiny_llama
 from ctopd_jax.tokenization.side import load_tokenizer_side
 
@@ -200,7 +202,7 @@ class _ScriptedEngine:
 
 
 def test_evaluate_model_with_injected_engine_and_task_grader():
-    from ctopd_jax.datasets import load_dataset
+    from ctopd_jax.data.eval_sets import load_dataset
     from ctopd_jax.demo import task
 
     tokenizer = load_tokenizer_side("tiny_bpe")
@@ -209,7 +211,7 @@ def test_evaluate_model_with_injected_engine_and_task_grader():
     # per problem: sample 0 right ("The answer is N."), sample 1 wrong (N+1)
     engine = _ScriptedEngine(tokenizer, ["placeholder"])
     engine.responses = [f"The answer is {a + d}." for a in answers for d in (0, 1)]
-    report = evaluation.evaluate_model(None, tokenizer, demo, engine=engine, k=2, greedy=True,
+    report = mean_at_k.evaluate_model(None, tokenizer, demo, engine=engine, k=2, greedy=True,
                                      max_new_tokens=16)
     prompts, params = engine.calls[0]
     assert params.n == 2 and params.temperature == 0.0 and params.max_new_tokens == 16

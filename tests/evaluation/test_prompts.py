@@ -7,8 +7,8 @@ import functools
 
 import pytest
 
-from ctopd_jax.datasets import MATH_SYSTEM_PROMPT, EvalProblem, load_dataset
-from ctopd_jax.datasets import build_prompt
+from ctopd_jax.data.eval_sets import MATH_SYSTEM_PROMPT, EvalProblem, load_dataset
+from ctopd_jax.data.eval_sets import build_prompt
 from ctopd_jax.tokenization.assets import cache_root
 from ctopd_jax.tokenization.side import load_tokenizer_side
 
@@ -22,7 +22,7 @@ def _load(name):
 
 def _real(name):
     if not (cache_root() / name / "tokenizer.json").is_file():
-        pytest.skip(f"{name} tokenizer not built (python -m ctopd_jax.tokenization.setup_assets)")
+        pytest.skip(f"{name} tokenizer not built (python -m ctopd_jax.setup_assets)")
     return _load(name)
 
 
@@ -69,7 +69,7 @@ def test_demo_task_prompt_has_no_math_system_turn():
 
 
 def test_stop_ids_cover_end_of_turn_markers():
-    from ctopd_jax.evaluation import stop_ids
+    from ctopd_jax.loop.mean_at_k import stop_ids
 
     llama = _real("llama3")
     ids = stop_ids(llama)

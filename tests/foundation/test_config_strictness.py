@@ -13,7 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from ctopd_jax import cli, evaluate, inspect_pair, plan
+from ctopd_jax import evaluate, inspect_pair
+
+from ctopd_jax.common import cli
+
+from ctopd_jax.plan import planner as plan
 from ctopd_jax.algorithms import get_objective, registry
 from ctopd_jax.config import (AlgorithmSection, ConfigError, TrainConfig, load_config,
                               load_yaml)

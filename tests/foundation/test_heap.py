@@ -2,7 +2,7 @@
 of the heap (which malloc alone keeps mapped)."""
 import pytest
 
-from ctopd_jax import heap
+from ctopd_jax.common import heap
 
 MIB = 2 ** 20
 

@@ -2,7 +2,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from ctopd_jax.mesh import MeshError, logical_spec, make_mesh, parse_mesh, resolve_mesh_shape
+from ctopd_jax.mesh.device_mesh import MeshError, logical_spec, make_mesh, parse_mesh, resolve_mesh_shape
 
 
 def test_parse_and_resolve():

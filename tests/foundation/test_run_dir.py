@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from ctopd_jax import cli
-from ctopd_jax.run_dir import (LOCK_NAME, RunDirError, RunLock, check_not_in_use,
+from ctopd_jax.common import cli
+from ctopd_jax.common.run_dir import (LOCK_NAME, RunDirError, RunLock, check_not_in_use,
                                check_writable, write_error)
 
 
@@ -65,7 +65,7 @@ def test_the_lock_holds_pid_and_host_and_refuses_a_second_run(tmp_path):
 
 
 def test_a_second_process_is_refused_while_the_first_holds_the_folder(tmp_path):
-    code = ("import sys, time; from ctopd_jax.run_dir import RunLock\n"
+    code = ("import sys, time; from ctopd_jax.common.run_dir import RunLock\n"
             "lock = RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "run")],
                               stdout=subprocess.PIPE, text=True)

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from ctopd_jax.run_guard import DivergenceGuard, SignalGuard, Stopped, exit_code_for
+from ctopd_jax.common.run_guard import DivergenceGuard, SignalGuard, Stopped, exit_code_for
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ctopd_jax.mesh import make_mesh, module_shardings
+from ctopd_jax.mesh.device_mesh import make_mesh, module_shardings
 from ctopd_jax.models import tiny_llama, tiny_qwen2
 from ctopd_jax.models.init import draw_plan, init_decoder
 

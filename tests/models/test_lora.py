@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from hf_fixtures import VARIANTS, hf_logits, jax_logits, save_hf, with_options
 from ctopd_jax.config import ConfigError, TrainConfig, load_config
 from ctopd_jax.models import lora, weights
-from ctopd_jax.plan_model import lora_param_count
+from ctopd_jax.plan.model import lora_param_count
 
 peft = pytest.importorskip("peft", reason="pip install -e '.[test]' (peft)")
 
@@ -167,7 +167,7 @@ def test_lora_config_errors_name_the_field(tmp_path):
 def test_adapters_on_a_sharded_model_follow_the_base_sharding_and_match_peft(tmp_path):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from ctopd_jax.mesh import make_mesh
+    from ctopd_jax.mesh.device_mesh import make_mesh
 
     rank, alpha, targets = CASES["llama_untied_llama3rope"]
     save_hf(VARIANTS["llama_untied_llama3rope"](), tmp_path / "base")

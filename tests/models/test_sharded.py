@@ -8,7 +8,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hf_fixtures import VARIANTS, save_hf
-from ctopd_jax.mesh import batch_sharding, make_mesh, shard_module
+from ctopd_jax.mesh.device_mesh import batch_sharding, make_mesh, shard_module
 from ctopd_jax.models import init_cache, prefill_positions, weights
 
 MESHES = [{"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 4, "tensor": 2}, {"data": 8}]

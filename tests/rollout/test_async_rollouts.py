@@ -15,8 +15,8 @@ import pytest
 
 from ctopd_jax.algorithms.micro_batch import MicroBatch
 from ctopd_jax.config import RolloutSection
-from ctopd_jax.metrics import StepTimer
-from ctopd_jax.rollout.overlap import Drawn, Rollouts
+from ctopd_jax.common.metrics import StepTimer
+from ctopd_jax.rollout.async_rollouts import Drawn, Rollouts
 from ctopd_jax.rollout.staleness import TruncatedIS, truncated_weights
 
 

@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ctopd_jax.envs import make_environment
-from ctopd_jax.host import token_batch
+from ctopd_jax.collect.collector import token_batch
 from ctopd_jax.rollout.base import SamplingParams
 from ctopd_jax.rollout.episodes import play
 from ctopd_jax.tokenization import load_tokenizer_side
-from ctopd_jax.turns import CONTEXT, STUDENT, Episode, episode_arrays, paragraph_turns
+from ctopd_jax.algorithms.turns import CONTEXT, STUDENT, Episode, episode_arrays, paragraph_turns
 
 from scripted_engine import EOS, ScriptedEngine
 
@@ -23,7 +23,7 @@ def side():
 
 
 def prompt(answer="408"):
-    from ctopd_jax.data import Prompt   # not at import: the vLLM venv collects this file without grain
+    from ctopd_jax.data.prompts import Prompt   # not at import: the vLLM venv collects this file without grain
 
     return Prompt(({"role": "user", "content": "Compute 12 * 34."},), "test:1", {"answer": answer})
 

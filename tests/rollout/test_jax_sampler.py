@@ -125,7 +125,7 @@ def test_no_recompile_within_buckets(llama):
 
 
 def test_sharded_on_mesh_equals_unsharded(llama, tmp_path):
-    from ctopd_jax.mesh import make_mesh
+    from ctopd_jax.mesh.device_mesh import make_mesh
     from ctopd_jax.models.weights import load_hf_checkpoint
 
     family, hf, model = llama

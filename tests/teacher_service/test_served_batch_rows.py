@@ -50,7 +50,7 @@ def test_teacher_sequences_strip_padding_and_keep_the_eos(tiny_bpe):
 def test_episode_rows_skip_observations_and_keep_the_trained_tokens_after_them(tiny_bpe, toy):
     """host.token_batch (episodes): observations are context between trained tokens, so the
     whole sequence is scored and only the loss-mask rows carry values."""
-    from ctopd_jax.host import token_batch
+    from ctopd_jax.collect.collector import token_batch
 
     prompts = [tiny_bpe.encode("Compute 2 + 3."), tiny_bpe.encode("Go:")]
     responses = [tiny_bpe.encode("<calc>2+3</calc>") + tiny_bpe.encode("<result>5</result>")

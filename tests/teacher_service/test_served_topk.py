@@ -6,8 +6,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from ctopd_jax import losses
-from ctopd_jax.teacher_service.topk import (gather_logprobs, overlap_pairs_by_teacher_id,
+from ctopd_jax.kernels import losses
+from ctopd_jax.algorithms.served_topk_loss import (gather_logprobs, overlap_pairs_by_teacher_id,
                                             take_columns, topk_gkd_rows, topk_gkd_support,
                                             topk_strict_columns, topk_strict_rows)
 

@@ -79,7 +79,7 @@ def test_served_rows_equal_the_trainers_teacher_path(url, tiny_bpe):
     from flax import nnx
 
     from ctopd_jax.demo import task
-    from ctopd_jax.teacher import lm_head_of, teacher_hidden_rows
+    from ctopd_jax.step.teacher import lm_head_of, teacher_hidden_rows
     from ctopd_jax.teacher_service.batch_rows import score_teacher_batch
     from ctopd_jax.tokenization.retokenize import retokenize
 

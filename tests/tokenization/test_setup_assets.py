@@ -1,7 +1,7 @@
 """The real-tokenizer setup: idempotent, and a clear error without npm."""
 import pytest
 
-from ctopd_jax.tokenization import setup_assets as setup
+from ctopd_jax import setup_assets as setup
 
 
 def test_idempotent_when_ready(qwen, llama, capsys):

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from ctopd_jax.checkpoint import CheckpointError, Checkpointer
+from ctopd_jax.loop.checkpoint import CheckpointError, Checkpointer
 
 
 def make_state(seed):
@@ -92,7 +92,7 @@ def test_other_structure_is_a_clear_error(tmp_path):
 
 
 def test_corrupt_checkpoint_reason_is_one_clean_line():
-    from ctopd_jax.checkpoint import describe_error
+    from ctopd_jax.loop.checkpoint import describe_error
 
     err = ValueError("Failed to restore <bound method pybind11_detail_function_record_v1.spec of "
                      "<tensorstore.Spec object at 0x7f00>>:\n  missing chunk /ck/4/state/d/1a2b")

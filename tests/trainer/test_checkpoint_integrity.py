@@ -18,7 +18,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from ctopd_jax.checkpoint import (CheckpointWriteError, Checkpointer, _leaf_key, checksums,
+from ctopd_jax.loop.checkpoint import (CheckpointWriteError, Checkpointer, _leaf_key, checksums,
                                   meta_checksum)
 
 
@@ -149,7 +149,7 @@ def test_bytes_flipped_in_the_files_fall_back(tmp_path):
 
 def test_a_checkpoint_of_the_older_format_still_restores(tmp_path):
     """Steps written before the exact checksums (parameters fingerprint only) still resume."""
-    from ctopd_jax.checkpoint import fingerprint
+    from ctopd_jax.loop.checkpoint import fingerprint
 
     ck = two_steps(tmp_path / "ck")
     meta = {k: v for k, v in saved_meta(tmp_path / "ck", 2).items()
@@ -256,7 +256,7 @@ def test_a_real_full_disk_async_save(small_tmpfs, capfd):
 
 
 def test_disk_errno_reads_oserrors_and_tensorstore_messages():
-    from ctopd_jax.run_dir import disk_errno
+    from ctopd_jax.common.run_dir import disk_errno
 
     assert disk_errno(OSError(errno.ENOSPC, "No space left on device")) == errno.ENOSPC
     assert disk_errno(ValueError("Failed: Read-only file system [os_error_code=30]")) == errno.EROFS

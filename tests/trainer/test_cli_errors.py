@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import ctopd_jax.algorithms  # noqa: F401  (heavy imports at collection, not inside a test)
-import ctopd_jax.data  # noqa: F401
+import ctopd_jax.data.prompts  # noqa: F401
 import ctopd_jax.models  # noqa: F401
 from ctopd_jax import evaluate, inspect_pair, plot, train
 from ctopd_jax.demo import __main__ as demo
@@ -30,7 +30,7 @@ def no_weights_loaded(monkeypatch):
     def tripwire(*args, **kwargs):
         raise AssertionError("a model was loaded before the error was reported")
 
-    import ctopd_jax.build as build
+    import ctopd_jax.loop.build as build
     import ctopd_jax.models.weights as weights
     monkeypatch.setattr(weights, "load_hf_checkpoint", tripwire)
     monkeypatch.setattr(build, "load_side", tripwire)
@@ -296,7 +296,7 @@ def test_train_refused_write_during_the_run_is_one_line(tmp_path, capsys, monkey
     import errno
     import os
 
-    import ctopd_jax.trainer as trainer
+    import ctopd_jax.loop.trainer as trainer
     run = tmp_path / "run"
 
     class RefusedWrite:

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ctopd_jax.data import DataError, PromptStream, load_prompts
+from ctopd_jax.data.prompts import DataError, PromptStream, load_prompts
 
 
 def write_jsonl(path, rows):

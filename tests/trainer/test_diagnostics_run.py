@@ -3,8 +3,8 @@
 import math
 
 from ctopd_jax.config import load_config
-from ctopd_jax.metrics import read_metrics
-from ctopd_jax.trainer import Trainer
+from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.loop.trainer import Trainer
 
 KEYS = ("grad_cos_mismatch", "grad_norm_ratio", "grad_cos_control")
 

@@ -40,7 +40,7 @@ CASES = [
     ("inspect_pair_show_negative", "ctopd_jax.inspect_pair",
      lambda t: ["--teacher", "tiny_bpe", "--student", "tiny_unigram", "--show", "-1"], {}, "--show"),
     ("plot_missing", "ctopd_jax.plot", lambda t: [str(t / "none")], {}, "none"),
-    ("plan_demo_sources_bad_device", "ctopd_jax.plan",
+    ("plan_demo_sources_bad_device", "ctopd_jax.plan.planner",
      lambda t: ["--config", TINY, "--device", "h1000"], {}, "--device"),
     ("demo_unknown_algorithm", "ctopd_jax.demo", lambda t: ["--algorithm", "nope"], {},
      "argument --algorithm: 'nope' is not a registered objective"),
@@ -51,9 +51,9 @@ CASES = [
     ("demo_algorithm_bad_set", "ctopd_jax.demo",
      lambda t: ["--algorithm", "opd", "--set", "optimizer.lr=fast"], {}, "optimizer.lr"),
     ("pretrain_steps_zero", "ctopd_jax.demo.pretrain", lambda t: ["--steps", "0"], {}, "--steps"),
-    ("setup_assets_unknown_flag", "ctopd_jax.tokenization.setup_assets", lambda t: ["--bogus"],
+    ("setup_assets_unknown_flag", "ctopd_jax.setup_assets", lambda t: ["--bogus"],
      {}, "--bogus"),
-    ("train_small_seed", "ctopd_jax.tokenization.train_small", lambda t: ["--seed", "-1"], {},
+    ("train_small_seed", "ctopd_jax.train_tokenizers", lambda t: ["--seed", "-1"], {},
      "--seed"),
     ("char_vocab_unknown_flag", "ctopd_jax.tokenization.char_vocab", lambda t: ["--bogus"], {},
      "--bogus"),
@@ -85,7 +85,8 @@ def test_a_bad_argument_is_one_line_exit_2_and_writes_nothing(tmp_path, name, mo
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("tiny*.yaml")))
 def test_plan_resolves_the_demo_sources_of_every_shipped_tiny_config(config, capsys):
     """`demo:` model sources, which train accepts, are read from their config.json by plan too."""
-    from ctopd_jax import cli, plan
+    from ctopd_jax.common import cli
+    from ctopd_jax.plan import planner as plan
 
     code = cli.run(plan.main, ["--config", str(ROOT / "configs" / config), "--device", "h100",
                                "--gpus", "1"], "python -m ctopd_jax.plan")

@@ -62,11 +62,11 @@ def test_demo_algorithm_config_leaves_nothing_in_the_temporary_folder(tmp_path, 
 
 
 def test_the_readme_table_names_every_file_written():
-    from ctopd_jax.cache import CACHE_VARIABLE
-    from ctopd_jax.evaluation import REPORT_FILES
-    from ctopd_jax.metrics import METRICS_FILE, SAMPLES_FILE, WANDB_ID_FILE
-    from ctopd_jax.resume_config import CHANGES_FILE
-    from ctopd_jax.run_dir import LOCK_NAME
+    from ctopd_jax.common.cache import CACHE_VARIABLE
+    from ctopd_jax.loop.mean_at_k import REPORT_FILES
+    from ctopd_jax.common.metrics import METRICS_FILE, SAMPLES_FILE, WANDB_ID_FILE
+    from ctopd_jax.preflight.resume_config import CHANGES_FILE
+    from ctopd_jax.common.run_dir import LOCK_NAME
 
     text = (ROOT / "README.md").read_text()
     table = text[text.index("### Where the project writes"):text.index("## Layout")]

@@ -8,10 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from ctopd_jax.checkpoint import Checkpointer
+from ctopd_jax.loop.checkpoint import Checkpointer
 from ctopd_jax.config import load_config
-from ctopd_jax.metrics import read_metrics
-from ctopd_jax.trainer import Trainer, TrainerSetupError, TrainingDiverged
+from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.loop.trainer import Trainer, TrainerSetupError, TrainingDiverged
 
 
 def test_nan_loss_stops_with_message_and_keeps_last_good_checkpoint(write_config):

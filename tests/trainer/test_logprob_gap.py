@@ -7,8 +7,8 @@ position or sample) would show a gap of several nats."""
 import pytest
 
 from ctopd_jax.config import from_dict
-from ctopd_jax.metrics import StepTimer
-from ctopd_jax.trainer import Trainer
+from ctopd_jax.common.metrics import StepTimer
+from ctopd_jax.loop.trainer import Trainer
 
 from conftest import tiny_tree
 

@@ -10,7 +10,7 @@ import matplotlib.pyplot  # noqa: F401  (heavy imports at collection, not inside
 import tensorboardX  # noqa: F401
 import numpy as np
 
-from ctopd_jax.metrics import MetricsLogger, StepTimer, read_metrics
+from ctopd_jax.common.metrics import MetricsLogger, StepTimer, read_metrics
 from ctopd_jax.plot import plot_run
 
 
@@ -34,7 +34,7 @@ def test_jsonl_tensorboard_and_resume_truncation(tmp_path):
 
 
 def test_timer_accumulates_phases(monkeypatch):
-    import ctopd_jax.metrics as metrics_module
+    import ctopd_jax.common.metrics as metrics_module
 
     # the timer's creation, start/stop pairs of three phases, the end of the step
     clock = iter([10.0, 10.0, 10.5, 20.0, 20.25, 30.0, 32.0, 33.0])
@@ -61,7 +61,7 @@ class _Work:
 
 
 def test_timer_device_phase_ends_with_its_work_and_phases_partition_the_wall(monkeypatch):
-    import ctopd_jax.metrics as metrics_module
+    import ctopd_jax.common.metrics as metrics_module
 
     # creation; rollout 0–1; student dispatch 1–1.1; prepare 1.2–2 (while the device works);
     # the student's device work is seen done at 3; the step ends at 3.5

@@ -24,8 +24,8 @@ from transformers import AutoModelForCausalLM
 from safetensors.numpy import load_file
 
 from ctopd_jax.config import load_config
-from ctopd_jax.metrics import read_metrics
-from ctopd_jax.trainer import Trainer
+from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.loop.trainer import Trainer
 
 from conftest import subprocess_env, tiny_tree
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from ctopd_jax import losses
+from ctopd_jax.kernels import losses
 from ctopd_jax.algorithms.base import Objective, register
 from ctopd_jax.algorithms.strict import strict_inputs
 from ctopd_jax.config import AlgorithmSection

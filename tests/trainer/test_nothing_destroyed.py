@@ -11,7 +11,7 @@ import yaml
 
 from ctopd_jax import train
 from ctopd_jax.config import load_config
-from ctopd_jax.trainer import Trainer
+from ctopd_jax.loop.trainer import Trainer
 
 from conftest import FIXTURES, tiny_tree
 
@@ -96,7 +96,7 @@ def test_a_damaged_step_set_aside_never_replaces_an_earlier_one(trained, tmp_pat
     another name."""
     import warnings
 
-    from ctopd_jax.checkpoint import Checkpointer
+    from ctopd_jax.loop.checkpoint import Checkpointer
     cfg, source = trained
     run = tmp_path / "run"
     shutil.copytree(source, run)

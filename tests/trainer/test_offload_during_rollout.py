@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from ctopd_jax.config import load_config
-from ctopd_jax.metrics import read_metrics
-from ctopd_jax.trainer import Trainer
+from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.loop.trainer import Trainer
 
 
 @pytest.mark.slow  # two tiny runs of two steps

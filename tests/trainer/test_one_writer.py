@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from ctopd_jax import evaluate, train
-from ctopd_jax.run_dir import LOCK_NAME
+from ctopd_jax.common.run_dir import LOCK_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
-HOLD = ("import sys, time; from ctopd_jax.run_dir import RunLock\n"
+HOLD = ("import sys, time; from ctopd_jax.common.run_dir import RunLock\n"
         "RunLock(sys.argv[1], sys.argv[2]).acquire(); print('held', flush=True); time.sleep(120)")
 
 
@@ -64,7 +64,7 @@ def test_a_checkpoint_folder_held_by_another_run_is_refused(tmp_path, capsys, ho
 
 
 def test_the_run_holds_both_folders_while_it_works(tmp_path, capsys, monkeypatch):
-    import ctopd_jax.trainer as trainer
+    import ctopd_jax.loop.trainer as trainer
     run, ck = tmp_path / "run", tmp_path / "ck"
     seen = {}
 

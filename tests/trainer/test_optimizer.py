@@ -7,7 +7,7 @@ import torch
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from ctopd_jax.config import ConfigError, OptimizerSection, TrainConfig, validate
-from ctopd_jax.optimizer import cosine_with_min_lr_schedule, decay_mask, make_optimizer, warmup_steps
+from ctopd_jax.step.optimizer import cosine_with_min_lr_schedule, decay_mask, make_optimizer, warmup_steps
 
 
 @pytest.mark.parametrize("total,ratio,lr,min_lr", [(100, 0.05, 1e-6, 1e-8), (7, 0.3, 1e-3, 1e-5), (10, 0.0, 2e-4, 0.0)])

@@ -4,9 +4,9 @@ weight-0 rows only."""
 import numpy as np
 
 from ctopd_jax.align import strict_align
-from ctopd_jax.algorithms.pack import length_bucket, rows_bucket
+from ctopd_jax.algorithms.padded_rows import length_bucket, rows_bucket
 from ctopd_jax.algorithms.strict import strict_inputs
-from ctopd_jax.host import HostBatch
+from ctopd_jax.collect.collector import HostBatch
 from ctopd_jax.tokenization.retokenize import retokenize_pair
 from ctopd_jax.tokenization.side import load_tokenizer_side
 
@@ -53,7 +53,7 @@ def test_length_buckets_are_few():
 
 
 def test_sort_by_length_keeps_each_optimizer_batch():
-    from ctopd_jax.host import sort_by_length
+    from ctopd_jax.collect.collector import sort_by_length
     from ctopd_jax.rollout.base import RolloutResult
 
     lengths = [3, 9, 1, 4, 7, 2, 8, 5]

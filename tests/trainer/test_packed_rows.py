@@ -24,17 +24,17 @@ import numpy as np
 import pytest
 import yaml
 
-from ctopd_jax import teacher_batches
+from ctopd_jax.loop import teacher_batches
 from ctopd_jax.algorithms import registry
-from ctopd_jax.algorithms import packing
+from ctopd_jax.algorithms import packed_rows
 from ctopd_jax.algorithms.micro_batch import MicroBatch
-from ctopd_jax.algorithms.packing import PackingError, micro_ranges, pack_rows
-from ctopd_jax.build import make_collector
+from ctopd_jax.algorithms.packed_rows import PackingError, micro_ranges, pack_rows
+from ctopd_jax.loop.build import make_collector
 from ctopd_jax.config import from_dict, load_config
-from ctopd_jax.metrics import StepTimer
+from ctopd_jax.common.metrics import StepTimer
 from ctopd_jax.preflight import preflight
 from ctopd_jax.step.grad import zero_grads
-from ctopd_jax.trainer import Trainer
+from ctopd_jax.loop.trainer import Trainer
 
 from conftest import subprocess_env, tiny_tree
 from scripted_engine import long_tail_engine
@@ -167,7 +167,7 @@ def test_an_objective_that_cannot_pack_falls_back_alone(tmp_path, name, extra):
     assert not trainer.objective.packs
     assert not trainer.packing
     host = collect(trainer)
-    assert len(packing.host_micro_ranges(host, 0, 5, 3072)) > 1
+    assert len(packed_rows.host_micro_ranges(host, 0, 5, 3072)) > 1
     assert trainer.micro_ranges(host, 0, 5) == [(0, 5)]
 
 
@@ -207,7 +207,7 @@ def test_micro_batches_are_first_fit_decreasing_bins_of_the_whole_batch():
     (row 1), not 30 (fits no row), 20 (beside 40), 10 (beside 50); 30 is a bin of its own
     (hand-written). In length order alone the first micro-batch would stop at 30."""
     lengths = np.array([[30, 30], [10, 10], [50, 50], [20, 20], [40, 40]])
-    order = packing.order(lengths, 128, (64, 64))
+    order = packed_rows.order(lengths, 128, (64, 64))
     assert order.tolist() == [2, 4, 3, 1, 0]
     assert micro_ranges(lengths[order], 0, 128, (64, 64)) == [(0, 4), (4, 5)]
     assert micro_ranges(lengths[[2, 4, 0, 3, 1]], 0, 128, (64, 64)) == [(0, 2), (2, 5)]
@@ -216,23 +216,23 @@ def test_micro_batches_are_first_fit_decreasing_bins_of_the_whole_batch():
 def test_packed_rows_round_to_a_few_shapes():
     """Rows used -> 1, 2, 3, 4, 6, 8, 12, ...; widths step by 16 up to 128, by 64 up to 512,
     never past unpacked's bucket or the side's padded length (hand-written)."""
-    assert [packing.row_count(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
-    width = lambda n, cap=4096: packing.place([n], 4096, cap)[1]
+    assert [packed_rows.row_count(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
+    width = lambda n, cap=4096: packed_rows.place([n], 4096, cap)[1]
     assert [width(n) for n in (1, 33, 100, 129, 250, 257, 500, 513, 1000)] == [
         16, 48, 112, 192, 256, 320, 512, 768, 1024]
     assert width(700, cap=704) == 704
-    rows, _, row, offset = packing.place([30] * 7, 1024, 4096)   # 7 rows of 32 used of 32 allowed
+    rows, _, row, offset = packed_rows.place([30] * 7, 1024, 4096)   # 7 rows of 32 used of 32 allowed
     assert (rows, row.tolist(), offset.tolist()) == (8, list(range(7)), [0] * 7)
-    assert packing.place([600, 600], 1024, 4096) is None     # one row of 768 holds one of them
+    assert packed_rows.place([600, 600], 1024, 4096) is None     # one row of 768 holds one of them
 
 
 def test_the_auto_budget_is_micro_batch_size_rows_of_the_longest_sequence(tmp_path):
     """micro_batch_size 4 x (prompt 100 + generated 200 + EOS 1, rounded up to 64 = 320)."""
     tree = tiny_tree(tmp_path, **{"optimizer.micro_batch_size": 4, "optimizer.train_batch_size": 8,
                                   "rollout.max_prompt_len": 100, "rollout.generate_max_len": 200})
-    assert packing.budget(from_dict(tree)) == 4 * 320
+    assert packed_rows.budget(from_dict(tree)) == 4 * 320
     tree["optimizer"]["micro_batch_tokens"] = 0
-    assert packing.budget(from_dict(tree)) == 0
+    assert packed_rows.budget(from_dict(tree)) == 0
 
 
 def long_tail_trainer(name, tmp_path, longest, *extra, samples=5, budget=None, served=None):
@@ -330,7 +330,7 @@ def test_a_checkpoint_resumes_bit_exactly_under_another_micro_batching(tmp_path)
     step 2 ends bit-exactly where a run that switched micro-batching in memory ends."""
     import dataclasses
 
-    from ctopd_jax.run_guard import Stopped
+    from ctopd_jax.common.run_guard import Stopped
 
     def config(out, tokens):
         tree = tiny_tree(out, **{"steps": 2, "checkpoint.every": 1, "optimizer.micro_batch_tokens": tokens})

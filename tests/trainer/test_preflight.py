@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import ctopd_jax.algorithms  # noqa: F401  (heavy imports at collection, not inside a test)
-import ctopd_jax.data  # noqa: F401
+import ctopd_jax.data.prompts  # noqa: F401
 import ctopd_jax.models  # noqa: F401
 import ctopd_jax.tokenization.overlap  # noqa: F401
 from ctopd_jax.config import load_config

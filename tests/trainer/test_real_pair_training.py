@@ -21,7 +21,7 @@ import ctopd_jax.algorithms  # noqa: F401  (heavy imports at collection, not ins
 from ctopd_jax.align.atoms import FAIL_REASONS, mpopd_atoms
 from ctopd_jax.align.simct import simct_segments
 from ctopd_jax.config import load_config
-from ctopd_jax.trainer import Trainer
+from ctopd_jax.loop.trainer import Trainer
 
 PROMPTS = [
     "计算 12 + 35 × 2 = ? 请一步一步地解答。",

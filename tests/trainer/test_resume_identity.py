@@ -13,10 +13,10 @@ import yaml
 
 from ctopd_jax import train
 from ctopd_jax.config import load_config
-from ctopd_jax.metrics import read_metrics
+from ctopd_jax.common.metrics import read_metrics
 from ctopd_jax.preflight import preflight
-from ctopd_jax.run_guard import Stopped
-from ctopd_jax.trainer import Trainer
+from ctopd_jax.common.run_guard import Stopped
+from ctopd_jax.loop.trainer import Trainer
 
 from conftest import tiny_tree
 
@@ -89,7 +89,7 @@ def test_a_moved_run_folder_resumes_bit_exact(tmp_path):
 
     assert train.main(["--config", str(cfg), "--set", f"output_dir={moved}", "--resume"]) == 0
     resumed = Trainer(load_config(cfg, [f"output_dir={moved}"]))
-    from ctopd_jax.checkpoint import Checkpointer
+    from ctopd_jax.loop.checkpoint import Checkpointer
     ck = Checkpointer(moved / "checkpoints")
     restored = ck.restore_latest(resumed._state())
     ck.close()

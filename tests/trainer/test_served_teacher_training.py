@@ -103,7 +103,7 @@ def losses_of(run_dir: Path, key: str) -> np.ndarray:
 
 def train(config, served: bool):
     from ctopd_jax.preflight import preflight, start_served_teachers
-    from ctopd_jax.trainer import Trainer
+    from ctopd_jax.loop.trainer import Trainer
 
     pre = preflight(config)   # the CLI's path: the checks, then the server's start-up check
     start_served_teachers(pre)
@@ -322,7 +322,7 @@ def test_a_server_that_is_down_is_one_line_naming_teacher_url(tmp_path, compile_
 @pytest.mark.slow
 def test_a_server_failing_mid_run_is_one_line_and_the_run_resumes(tmp_path, served_char_teacher):
     from ctopd_jax.teacher_service import TeacherServiceError
-    from ctopd_jax.trainer import Trainer
+    from ctopd_jax.loop.trainer import Trainer
 
     config = small_run(tmp_path / "run", "opd", "steps=3", "checkpoint.save=true", "checkpoint.every=1",
                        "checkpoint.async_save=false", "teacher.engine=vllm_server",
@@ -357,7 +357,7 @@ def test_teacher_settings_are_checked_by_the_clients_rules(setting, message):
 
 
 def test_resuming_against_a_moved_server_is_harmless_but_another_top_k_is_not():
-    from ctopd_jax.resume_config import config_changes
+    from ctopd_jax.preflight.resume_config import config_changes
 
     served = ["teacher.engine=vllm_server", "teacher.url=http://a:1"]
     saved = load_config(SAME, served).to_dict()
@@ -401,7 +401,7 @@ def test_a_launch_python_without_a_working_vllm_is_one_line():
 
 
 def test_a_launched_teacher_needs_preflight_to_start_it(tmp_path):
-    from ctopd_jax.build import TrainerSetupError, start_served_teacher
+    from ctopd_jax.loop.build import TrainerSetupError, start_served_teacher
 
     config = small_run(tmp_path / "x", "opd", "teacher.engine=vllm_server", "teacher.launch=true")
     with pytest.raises(TrainerSetupError, match=r"^teacher\.launch: the run's own teacher server is "
@@ -410,7 +410,7 @@ def test_a_launched_teacher_needs_preflight_to_start_it(tmp_path):
 
 
 def test_resuming_a_launched_run_against_a_server_of_ones_own_is_harmless():
-    from ctopd_jax.resume_config import config_changes
+    from ctopd_jax.preflight.resume_config import config_changes
 
     saved = load_config(SAME, ["teacher.engine=vllm_server", "teacher.launch=true",
                                "teacher.launch_python=.venv-vllm/bin/python"]).to_dict()

@@ -58,7 +58,7 @@ def is_running(pid: int) -> bool:
 def train(config):
     """The CLI's path in-process: preflight, then the launched server's start, around the run."""
     from ctopd_jax.preflight import preflight, start_served_teachers
-    from ctopd_jax.trainer import Trainer
+    from ctopd_jax.loop.trainer import Trainer
 
     with preflight(config) as pre:
         start_served_teachers(pre)
@@ -94,7 +94,7 @@ def test_mp_opd_with_a_served_teacher_trains_as_the_local_teacher(tmp_path):
 def test_a_server_killed_mid_run_is_one_line_and_the_run_resumes_as_if_uninterrupted(tmp_path):
     from ctopd_jax.teacher_service import TeacherServiceError
     from ctopd_jax.teacher_service.local_server import local_vllm_server
-    from ctopd_jax.trainer import Trainer
+    from ctopd_jax.loop.trainer import Trainer
 
     def config(out: Path, url: str):
         return small_run(out, "opd", "steps=3", "checkpoint.save=true", "checkpoint.every=1",

@@ -34,7 +34,7 @@ SMALL = {"steps": 2, "rollout": {"rollout_batch_size": 8, "generate_max_len": 16
 
 def prompts_file(tmp_path: Path, teachers: list[str | None]) -> Path:
     """The demo's training prompts, row i naming teachers[i % len] (None: no field)."""
-    from ctopd_jax.data import resolve_named_source
+    from ctopd_jax.data.prompts import resolve_named_source
 
     rows = [json.loads(line) for line in resolve_named_source("demo:train").read_text().splitlines()[:64]]
     for i, row in enumerate(rows):
@@ -64,7 +64,7 @@ def rows_of(run_dir: Path) -> list[dict]:
 
 def train(path: Path, *overrides: str):
     from ctopd_jax.preflight import preflight
-    from ctopd_jax.trainer import Trainer
+    from ctopd_jax.loop.trainer import Trainer
 
     config = load_config(path, list(overrides))
     trainer = Trainer(config, preflight=preflight(config))
@@ -190,7 +190,7 @@ def test_a_served_teacher_beside_a_local_one_trains_as_two_local_ones(tmp_path):
 def test_a_resumed_run_of_several_teachers_equals_an_uninterrupted_one(tmp_path):
     """Each teacher's cumulative coverage is part of the checkpoint: step 2 of a run resumed
     from step 1 equals step 2 of an uninterrupted run, per-teacher metrics included."""
-    from ctopd_jax.trainer import Trainer
+    from ctopd_jax.loop.trainer import Trainer
 
     data = prompts_file(tmp_path, ["a", "b"])
     teachers = [{"name": "a", "checkpoint": "demo:teacher"}, {"name": "b", "checkpoint": "demo:student"}]

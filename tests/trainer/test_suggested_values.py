@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from ctopd_jax import cli, plan, train
+from ctopd_jax import train
+
+from ctopd_jax.common import cli
+
+from ctopd_jax.plan import planner as plan
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY, SAME = str(ROOT / "configs" / "tiny_cpu.yaml"), str(ROOT / "configs" / "tiny_cpu_same.yaml")

@@ -1,9 +1,9 @@
 """checkpoint.save: false (the GPU check's end-to-end run) trains without writing any checkpoint,
 and every logged row carries the iteration's compile seconds."""
-from ctopd_jax.checkpoint import Checkpointer
+from ctopd_jax.loop.checkpoint import Checkpointer
 from ctopd_jax.config import load_config
-from ctopd_jax.metrics import read_metrics
-from ctopd_jax.trainer import Trainer
+from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.loop.trainer import Trainer
 
 
 def test_no_checkpoint_is_written_and_rows_report_compile_seconds(write_config):

@@ -15,7 +15,7 @@ STUDENT = ROOT / "ctopd_jax" / "assets" / "demo_char" / "student"
 
 
 def run(tmp_path, name, *extra, teacher=STUDENT):
-    from ctopd_jax.trainer import Trainer
+    from ctopd_jax.loop.trainer import Trainer
 
     config = load_config(SAME, [f"output_dir={tmp_path}", "steps=1", f"algorithm.name={name}",
                                 "rollout.environment=calculator", "rollout.rollout_batch_size=8",
@@ -52,7 +52,7 @@ def test_tcod_and_sage_on_calculator_episodes(tmp_path, name, extra, loss):
 
 
 def test_sod_outcome_needs_several_samples(tmp_path):
-    from ctopd_jax.trainer import Trainer, TrainerSetupError
+    from ctopd_jax.loop.trainer import Trainer, TrainerSetupError
 
     config = load_config(SAME, [f"output_dir={tmp_path}", "algorithm.name=sod", "algorithm.sod_outcome=true"])
     with pytest.raises(TrainerSetupError, match=r"^algorithm.sod_outcome: true needs rollout.n_samples_per_prompt > 1"):
@@ -67,7 +67,7 @@ def test_opd_trains_on_episodes_when_an_environment_is_set(tmp_path):
 
 @pytest.mark.parametrize("config,name", [("tiny_cpu.yaml", "topk_strict"), ("tiny_cpu_same.yaml", "gkd")])
 def test_environment_with_an_objective_that_cannot_use_episodes(tmp_path, config, name):
-    from ctopd_jax.trainer import Trainer, TrainerSetupError
+    from ctopd_jax.loop.trainer import Trainer, TrainerSetupError
 
     config = load_config(ROOT / "configs" / config, [f"output_dir={tmp_path}", f"algorithm.name={name}",
                                                       "rollout.environment=calculator"])

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from ctopd_jax.config import load_config
-from ctopd_jax.metrics import MetricsLogger, read_metrics
+from ctopd_jax.common.metrics import MetricsLogger, read_metrics
 
 wandb = pytest.importorskip("wandb", reason="pip install -e '.[test]' (wandb)")
 

@@ -19,7 +19,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from ctopd_jax import losses
+from ctopd_jax.kernels import losses
 from ctopd_jax.kernels.choices import choose
 from ctopd_jax.kernels.pallas_shared.tiles import gpu_backend
 from ctopd_jax.kernels.strict import row_chunks

@@ -9,14 +9,14 @@ w.r.t. the student logits z is
 which the XLA chunk function and the Pallas kernels both use instead of reverse-mode autodiff:
 one streaming pass for the two log-sum-exps, one for Σ f and Σ f_a, one writing the gradient.
 f_a is the forward-mode derivative of the same elementwise code, and that code is built from
-ctopd_jax.losses' helpers, so the divergence definitions live in one place.
+ctopd_jax.kernels.losses' helpers, so the divergence definitions live in one place.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from ctopd_jax import losses
+from ctopd_jax.kernels import losses
 
 ELEMENTWISE_DIVERGENCES = ("kl", "rkl", "jsd", "skl", "srkl", "tvd", "top1_ce")
 

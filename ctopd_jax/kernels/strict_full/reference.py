@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ctopd_jax import losses
+from ctopd_jax.kernels import losses
 
 
 def student_logits_of(student):

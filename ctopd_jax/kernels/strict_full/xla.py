@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ctopd_jax import losses
+from ctopd_jax.kernels import losses
 from ctopd_jax.kernels.strict import row_terms
 
 

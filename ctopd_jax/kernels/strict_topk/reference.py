@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ctopd_jax import losses
+from ctopd_jax.kernels import losses
 from ctopd_jax.kernels.strict_full.reference import dead_rows_neutral, student_logits_of, teacher_shared_of
 
 

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ctopd_jax import losses
+from ctopd_jax.kernels import losses
 
 # The most probability the support may hold before the tail bucket is formed (see docstring).
 TAIL_MASS_CAP = 1.0 - 1e-6

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ctopd_jax.plan_model import GB, Device
+from ctopd_jax.plan.model import GB, Device
 
 
 @dataclasses.dataclass

@@ -12,8 +12,8 @@ Modules are discovered, never listed: the first look-up imports every module of 
 `algorithm.modules: [my_pkg.my_method]` (any importable module, e.g. on PYTHONPATH), so a new
 method is one file and no other file changes (docs/objectives.md).
 
-This module imports nothing of the project: config reads the settings classes through it while
-the objective modules (which import config) are still to be imported.
+It sits in config/ and imports nothing of the project: the settings read each objective's
+settings class through it, and the objective modules (which import config) register here.
 """
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ import pkgutil
 from pathlib import Path
 from typing import Callable, Iterable
 
+# the package's own objectives: every module of ctopd_jax/algorithms, found by its folder (an
+# import by name, not a static one: the objectives import config, never the other way)
+OBJECTIVES_PACKAGE = "ctopd_jax.algorithms"
+OBJECTIVES_DIR = Path(__file__).resolve().parents[1] / "algorithms"
 _OBJECTIVES: dict[str, type] = {}
 _IMPORTED: set[str] = set()     # module names imported for the registry (package and user's)
 
@@ -45,8 +49,7 @@ def register(name: str):
 
 def import_modules(modules: Iterable[str] = ()) -> None:
     """Import the package's own modules (once) and `modules`, registering what they declare."""
-    package = __name__.rsplit(".", 1)[0]
-    own = [f"{package}.{m.name}" for m in pkgutil.iter_modules([str(Path(__file__).parent)])
+    own = [f"{OBJECTIVES_PACKAGE}.{m.name}" for m in pkgutil.iter_modules([str(OBJECTIVES_DIR)])
            if not m.name.startswith("_")]
     for module in [*own, *modules]:
         if module in _IMPORTED:

@@ -24,8 +24,8 @@ import os
 import sys
 from typing import Callable, NoReturn, Sequence
 
-from ctopd_jax.run_dir import disk_errno
-from ctopd_jax.run_guard import Interrupted, Stopped, raising, received
+from ctopd_jax.common.run_dir import disk_errno
+from ctopd_jax.common.run_guard import Interrupted, Stopped, raising, received
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -40,27 +40,27 @@ class UserError(ValueError):
 
 # Exceptions whose message already names the field or file and the fix.
 USER_ERRORS: tuple[tuple[str, str], ...] = (
-    ("ctopd_jax.cli", "UserError"),
+    ("ctopd_jax.common.cli", "UserError"),
     ("ctopd_jax.config", "ConfigError"),
     ("ctopd_jax.preflight", "PreflightError"),
-    ("ctopd_jax.resume_config", "ConfigChangeError"),
-    ("ctopd_jax.records", "RecordError"),
-    ("ctopd_jax.mesh", "MeshError"),
+    ("ctopd_jax.preflight.resume_config", "ConfigChangeError"),
+    ("ctopd_jax.common.records", "RecordError"),
+    ("ctopd_jax.mesh.device_mesh", "MeshError"),
     ("ctopd_jax.tokenization.side", "TokenizerLoadError"),
     ("ctopd_jax.tokenization.overlap", "NoOverlapError"),
-    ("ctopd_jax.checkpoint", "CheckpointError"),
-    ("ctopd_jax.run_dir", "RunDirError"),
+    ("ctopd_jax.loop.checkpoint", "CheckpointError"),
+    ("ctopd_jax.common.run_dir", "RunDirError"),
     ("ctopd_jax.models.weights", "CheckpointError"),
     ("ctopd_jax.models.config", "ModelConfigError"),
-    ("ctopd_jax.build", "TrainerSetupError"),
-    ("ctopd_jax.trainer", "TrainerSetupError"),
-    ("ctopd_jax.sources", "SourceError"),
+    ("ctopd_jax.loop.build", "TrainerSetupError"),
+    ("ctopd_jax.loop.trainer", "TrainerSetupError"),
+    ("ctopd_jax.common.sources", "SourceError"),
     ("ctopd_jax.tokenization.chat", "ChatTemplateError"),
-    ("ctopd_jax.tokenization.setup_assets", "AssetSetupError"),
-    ("ctopd_jax.cache", "CacheError"),
+    ("ctopd_jax.setup_assets", "AssetSetupError"),
+    ("ctopd_jax.common.cache", "CacheError"),
     ("ctopd_jax.rollout.base", "RolloutConfigError"),
     ("ctopd_jax.rollout.vllm_engine", "VllmNotInstalledError"),
-    ("ctopd_jax.metrics", "MetricsError"),
+    ("ctopd_jax.common.metrics", "MetricsError"),
     ("ctopd_jax.align", "ByteMismatchError"),
     ("ctopd_jax.teacher_service.client", "TeacherServiceError"),   # a served teacher failed mid-run
 )

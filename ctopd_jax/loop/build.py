@@ -22,29 +22,31 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ctopd_jax import mesh as mesh_lib, sources
-from ctopd_jax.algorithms import packing
+from ctopd_jax.mesh import device_mesh as mesh_lib
+
+from ctopd_jax.common import sources
+from ctopd_jax.algorithms import packed_rows
 from ctopd_jax.algorithms.base import TurnJudge
-from ctopd_jax.checkpoint import export_student_hf
+from ctopd_jax.loop.checkpoint import export_student_hf
 from ctopd_jax.config import teacher_views
-from ctopd_jax.data import PromptStream, load_prompts, resolve_named_source
+from ctopd_jax.data.prompts import PromptStream, load_prompts, load_response_prompts, resolve_named_source
 from ctopd_jax.envs import make_environment
-from ctopd_jax.host import Collector, SameTokenizerCollector, load_response_prompts, render
-from ctopd_jax.host_episodes import EpisodeCollector
-from ctopd_jax.mesh_arrays import allgather_objects, local_copy, replicated
+from ctopd_jax.collect.collector import Collector, SameTokenizerCollector, render
+from ctopd_jax.collect.episode_collector import EpisodeCollector
+from ctopd_jax.mesh.arrays import allgather_objects, local_copy, replicated
 from ctopd_jax.models import PRESETS, lora
 from ctopd_jax.models.config import ModelConfig
 from ctopd_jax.models.init import init_decoder
 from ctopd_jax.models.lora import save_adapter
 from ctopd_jax.models import weights   # weights.load_hf_checkpoint read at call time (tests trip on it)
-from ctopd_jax.optimizer import make_optimizer
+from ctopd_jax.step.optimizer import make_optimizer
 from ctopd_jax.rollout.base import RolloutResult
 from ctopd_jax.rollout.jax_sampler import JaxSampler
 from ctopd_jax.rollout.served import ServedRolloutEngine
 from ctopd_jax.rollout.vllm_engine import VllmEngine
-from ctopd_jax.setup_errors import TrainerSetupError
+from ctopd_jax.common.setup_errors import TrainerSetupError
 from ctopd_jax.step.grad import make_apply_update
-from ctopd_jax.teacher import lm_head_of
+from ctopd_jax.step.teacher import lm_head_of
 from ctopd_jax.teacher_service import ServedTeacher
 from ctopd_jax.tokenization.overlap import overlap_map
 from ctopd_jax.tokenization.side import load_tokenizer_side
@@ -336,7 +338,7 @@ def uses_dataset_responses(objective) -> bool:
 
 
 def response_prompts(config):
-    """The prompt rows with their dataset responses (host.load_response_prompts)."""
+    """The prompt rows with their dataset responses (prompts.load_response_prompts)."""
     d = config.data
     path = resolve_named_source(d.path) if sources.is_named(d.path) else d.path
     return load_response_prompts(path, d.prompt_key, d.system_prompt)
@@ -356,7 +358,7 @@ def make_collector(config, objective, s_tok, t_tok, engine, teacher, mesh):
     """host.Collector (cross-tokenizer) or host.SameTokenizerCollector (`needs.reuse_sampled_ids`),
     with a second engine over the teacher when the objective may need teacher responses."""
     if not objective.needs.reuse_sampled_ids:   # packing: each optimizer batch in packed micro-batches
-        budget = packing.objective_budget(config, objective)
+        budget = packed_rows.objective_budget(config, objective)
         return Collector(s_tok, t_tok, engine, config.rollout, config.optimizer.train_batch_size if budget else 1,
                          budget)
     teacher_engine = None

@@ -18,8 +18,8 @@ from typing import Any, Sequence
 
 import grain
 
-from ctopd_jax import sources
-from ctopd_jax.records import RecordError, chat_messages, read_jsonl, read_parquet
+from ctopd_jax.common import sources
+from ctopd_jax.common.records import RecordError, chat_messages, read_jsonl, read_parquet
 
 
 # A prompt file or row that cannot be used; the message names file and line.
@@ -118,3 +118,45 @@ def resolve_named_source(name: str) -> Path:
         return Path(sources.resolve("prompts", name, "data.path"))
     except (sources.SourceError, ValueError) as err:
         raise DataError(str(err)) from None
+
+
+SOURCE_FIELDS = ("response", "completion")
+
+
+def response_text(prompt) -> str:
+    """The dataset response of a prompt row (`response` or `completion` column, or the assistant
+    turn that ended its chat messages); one line naming file:line when it has none."""
+    for key in SOURCE_FIELDS:
+        value = prompt.extra.get(key)
+        if isinstance(value, str) and value:
+            return value
+    raise RecordError(f"{prompt.source}: no dataset response: the row needs a non-empty "
+                      f"'response' or 'completion' string or chat messages ending in an assistant "
+                      "turn (the objective trains on dataset responses: needs.responses)")
+
+
+def load_response_prompts(path, prompt_key: str = "prompt", system_prompt: str = ""):
+    """Prompt rows that carry a dataset response; chat messages ending in an assistant turn are
+    split into the prompt (the turns before) and the response (that turn's content)."""
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data.path {path}: file not found; give a .jsonl or .parquet file")
+    rows = read_parquet(path) if path.suffix.lower() == ".parquet" else read_jsonl(path)
+    prompts = []
+    for where, row in rows:
+        key = prompt_key if prompt_key in row else ("messages" if "messages" in row else None)
+        if key is not None and not isinstance(row[key], str):
+            messages = chat_messages(row[key], key, where)
+            if messages[-1]["role"] == "assistant":
+                if len(messages) < 2:
+                    raise RecordError(f"{where}: {key!r} holds only an assistant turn; a prompt turn "
+                                      "must come before it")
+                row = {**{k: v for k, v in row.items() if k != key}, key: list(messages[:-1]),
+                       "response": messages[-1]["content"]}
+        prompt = _row_to_prompt(row, prompt_key, where, system_prompt)
+        response_text(prompt)   # every row checked now, before any model loads
+        prompts.append(prompt)
+    if not prompts:
+        raise RecordError(f"data.path {path}: the file holds no prompts")
+    return prompts

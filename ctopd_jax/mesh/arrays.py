@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from ctopd_jax.mesh import batch_sharding
+from ctopd_jax.mesh.device_mesh import batch_sharding
 
 
 def replicated(value: np.ndarray, mesh) -> jax.Array:

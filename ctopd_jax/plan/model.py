@@ -8,8 +8,8 @@ import json
 import re
 from pathlib import Path
 
-from ctopd_jax import sources
-from ctopd_jax.cli import UserError
+from ctopd_jax.common import sources
+from ctopd_jax.common.cli import UserError
 from ctopd_jax.models.config import PRESETS, ModelConfig
 
 

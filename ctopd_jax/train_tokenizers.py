@@ -1,6 +1,6 @@
 """Train the two small tokenizers the CPU demo and the tests use, from text generated here.
 
-    python -m ctopd_jax.tokenization.train_small [--out ctopd_jax/assets/tokenizers]
+    python -m ctopd_jax.train_tokenizers [--out ctopd_jax/assets/tokenizers]
 
 - ``tiny_bpe``: byte-level BPE (GPT-2 style split, numbers kept whole), ChatML template (``<|im_start|>`` / ``<|im_end|>``), EOS ``<|im_end|>``, pad ``<|endoftext|>``.
   The demo TEACHER uses it.
@@ -25,10 +25,10 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ctopd_jax.cli import Parser, seed
+from ctopd_jax.common.cli import Parser, seed
 from ctopd_jax.tokenization.chat import LLAMA3_CHAT_TEMPLATE
 
-ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizers"
+ASSET_DIR = Path(__file__).resolve().parent / "assets" / "tokenizers"
 
 # The Qwen2 / cl100k-style split: words with a leading non-letter, single digits, punctuation runs.
 # GPT-2's split (a leading space stays on words and numbers), with Qwen's case-insensitive
@@ -186,7 +186,7 @@ def save(tok: Tokenizer, config: dict, directory: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = Parser(prog="python -m ctopd_jax.tokenization.train_small",
+    parser = Parser(prog="python -m ctopd_jax.train_tokenizers",
                     description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ASSET_DIR)
     parser.add_argument("--seed", type=seed, default=0)
@@ -199,6 +199,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from ctopd_jax.cli import run
+    from ctopd_jax.common.cli import run
 
-    sys.exit(run(main, None, "python -m ctopd_jax.tokenization.train_small"))
+    sys.exit(run(main, None, "python -m ctopd_jax.train_tokenizers"))

@@ -48,7 +48,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ctopd_jax.models.weights import export_hf_checkpoint
-from ctopd_jax.run_dir import DISK_ERRNOS, disk_errno
+from ctopd_jax.common.run_dir import DISK_ERRNOS, disk_errno
 
 log = logging.getLogger(__name__)
 

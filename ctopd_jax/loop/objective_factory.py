@@ -7,11 +7,11 @@ in the assembly above them. The checks against the config alone are the objectiv
 from __future__ import annotations
 
 from ctopd_jax.algorithms.checks import check_objective as check_against_config
-from ctopd_jax.build import response_prompts, tokenizer_side, uses_dataset_responses
+from ctopd_jax.loop.build import response_prompts, tokenizer_side, uses_dataset_responses
 from ctopd_jax.config import TrainConfig, teacher_views
-from ctopd_jax.host import check_same_tokenizer
+from ctopd_jax.tokenization.same_pair import check_same_tokenizer
 from ctopd_jax.rollout.staleness import check_async
-from ctopd_jax.setup_errors import fail
+from ctopd_jax.common.setup_errors import fail
 
 
 def check_objective(config: TrainConfig):

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ctopd_jax.metrics import StepTimer
+from ctopd_jax.common.metrics import StepTimer
 
 
 @dataclass(frozen=True)

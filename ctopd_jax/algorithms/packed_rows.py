@@ -47,7 +47,7 @@ import numpy as np
 # PackingError: raised here, defined beside the row declarations it enforces
 from ctopd_jax.algorithms.micro_batch import (MicroBatch, PackingError, map_rows,  # noqa: F401
                                               side_tokens, with_side_tokens)
-from ctopd_jax.algorithms.pack import length_bucket, round_up
+from ctopd_jax.algorithms.padded_rows import length_bucket, round_up
 
 ROW_MULTIPLE = 16   # packed row widths step by 16 where unpacked's buckets step by 64
 ROUNDING = 64       # each side's padded length (the objectives' arrays), as host_micro_ranges

@@ -1,5 +1,5 @@
 """The project's cache folder: derived files written on demand (the demo's prompt files, the
-real tokenizers built by `python -m ctopd_jax.tokenization.setup_assets`).
+real tokenizers built by `python -m ctopd_jax.setup_assets`).
 
     $CTOPD_JAX_CACHE, default ~/.cache/ctopd_jax
         demo/        the demo's prompt files (`data.path: demo:train`), rewritten when they change

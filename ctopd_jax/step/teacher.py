@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ctopd_jax.mesh import BATCH_AXES
+from ctopd_jax.mesh.device_mesh import BATCH_AXES
 from ctopd_jax.models.kv_cache import prefill_positions
 
 

@@ -8,24 +8,20 @@ equals them. Objectives cut micro-batches out of it (`Objective.prepare`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path as _Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ctopd_jax import data
-from ctopd_jax.algorithms import packing
-from ctopd_jax.algorithms.pack import round_up
+from ctopd_jax.data.prompts import response_text
+from ctopd_jax.algorithms import packed_rows
+from ctopd_jax.algorithms.padded_rows import round_up
 from ctopd_jax.align import strict_align
 from ctopd_jax.align.strict import StrictAlignment
-from ctopd_jax.records import RecordError, chat_messages, read_jsonl, read_parquet
 from ctopd_jax.rollout.base import SamplingParams
 from ctopd_jax.tokenization.retokenize import IGNORE_INDEX, RetokenizedBatch, retokenize_pair
 
 if TYPE_CHECKING:
-    from ctopd_jax.align.strict import StrictAlignment
-    from ctopd_jax.tokenization.retokenize import RetokenizedBatch
-    from ctopd_jax.turns import TurnRows
+    from ctopd_jax.algorithms.turns import TurnRows
 
 
 @dataclass
@@ -108,7 +104,7 @@ def sort_by_length(result, group: int, budget: int = 0):
     """The samples of each consecutive block of `group` (one optimizer batch) ordered by
     generated length, longest first, so that its micro-batches hold similar lengths and pad to
     their own small buckets; with a packing `budget`, in first-fit-decreasing micro-batches of
-    it instead (packing.order, over prompt + response tokens). Which samples form an optimizer
+    it instead (packed_rows.order, over prompt + response tokens). Which samples form an optimizer
     batch does not change, so neither does its loss (a sum over its samples ÷ its tokens).
     Stable: ties keep the engine's order."""
     order = []
@@ -117,7 +113,7 @@ def sort_by_length(result, group: int, budget: int = 0):
         if budget:
             lengths = np.array([[len(result.prompt_ids[result.prompt_index[i]]) + len(result.token_ids[i])]
                                 for i in block])
-            order += list(block[packing.order(lengths, budget, [round_up(int(lengths.max()), 64)])])
+            order += list(block[packed_rows.order(lengths, budget, [round_up(int(lengths.max()), 64)])])
         else:
             order += sorted(block, key=lambda i: -len(result.token_ids[i]))
     pick = lambda xs: [xs[i] for i in order]
@@ -165,80 +161,6 @@ class Collector:
 #   and teacher-generated responses (seq_kd) carry no student rollout log-probs.
 # - With a mixed λ draw (gkd_lambda_granularity: micro_batch) each source generates one sample
 #   per (prompt, sample) slot (n = 1, seed + source index), so slots keep their prompt.
-
-SOURCE_FIELDS = ("response", "completion")
-
-
-def same_tokenizer_mismatch(teacher, student) -> str | None:
-    """The first difference between two tokenizer sides that must be one tokenizer (vocabulary,
-    special ids, chat template), as one line; None when they are identical."""
-    if teacher.vocab_size != student.vocab_size:
-        return (f"the teacher vocabulary has {teacher.vocab_size} tokens, the student's "
-                f"{student.vocab_size}")
-    t_vocab = teacher.tokenizer.get_vocab(with_added_tokens=True)
-    s_vocab = student.tokenizer.get_vocab(with_added_tokens=True)
-    if t_vocab != s_vocab:
-        t_tok = {i: t for t, i in t_vocab.items()}
-        s_tok = {i: t for t, i in s_vocab.items()}
-        first = min(i for i in set(t_tok) | set(s_tok) if t_tok.get(i) != s_tok.get(i))
-        return f"token id {first} is {t_tok.get(first)!r} for the teacher but {s_tok.get(first)!r} for the student"
-    for name in ("eos_id", "pad_id", "bos_id"):
-        if getattr(teacher, name) != getattr(student, name):
-            return f"{name} is {getattr(teacher, name)} for the teacher but {getattr(student, name)} for the student"
-    if (teacher.chat_template or "") != (student.chat_template or ""):
-        t, s = teacher.chat_template or "", student.chat_template or ""
-        at = next((i for i, (a, b) in enumerate(zip(t, s)) if a != b), min(len(t), len(s)))
-        return f"the chat templates differ at character {at} ({t[at:at + 20]!r} vs {s[at:at + 20]!r})"
-    return None
-
-
-def check_same_tokenizer(teacher, student, objective_name: str, what: str = "model.teacher") -> None:
-    """Raise one ValueError line when a same-tokenizer objective gets two different tokenizers."""
-    diff = same_tokenizer_mismatch(teacher, student)
-    if diff is not None:
-        raise ValueError(f"{what} / model.student: algorithm.name={objective_name} reuses the sampled ids "
-                         f"and needs one tokenizer and chat template on both sides, but {diff}; use a "
-                         "same-tokenizer pair (e.g. configs/tiny_cpu_same.yaml) or a cross-tokenizer "
-                         "objective (topk_strict)")
-
-
-def response_text(prompt) -> str:
-    """The dataset response of a prompt row (`response` or `completion` column, or the assistant
-    turn that ended its chat messages); one line naming file:line when it has none."""
-    for key in SOURCE_FIELDS:
-        value = prompt.extra.get(key)
-        if isinstance(value, str) and value:
-            return value
-    raise RecordError(f"{prompt.source}: no dataset response: the row needs a non-empty "
-                      f"'response' or 'completion' string or chat messages ending in an assistant "
-                      "turn (the objective trains on dataset responses: needs.responses)")
-
-
-def load_response_prompts(path, prompt_key: str = "prompt", system_prompt: str = ""):
-    """Prompt rows that carry a dataset response; chat messages ending in an assistant turn are
-    split into the prompt (the turns before) and the response (that turn's content)."""
-
-    path = _Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data.path {path}: file not found; give a .jsonl or .parquet file")
-    rows = read_parquet(path) if path.suffix.lower() == ".parquet" else read_jsonl(path)
-    prompts = []
-    for where, row in rows:
-        key = prompt_key if prompt_key in row else ("messages" if "messages" in row else None)
-        if key is not None and not isinstance(row[key], str):
-            messages = chat_messages(row[key], key, where)
-            if messages[-1]["role"] == "assistant":
-                if len(messages) < 2:
-                    raise RecordError(f"{where}: {key!r} holds only an assistant turn; a prompt turn "
-                                      "must come before it")
-                row = {**{k: v for k, v in row.items() if k != key}, key: list(messages[:-1]),
-                       "response": messages[-1]["content"]}
-        prompt = data._row_to_prompt(row, prompt_key, where, system_prompt)
-        response_text(prompt)   # every row checked now, before any model loads
-        prompts.append(prompt)
-    if not prompts:
-        raise RecordError(f"data.path {path}: the file holds no prompts")
-    return prompts
 
 
 def same_tokenizer_batch(side, prompt_ids, sampled, logprobs, eos_ids, pad_to_multiple: int = 64):

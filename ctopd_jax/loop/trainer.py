@@ -38,25 +38,31 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ctopd_jax import build, heap, host_offload, teacher_batches
-from ctopd_jax.algorithms.packing import (budget as packing_budget, host_micro_ranges, objective_budget,
+from ctopd_jax.loop import build
+
+from ctopd_jax.common import heap
+
+from ctopd_jax.loop import offload
+
+from ctopd_jax.loop import teacher_batches
+from ctopd_jax.algorithms.packed_rows import (budget as packing_budget, host_micro_ranges, objective_budget,
                                           pack_rows)
 from ctopd_jax.align import CoverageMeter
-from ctopd_jax.checkpoint import Checkpointer
+from ctopd_jax.loop.checkpoint import Checkpointer
 from ctopd_jax.config import TrainConfig, default_teacher
-from ctopd_jax.evaluation import evaluate_during_training
-from ctopd_jax.mesh_arrays import on_mesh, to_global
-from ctopd_jax.metrics import MetricsLogger, StartupClock, StepTimer, compile_seconds
+from ctopd_jax.loop.mean_at_k import evaluate_during_training
+from ctopd_jax.mesh.arrays import on_mesh, to_global
+from ctopd_jax.common.metrics import MetricsLogger, StartupClock, StepTimer, compile_seconds
 from ctopd_jax.models import lora
-from ctopd_jax.objective_factory import check_objective
-from ctopd_jax.rollout.overlap import Drawn, Rollouts
+from ctopd_jax.loop.objective_factory import check_objective
+from ctopd_jax.rollout.async_rollouts import Drawn, Rollouts
 from ctopd_jax.rollout.staleness import step_objective
-from ctopd_jax.run_guard import DivergenceGuard, Stopped
-from ctopd_jax.setup_errors import TrainerSetupError  # (also re-exported for callers)
+from ctopd_jax.common.run_guard import DivergenceGuard, Stopped
+from ctopd_jax.common.setup_errors import TrainerSetupError  # (also re-exported for callers)
 from ctopd_jax.step.diagnostics import Diagnostics
 from ctopd_jax.step.grad import micro_grad, zero_grads
 from ctopd_jax.step.shards import stack_shards
-from ctopd_jax.teacher import add_teacher_base, teacher_hidden_rows
+from ctopd_jax.step.teacher import add_teacher_base, teacher_hidden_rows
 from ctopd_jax.teacher_service import TeacherServiceError
 
 COVERAGE_FIELDS = ("pairs", "student_tokens", "teacher_tokens", "mismatched", "samples")
@@ -194,15 +200,15 @@ class Trainer:
     @contextlib.contextmanager
     def offloaded(self, timer: StepTimer):
         """optimizer.offload_during_rollout: AdamW state in host memory meanwhile (room for the
-        sampler's pages, host_offload.py)."""
+        sampler's pages, offload.py)."""
         on = self.config.optimizer.offload_during_rollout
         if on:
             with timer("offload"):
-                self.opt_state = host_offload.move(self.opt_state, host_offload.HOST)
+                self.opt_state = offload.move(self.opt_state, offload.HOST)
         yield
         if on:
             with timer("offload"):
-                self.opt_state = host_offload.move(self.opt_state, host_offload.DEVICE)
+                self.opt_state = offload.move(self.opt_state, offload.DEVICE)
 
     def iteration(self, timer: StepTimer, rollout_index: int = 0) -> tuple[dict[str, Any], list[dict]]:
         o = self.config.optimizer

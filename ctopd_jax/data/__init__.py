@@ -1,0 +1,2 @@
+"""What the loop reads: the resumable prompt stream (prompts.py) and the evaluation sets
+(eval_sets.py)."""
