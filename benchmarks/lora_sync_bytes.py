@@ -7,7 +7,7 @@ Counted from the model config's shapes (no weights; nothing allocated):
   every Decoder parameter once, plus `lm_head.weight` again for a tied model (the engine sends
   it even when tied), in the engine dtype;
 - adapter (adapter sync: the `lora.save_adapter` file vLLM loads): r x (in + out) per adapted
-  projection per layer (`plan_model.lora_param_count`), in the adapter's dtype (the LoRA params' own:
+  projection per layer (`plan.model.lora_param_count`), in the adapter's dtype (the LoRA params' own:
   float32 master weights write float32), plus the safetensors header (tensor names, shapes
   and offsets; computed here the way safetensors lays it out, to within a few bytes).
 The full count is cross-checked against `nnx.eval_shape` of the Decoder (abstract shapes).

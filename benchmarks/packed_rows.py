@@ -16,7 +16,7 @@ Workloads:
 
 Unpacked: `optimizer.micro_batch_size` samples per micro-batch, each in its own row padded to
 the micro-batch's length bucket (pack.py). Packed: consecutive samples within
-`optimizer.micro_batch_tokens` student tokens, one row per side (algorithms/packing.py).
+`optimizer.micro_batch_tokens` student tokens, one row per side (algorithms/packed_rows.py).
 Padding fraction: pad slots ÷ all slots over both models' passes. Seconds: the best of
 `--repeats` timed passes over the batch after one untimed pass (compilation), the two layouts'
 passes taking turns (a shared machine's load falls on both alike).

@@ -34,13 +34,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ctopd_jax.config import load_config  # noqa: E402
-from ctopd_jax.preflight import preflight  # noqa: E402
+from ctopd_jax.loop.trainer import Trainer  # noqa: E402
 from ctopd_jax.models import lora  # noqa: E402
 from ctopd_jax.models.weights import load_hf_checkpoint  # noqa: E402
+from ctopd_jax.preflight import preflight  # noqa: E402
 from ctopd_jax.rollout import SamplingParams  # noqa: E402
 from ctopd_jax.rollout.jax_sampler import JaxSampler  # noqa: E402
 from ctopd_jax.rollout.served import ServedRolloutEngine  # noqa: E402
-from ctopd_jax.loop.trainer import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny_cpu_served_rollouts.yaml"

@@ -34,9 +34,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from ctopd_jax.common.metrics import read_metrics
 from ctopd_jax.config import load_config
 from ctopd_jax.demo.sources import model_dir, prompt_file
-from ctopd_jax.common.metrics import read_metrics
 from ctopd_jax.loop.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

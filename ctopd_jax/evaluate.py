@@ -20,14 +20,14 @@ from typing import Sequence
 import jax
 
 from ctopd_jax.common.cli import Parser, UserError, at_least, positive, run, seed
+from ctopd_jax.common.run_dir import RunDirError, RunLock, check_writable
 from ctopd_jax.config import load_config, validate
 from ctopd_jax.data.eval_sets import build_prompt, load_dataset
-from ctopd_jax.loop.mean_at_k import REPORT_FILES, EvalReport, evaluate_model, grade_file, write_report
 from ctopd_jax.grading import MathGrader
+from ctopd_jax.loop.mean_at_k import REPORT_FILES, EvalReport, evaluate_model, grade_file, write_report
 from ctopd_jax.mesh.device_mesh import make_mesh, parse_mesh
 from ctopd_jax.models import weights   # weights.load_hf_checkpoint read at call time (tests trip on it)
 from ctopd_jax.preflight import check_hf_checkpoint
-from ctopd_jax.common.run_dir import RunDirError, RunLock, check_writable
 from ctopd_jax.tokenization.side import load_tokenizer_side
 
 

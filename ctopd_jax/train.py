@@ -33,17 +33,17 @@ import sys
 
 import jax
 
+from ctopd_jax.common.cli import EXIT_DIVERGED, Parser, one_line, run
+from ctopd_jax.common.run_dir import RunLock, write_error
+from ctopd_jax.common.run_guard import SIGNAL_NAMES, SignalGuard
+from ctopd_jax.config import load_config
 from ctopd_jax.loop import trainer as trainer_module   # Trainer read at call time: tests stand it in
 from ctopd_jax.loop.checkpoint import CheckpointWriteError
-from ctopd_jax.common.cli import EXIT_DIVERGED, Parser, one_line, run
-from ctopd_jax.config import load_config
+from ctopd_jax.loop.trainer import TrainingDiverged
 from ctopd_jax.mesh.device_mesh import initialize_distributed
 from ctopd_jax.plot import plot_after_training
 from ctopd_jax.preflight import preflight, start_served_teachers
 from ctopd_jax.preflight.resume_config import record_config_changes
-from ctopd_jax.common.run_dir import RunLock, write_error
-from ctopd_jax.common.run_guard import SIGNAL_NAMES, SignalGuard
-from ctopd_jax.loop.trainer import TrainingDiverged
 
 PROG = "python -m ctopd_jax.train"
 

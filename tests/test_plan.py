@@ -17,11 +17,9 @@ import json
 
 import pytest
 
-from ctopd_jax.plan import planner as plan
-
-from ctopd_jax.plan import model as plan_model
 from ctopd_jax.common.cli import run
 from ctopd_jax.models import PRESETS, ModelConfig
+from ctopd_jax.plan import model as plan_model, planner as plan
 
 
 def _cli(argv):

@@ -11,9 +11,9 @@ class (config/catalog.py) with:
 - `check(overlap)`: settings that depend on the tokenizer pair (before any model loads);
 - `prepare(host, start, stop)`: the `MicroBatch` (algorithms/micro_batch.py: named, documented
   fields) of one micro-batch from the host batch: pack.micro_batch's shared fields, the
-  `teacher_rows` whose hidden states the teacher hands back (teacher.py), and its own arrays as
+  `teacher_rows` whose hidden states the teacher hands back (step/teacher.py), and its own arrays as
   `terms`, a dataclass its module defines (`@terms_class`, row fields declared with `rows(side)`);
-- `packs`: whether its micro-batches may be packed (algorithms/packing.py);
+- `packs`: whether its micro-batches may be packed (algorithms/packed_rows.py);
 - `kd_sums(x)`: named loss SUMS over the micro-batch and metrics, on device;
 - optionally: run state (`state_dict()` / `load_state_dict()`, saved with checkpoints, and
   `after_micro_batch(metrics)` that updates it), a `gradient_comparison()` for the diagnostics,
@@ -34,10 +34,10 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from ctopd_jax.kernels import losses
-from ctopd_jax.config.catalog import register  # noqa: F401  (objective modules' decorator)
 from ctopd_jax.algorithms.micro_batch import MicroBatch
 from ctopd_jax.config import AlgorithmSection
+from ctopd_jax.config.catalog import register  # noqa: F401  (objective modules' decorator)
+from ctopd_jax.kernels import losses
 from ctopd_jax.kernels.token_rows import token_rows
 
 
@@ -89,7 +89,7 @@ class Needs:
     teacher_base: bool = False           # a third model: the teacher's pre-tuning base
     rollout_logprobs: bool = False       # engine log-probs of the sampled tokens (π_old)
     reuse_sampled_ids: bool = False      # same tokenizer: sampled ids reused, no re-tokenization
-    turns: bool = False                  # turn-structured episodes (host_episodes.EpisodeCollector)
+    turns: bool = False                  # turn-structured episodes (episode_collector.EpisodeCollector)
     episodes: bool = False               # may train on an environment's episodes (rollout.environment)
     teacher_engine: bool = False         # the teacher also samples (its responses, expert turns or
                                          # judge calls): a second rollout engine over the teacher
@@ -142,7 +142,7 @@ class Objective:
     response_logprob_grad: ClassVar[bool] = False
     # what the demo (demo/compare.py) runs it with beside its pair's config: {dotted key: value}
     demo_settings: ClassVar[dict[str, Any]] = {}
-    # packed rows (algorithms/packing.py) move every declared row field of its micro-batch;
+    # packed rows (algorithms/packed_rows.py) move every declared row field of its micro-batch;
     # False: its loss depends on the micro-batch boundaries, it keeps one row per sample
     packs: ClassVar[bool] = True
     # rollout.async_rollouts at staleness 1 (rollout/staleness.py): "none" (full divergences per
@@ -240,7 +240,7 @@ class Objective:
 
 
 # -- optional capabilities: an objective that has one also subclasses it; the host side checks
-# with isinstance (host_episodes.EpisodeCollector, build.context_room) ----------------------------
+# with isinstance (episode_collector.EpisodeCollector, build.context_room) ----------------------------
 
 class TurnCurriculum:
     """Turn-structured episodes on a curriculum (needs.turns): how many turns the student plays,

@@ -10,7 +10,7 @@ jax.tree.map.
 Row convention (pack.py): a sequence of one side is padded on the right to T; the hidden state
 that predicts position p of sample b is FLAT row b·T + p − 1 of that side's [M·T] rows. A field
 holding such flat row indices declares the side it indexes with `rows("student")` or
-`rows("teacher")`: packing (algorithms/packing.py) moves exactly those fields, recursively into
+`rows("teacher")`: packing (algorithms/packed_rows.py) moves exactly those fields, recursively into
 `terms`. A field named `*_rows` without a side is refused when packing (`map_rows`), never
 silently read as a position of the wrong layout.
 

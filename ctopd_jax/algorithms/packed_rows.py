@@ -27,7 +27,7 @@ optimizer batch, so which micro-batch a sample lands in changes nothing but summ
 
 The mask becomes int32 segment ids (sample i of the micro-batch is segment i + 1, pads 0),
 which the decoder reads as "attend only inside your segment, positions restart at each
-segment" (models/decoder.py, kv_cache.prefill_positions). Every flat row index of that side
+segment" (models/decoder.py, attention.prefill_positions). Every flat row index of that side
 (each micro-batch field declared `rows(side)`, micro_batch.py, terms included) moves from (sample b, position p) =
 divmod(row, T) to row_b · W + offset_b + p, so each per-token term (response, strict pair,
 span, teacher row) reads the same hidden state as before: the loss sums are those of the

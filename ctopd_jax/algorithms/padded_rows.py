@@ -1,4 +1,4 @@
-"""Host side: one micro-batch of a collected batch (host.HostBatch) -> padded numpy arrays.
+"""Host side: one micro-batch of a collected batch (collector.HostBatch) -> padded numpy arrays.
 
 Row convention: a sequence of length L is padded on the right to T; the logits row that
 predicts the token at position p is row p − 1, and its flat index in the [M·T] rows of the

@@ -32,9 +32,9 @@ import numpy as np
 from ctopd_jax.algorithms.base import Needs, TurnJudge, register
 from ctopd_jax.algorithms.same_tokenizer import SameTokenizerSettings, full_vocab_sum
 from ctopd_jax.algorithms.turn_based import TurnObjective, segment_means
+from ctopd_jax.algorithms.turns import STUDENT, episode_arrays
 from ctopd_jax.config import require
 from ctopd_jax.kernels.full_rows import row_stats, top1_stats
-from ctopd_jax.algorithms.turns import STUDENT, episode_arrays
 
 JUDGE_PROMPT = (
     "You are checking one step of a student's work.\n"

@@ -1,7 +1,7 @@
 """Shared ground of the same-tokenizer OPD family (SPEC §9): gkd, opd, opd_full, vopd, opd2.
 
 Teacher and student share one tokenizer and chat template (tokenization.same_pair.same_tokenizer_mismatch refuses
-any other pair before a model loads), the sampled ids are reused (host.SameTokenizerCollector),
+any other pair before a model loads), the sampled ids are reused (collector.SameTokenizerCollector),
 so the student's response rows and the teacher's rows are the same positions of the same ids:
 `prepare` asks the teacher for hidden states at exactly the student's response rows, and every
 teacher quantity (sampled-token log-prob, full-vocabulary KL, top-k centring) is computed from
@@ -57,7 +57,7 @@ def same_inputs(host, start: int, stop: int) -> MicroBatch:
     batch = padded_rows.micro_batch(host, start, stop)
     if batch.teacher_ids.shape != batch.student_ids.shape:
         raise ValueError("same-tokenizer objectives need a host batch whose teacher side is the "
-                         "student side (host.SameTokenizerCollector)")
+                         "student side (collector.SameTokenizerCollector)")
     served = None
     if host.served_teacher_rows is not None:   # a served teacher: log π_T(y) already scored
         served = padded_rows.served_token_logprobs(host, padded_rows.response_batch_rows(host.teacher, start, stop),

@@ -24,7 +24,7 @@ top-k (`Needs.teacher_scores = "topk"`: the loop asks the server for teacher.top
 `teacher.engine: local` they are refused in favour of the exact objective (`check_run`).
 
 The math (host: top-k -> fixed-width columns; device: renormalise, divergence) is
-teacher_service/topk.py's, tested there against brute force; this module picks the rows (the
+algorithms/served_topk_loss.py's, tested there against brute force; this module picks the rows (the
 strict pairs' teacher rows, the response rows), pads them into micro-batch arrays and takes the
 student's values at the columns (topk.head_columns: no [R, V] logits).
 """
@@ -37,18 +37,18 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ctopd_jax.kernels import losses
 from ctopd_jax.algorithms import padded_rows
 from ctopd_jax.algorithms.base import Needs, Objective, register
 from ctopd_jax.algorithms.gkd import Gkd, GkdSettings
 from ctopd_jax.algorithms.micro_batch import terms_class
 from ctopd_jax.algorithms.same_tokenizer import same_inputs
+from ctopd_jax.algorithms.served_topk_loss import (head_columns, overlap_pairs_by_teacher_id,
+                                                   topk_gkd_rows, topk_gkd_support,
+                                                   topk_strict_columns, topk_strict_rows,
+                                                   vocabulary_logsumexps)
 from ctopd_jax.algorithms.strict import StrictPairs, strict_inputs
 from ctopd_jax.config import AlgorithmSection, require, teacher_views
-from ctopd_jax.algorithms.served_topk_loss import (head_columns, overlap_pairs_by_teacher_id,
-                                            topk_gkd_rows, topk_gkd_support,
-                                            topk_strict_columns, topk_strict_rows,
-                                            vocabulary_logsumexps)
+from ctopd_jax.kernels import losses
 
 
 def require_served_teacher(config, name: str, exact: str) -> None:

@@ -42,12 +42,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ctopd_jax.kernels import losses
 from ctopd_jax.algorithms import padded_rows
 from ctopd_jax.algorithms.base import Objective, register
 from ctopd_jax.algorithms.micro_batch import rows, terms_class
 from ctopd_jax.align.simct import simct_segments
 from ctopd_jax.config import AlgorithmSection
+from ctopd_jax.kernels import losses
 from ctopd_jax.kernels.token_rows import token_rows
 
 NO_SPAN = -1e9  # the extra column of a 1:1 segment, on both sides

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 
 from ctopd_jax.algorithms import padded_rows
 from ctopd_jax.algorithms.base import GradientComparison, Objective, register
-from ctopd_jax.config.catalog import objective_class
 from ctopd_jax.algorithms.micro_batch import MicroBatch, rows, terms_class
 from ctopd_jax.config import AlgorithmSection, require
+from ctopd_jax.config.catalog import objective_class
 from ctopd_jax.kernels import strict_kd_rows
 
 

@@ -1,6 +1,6 @@
 """Shared ground of the turn-structured objectives (SPEC §9): tcod, sod, sage_opd.
 
-They train on episodes (host_episodes.EpisodeCollector: multi-turn with an environment, or one
+They train on episodes (episode_collector.EpisodeCollector: multi-turn with an environment, or one
 response split into paragraph turns), reuse the sampled ids like the rest of the same-tokenizer
 family, and see each response row's TURN: their terms (`TurnTerms`) hold, per response row,
 the row's turn, its sample's first turn, outcome advantage and judgment.

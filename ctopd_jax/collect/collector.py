@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ctopd_jax.data.prompts import response_text
 from ctopd_jax.algorithms import packed_rows
 from ctopd_jax.algorithms.padded_rows import round_up
 from ctopd_jax.align import strict_align
 from ctopd_jax.align.strict import StrictAlignment
+from ctopd_jax.data.prompts import response_text
 from ctopd_jax.rollout.base import SamplingParams
 from ctopd_jax.tokenization.retokenize import IGNORE_INDEX, RetokenizedBatch, retokenize_pair
 
@@ -35,7 +35,7 @@ class HostBatch:
     responses: list[str]
     finish_reasons: list[str]
     shard_samples: int = 0           # samples this process generated itself (its shard)
-    turns: TurnRows | None = None    # turn structure of episodes (host_episodes)
+    turns: TurnRows | None = None    # turn structure of episodes (collect/episode_collector)
     turn_stats: dict | None = None   # their per-iteration metrics (reward, turns, curriculum)
     sources: list[str] | None = None  # where each sample's response came from (RESPONSE_SOURCES)
     # a served teacher's scores of the teacher side (teacher_service.batch_rows.ServedRows),

@@ -21,10 +21,10 @@ from __future__ import annotations
 import numpy as np
 
 from ctopd_jax.algorithms.base import TurnCurriculum, TurnJudge
-from ctopd_jax.grading.grader import MathGrader
-from ctopd_jax.collect.collector import HostBatch, identity_alignment, render, sampling_params, token_batch
-from ctopd_jax.rollout.episodes import play
 from ctopd_jax.algorithms.turns import STUDENT, TurnRows, episode_arrays, group_advantage
+from ctopd_jax.collect.collector import HostBatch, identity_alignment, render, sampling_params, token_batch
+from ctopd_jax.grading.grader import MathGrader
+from ctopd_jax.rollout.episodes import play
 
 
 def expert_path(prompt, has_environment: bool) -> list[str] | None:

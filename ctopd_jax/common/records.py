@@ -1,6 +1,6 @@
 """Rows of jsonl / parquet files and chat-message cells, validated with `file:line` errors.
 
-One reader serves the training prompt files (`data.py`), the evaluation sets (`datasets.py`)
+One reader serves the training prompt files (`data/prompts.py`), the evaluation sets (`data/eval_sets.py`)
 and graded sample files (`evaluate.py`), so a malformed row reads the same everywhere:
 `path:LINE: what is wrong; how to fix it` (`path:row N` for parquet, N counted from 1).
 """

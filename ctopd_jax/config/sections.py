@@ -10,10 +10,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ctopd_jax.kernels import losses
 from ctopd_jax.config.algorithm_settings import algorithm_class
 from ctopd_jax.config.errors import ConfigError, require
 from ctopd_jax.config.served import TeacherServiceSettings, TeacherSettingError
+from ctopd_jax.kernels import losses
 from ctopd_jax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 
 
@@ -144,7 +144,7 @@ class RolloutSection:
     transfer_address: str = ""           # sglang_server + nccl: host:port of the trainer's rendezvous
     sync_dir: str = ""                   # folder the servers read pushed weights from ("" = temp)
     logprob_check_rows: int = 4          # rows the server re-scores after each push
-    # generation overlapped with training (served engines; rollout/overlap.py); `rollout.async`
+    # generation overlapped with training (served engines; rollout/async_rollouts.py); `rollout.async`
     # reads as this field (a keyword cannot be one). The next iteration's responses are
     # generated while this one trains, from the weights before its update (async_staleness 1)
     # or after its push (0: the same numbers as without async; only metrics, evaluation and
@@ -189,7 +189,7 @@ class AlgorithmSection:
 
     def validate(self) -> None:
         """Impossible values, one ConfigError naming the field (the objective's own checks
-        extend this). Divergence ranges come from losses.py: one place for both."""
+        extend this). Divergence ranges come from kernels/losses.py: one place for both."""
         require(0 <= self.kd_ratio <= 1, "algorithm.kd_ratio", f"{self.kd_ratio} must be in [0, 1]")
         require(self.chunked_loss_size >= 1, "algorithm.chunked_loss_size", "must be >= 1")
         require(self.diagnostics_every >= 0, "algorithm.diagnostics_every", "must be >= 0 (0 = off)")
@@ -214,7 +214,7 @@ class OptimizerSection:
     min_lr: float = 1e-8                 # the cosine schedule's floor
     train_batch_size: int = 8            # responses per optimizer step
     micro_batch_size: int = 8            # responses per forward/backward
-    # packed rows (algorithms/packing.py): a micro-batch is the consecutive responses that fit,
+    # packed rows (algorithms/packed_rows.py): a micro-batch is the consecutive responses that fit,
     # several per row, rows of this many tokens in all, on both models' sides. auto:
     # micro_batch_size x the longest row (rollout.max_prompt_len + generate_max_len + 1, rounded
     # up to 64), so a packed micro-batch never holds more tokens than an unpacked one can;

@@ -9,11 +9,11 @@ from typing import Any
 
 import jax
 
+from ctopd_jax.common.routing import check_teacher_names
 from ctopd_jax.config.errors import ConfigError, require
 from ctopd_jax.config.sections import LORA_TARGETS, TeacherSection, TrainConfig
 from ctopd_jax.config.served import TeacherSettingError, check_settings
 from ctopd_jax.mesh.device_mesh import MeshError, resolve_mesh_shape
-from ctopd_jax.common.routing import check_teacher_names
 
 
 def validate(config: TrainConfig, device_count: int | None = None) -> None:

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ctopd_jax.common import sources
+from ctopd_jax.common.records import RecordError, chat_messages, read_jsonl, read_parquet
 from ctopd_jax.grading.normalize import normalize_answer
 from ctopd_jax.grading.numeric import parse_number
-from ctopd_jax.common.records import RecordError, chat_messages, read_jsonl, read_parquet
 
 MATH_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 

@@ -160,3 +160,10 @@ def load_response_prompts(path, prompt_key: str = "prompt", system_prompt: str =
     if not prompts:
         raise RecordError(f"data.path {path}: the file holds no prompts")
     return prompts
+
+
+def response_prompts(data_section):
+    """The prompt rows of `data:` with their dataset responses (load_response_prompts)."""
+    d = data_section
+    path = resolve_named_source(d.path) if sources.is_named(d.path) else d.path
+    return load_response_prompts(path, d.prompt_key, d.system_prompt)

@@ -31,22 +31,22 @@ import jax
 import numpy as np
 
 import ctopd_jax
-from ctopd_jax.common import cli
 from ctopd_jax.algorithms import registry
 from ctopd_jax.align import strict_align
-from ctopd_jax.loop.build import model_dir
+from ctopd_jax.common import cli
 from ctopd_jax.common.cli import Parser, at_least
+from ctopd_jax.common.run_guard import SignalGuard
 from ctopd_jax.config import load_config
 from ctopd_jax.data.eval_sets import load_dataset
 from ctopd_jax.demo import task
 from ctopd_jax.demo.compare import algorithm_config, compare, episode_accuracy, gap_closed
 from ctopd_jax.loop.mean_at_k import evaluate_model
+from ctopd_jax.loop.model_sources import model_dir
+from ctopd_jax.loop.trainer import Trainer
 from ctopd_jax.models.weights import load_hf_checkpoint
 from ctopd_jax.plot import plot_run
 from ctopd_jax.preflight import preflight, start_served_teachers
-from ctopd_jax.common.run_guard import SignalGuard
 from ctopd_jax.tokenization import retokenize_pair
-from ctopd_jax.loop.trainer import Trainer
 
 STRICT_DEMO_OBJECTIVE = "topk_strict"  # the objective of DEFAULT_CONFIG, whose target is 50%
 DEFAULT_CONFIG = Path(ctopd_jax.__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"

@@ -56,13 +56,13 @@ import yaml
 import ctopd_jax
 from ctopd_jax.algorithms import default_objective, objectives_that, registry
 from ctopd_jax.config import load_config, load_yaml
-from ctopd_jax.data.prompts import load_prompts, resolve_named_source
 from ctopd_jax.data.eval_sets import load_dataset
+from ctopd_jax.data.prompts import load_prompts, resolve_named_source
 from ctopd_jax.envs import make_environment
 from ctopd_jax.loop.mean_at_k import evaluate_model
+from ctopd_jax.loop.trainer import Trainer
 from ctopd_jax.rollout import make_rollout_engine
 from ctopd_jax.rollout.episodes import greedy_reward
-from ctopd_jax.loop.trainer import Trainer
 
 CONFIGS = Path(ctopd_jax.__file__).resolve().parent.parent / "configs"
 CROSS_CONFIG = CONFIGS / "tiny_cpu.yaml"

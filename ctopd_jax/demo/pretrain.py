@@ -58,8 +58,8 @@ from ctopd_jax.demo.pretrain_tools import TOOLS_SEQ_LEN, tools_held_out_metrics,
 from ctopd_jax.loop.mean_at_k import evaluate_model
 from ctopd_jax.models import Decoder, ModelConfig, tiny_llama, tiny_qwen2
 from ctopd_jax.models.weights import export_hf_checkpoint, load_hf_checkpoint
-from ctopd_jax.step.optimizer import make_optimizer
 from ctopd_jax.rollout import SamplingParams, make_rollout_engine
+from ctopd_jax.step.optimizer import make_optimizer
 from ctopd_jax.tokenization import IGNORE_INDEX, TokenizerSide, load_tokenizer_side, retokenize
 
 SEQ_LEN = 64            # every demo sequence (prompt + response + EOS) fits on both sides

@@ -5,69 +5,46 @@ Decisions where SPEC is silent:
 - Prompts whose student rendering is longer than rollout.max_prompt_len are dropped once at
   start-up (with a warning naming the count and the first one), so the data order is fixed.
 - Multi-process (jax.distributed): each process samples its shard of the prompts with its own
-  engine (ProcessShardedEngine); the samples are gathered, so every process runs the same host
-  work on the same data and assembles the same global arrays.
+  engine (rollout/process_sharded.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import warnings
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
-from ctopd_jax.mesh import device_mesh as mesh_lib
-
-from ctopd_jax.common import sources
 from ctopd_jax.algorithms import packed_rows
 from ctopd_jax.algorithms.base import TurnJudge
-from ctopd_jax.loop.checkpoint import export_student_hf
-from ctopd_jax.config import teacher_views
-from ctopd_jax.data.prompts import PromptStream, load_prompts, load_response_prompts, resolve_named_source
-from ctopd_jax.envs import make_environment
 from ctopd_jax.collect.collector import Collector, SameTokenizerCollector, render
 from ctopd_jax.collect.episode_collector import EpisodeCollector
-from ctopd_jax.mesh.arrays import allgather_objects, local_copy, replicated
+from ctopd_jax.common import sources
+from ctopd_jax.common.setup_errors import TrainerSetupError
+from ctopd_jax.config import teacher_views
+from ctopd_jax.data.prompts import PromptStream, load_prompts, resolve_named_source, response_prompts
+from ctopd_jax.envs import make_environment
+from ctopd_jax.loop.model_sources import model_dir, served_teacher_model_config, tokenizer_side
+from ctopd_jax.loop.objective_factory import check_pair
+from ctopd_jax.mesh import device_mesh as mesh_lib
+from ctopd_jax.mesh.arrays import replicated
 from ctopd_jax.models import PRESETS, lora
-from ctopd_jax.models.config import ModelConfig
-from ctopd_jax.models.init import init_decoder
-from ctopd_jax.models.lora import save_adapter
 from ctopd_jax.models import weights   # weights.load_hf_checkpoint read at call time (tests trip on it)
-from ctopd_jax.step.optimizer import make_optimizer
-from ctopd_jax.rollout.base import RolloutResult
+from ctopd_jax.models.init import init_decoder
 from ctopd_jax.rollout.jax_sampler import JaxSampler
+from ctopd_jax.rollout.process_sharded import ProcessShardedEngine
 from ctopd_jax.rollout.served import ServedRolloutEngine
 from ctopd_jax.rollout.vllm_engine import VllmEngine
-from ctopd_jax.common.setup_errors import TrainerSetupError
 from ctopd_jax.step.grad import make_apply_update
+from ctopd_jax.step.optimizer import make_optimizer
 from ctopd_jax.step.teacher import lm_head_of
 from ctopd_jax.teacher_service import ServedTeacher
 from ctopd_jax.tokenization.overlap import overlap_map
-from ctopd_jax.tokenization.side import load_tokenizer_side
-
-
-def model_dir(spec: str) -> Path | None:
-    """The checkpoint directory a `model.student` / `model.teacher` spec names, if any."""
-    if sources.is_named(spec) and not spec.startswith("preset:"):
-        return Path(sources.resolve("model", spec, "model"))
-    path = Path(spec).expanduser()
-    return path if path.is_dir() else None
-
-
-def tokenizer_side(spec: str, tokenizer_spec: str, role: str):
-    """The TokenizerSide of `model.<role>`: `model.<role>_tokenizer`, else the model's folder."""
-    directory = model_dir(spec)
-    tok_spec = tokenizer_spec or (str(directory) if directory is not None else "")
-    if not tok_spec:
-        raise TrainerSetupError(f"model.{role}_tokenizer: a preset model ({spec}) needs a tokenizer; "
-                                f"set model.{role}_tokenizer (e.g. tiny_bpe)")
-    return load_tokenizer_side(tok_spec)
 
 
 def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, role: str, tokenizer=None):
@@ -99,24 +76,6 @@ def load_side(spec: str, tokenizer_spec: str, model_section, mesh, seed: int, ro
     return model, tokenizer
 
 
-def served_teacher_model_config(config):
-    """The teacher's ModelConfig read from model.teacher's config.json, for a teacher behind a
-    server (`teacher.engine` vllm_server / sglang_server): the trainer then needs the teacher's
-    folder for its config.json and tokenizer only, never its weights."""
-    engine, spec = config.teacher.engine, config.model.teacher
-    directory = model_dir(spec)
-    config_file = directory / "config.json" if directory is not None else None
-    if config_file is None or not config_file.is_file():
-        raise TrainerSetupError(
-            f"model.teacher={spec!r}: with teacher.engine={engine} the trainer reads the served "
-            "teacher's config.json (its vocabulary) and tokenizer from model.teacher's folder "
-            "(no weights needed); point model.teacher at that folder")
-    try:
-        return ModelConfig.from_hf_dict(json.loads(config_file.read_text(encoding="utf-8")))
-    except (ValueError, UnicodeDecodeError) as err:   # JSON or ModelConfigError
-        raise TrainerSetupError(f"model.teacher: {config_file}: {err}") from None
-
-
 def start_served_teacher(config, vocab_size: int, url: str | None = None):
     """The teacher behind a server (teacher_service.ServedTeacher over the `teacher:` section),
     after its start-up check (up, right engine, model and vocabulary; one line naming
@@ -143,7 +102,7 @@ class TeacherParts:
     tokenizer: Any                  # tokenization.TokenizerSide
     overlap: Any                    # tokenization.OverlapMap with the student
     overlap_arrays: dict            # its id arrays on the mesh: {"s_ids", "t_ids"}
-    collector: Any                  # host.Collector / SameTokenizerCollector / EpisodeCollector
+    collector: Any                  # collector.Collector / SameTokenizerCollector / EpisodeCollector
     scoring: tuple = (None, None, None)   # (graphdef, state, lm_head) of `model`, as
                                           # teacher_hidden_rows and the loss read them
 
@@ -201,7 +160,7 @@ def load_teacher(view, name: str, objective, s_tok, mesh, seed: int, checked=Non
                                  seed, "teacher", checked.tokenizer if checked is not None else None)
     overlap = checked.overlap if checked is not None else overlap_map(t_tok, s_tok)
     if checked is None:
-        objective.check(overlap)
+        check_pair(objective, overlap)
     arrays = {"s_ids": replicated(overlap.s_ids.astype(np.int32), mesh),
               "t_ids": replicated(overlap.t_ids.astype(np.int32), mesh)}
     scoring = (None, None, None)
@@ -209,40 +168,6 @@ def load_teacher(view, name: str, objective, s_tok, mesh, seed: int, checked=Non
         graphdef, state = nnx.split(model)
         scoring = (graphdef, state, lm_head_of(graphdef, state))
     return TeacherParts(name, model, served, t_tok, overlap, arrays, None, scoring)
-
-
-class ProcessShardedEngine:
-    """One engine per process (jax.distributed): process p samples only its shard of the prompts
-    (a contiguous block, with the global sample ids, so the draws equal a single process's), and
-    the samples are gathered so that every process builds the same host batch.
-
-    The engine samples from a local copy of the student (gathered from the mesh each sync): fine
-    for the embedded sampler and small students; vLLM gets its own copy per process likewise."""
-
-    def __init__(self, make_engine: Callable[[Any], Any], student):
-        self.engine = make_engine(local_copy(student))
-        self.eos_ids = getattr(self.engine, "eos_ids", ())
-
-    def generate(self, prompts, params):
-        count, index = jax.process_count(), jax.process_index()
-        per = -(-len(prompts) // count)
-        first = min(index * per, len(prompts))
-        mine = list(prompts[first:first + per])
-        part = {"prompt_ids": [], "token_ids": [], "logprobs": [], "finish_reasons": [], "prompt_index": []}
-        if mine:
-            r = self.engine.generate(mine, params.replace(first_sample_id=first * params.n))
-            part = {"prompt_ids": r.prompt_ids, "token_ids": r.token_ids, "logprobs": r.logprobs,
-                    "finish_reasons": r.finish_reasons, "prompt_index": [first + i for i in r.prompt_index]}
-        parts = allgather_objects({k: [list(map(float, x)) if k == "logprobs" else x for x in v]
-                                   for k, v in part.items()})
-        merged = {k: [x for p in parts for x in p[k]] for k in part}
-        return RolloutResult(**merged, stats={"shard_samples": len(part["token_ids"])})
-
-    def update_weights(self, model) -> None:
-        self.engine.update_weights(local_copy(model))
-
-    def push_metrics(self) -> dict[str, float]:
-        return self.engine.push_metrics()
 
 
 def context_room(objective, rollout, side) -> int:
@@ -280,7 +205,7 @@ def prompt_stream(config, s_tok, objective, prompts=None):
     d, r = config.data, config.rollout
     path = resolve_named_source(d.path) if sources.is_named(d.path) else d.path
     if prompts is None:
-        prompts = response_prompts(config) if uses_dataset_responses(objective) \
+        prompts = response_prompts(d) if objective.needs.responses == "dataset" \
             else load_prompts(path, d.prompt_key, d.system_prompt)
     encoded = s_tok.tokenizer.encode_batch([render(s_tok, p) for p in prompts], add_special_tokens=False)
     fits = [len(e.ids) <= r.max_prompt_len for e in encoded]
@@ -303,47 +228,6 @@ def update_fns(section, total_steps: int, donate: bool):
     return tx, schedule, make_apply_update(tx, schedule, donate=donate)
 
 
-def write_adapter(student, config, run_dir: Path, is_writer: bool) -> Path | None:
-    """LoRA (`lora.rank` > 0): the student's PEFT adapter in <run_dir>/adapter/, rewritten at each
-    checkpoint and at the end (atomically: models.lora.save_adapter). Every process calls it (the
-    adapter is gathered from the mesh); the writer writes. None without LoRA or off the writer."""
-    if config.lora.rank == 0:
-        return None
-    model = student if jax.process_count() == 1 else local_copy(student)
-    if not is_writer:
-        return None
-    base = model_dir(config.model.student) or config.model.student
-    return save_adapter(model, Path(run_dir) / "adapter", str(base), config.lora.dropout)
-
-
-def export_student(student, s_tok, out_dir: Path, is_writer: bool, config=None) -> Path | None:
-    """The trained student as an HF checkpoint (written by the first process only).  With LoRA
-    (`lora.rank` > 0): the PEFT adapter in <out_dir>/../adapter, and the merged HF model only
-    with `checkpoint.export_merged` (then its folder is returned, else the adapter's)."""
-    if config is not None and config.lora.rank > 0:
-        adapter = write_adapter(student, config, Path(out_dir).parent, is_writer)
-        if not config.checkpoint.export_merged:
-            return adapter
-    model = student if jax.process_count() == 1 else local_copy(student)
-    if not is_writer:
-        return None
-    extra = {"eos_token_id": s_tok.eos_id, "pad_token_id": s_tok.pad_id}
-    if s_tok.bos_id is not None:
-        extra["bos_token_id"] = s_tok.bos_id
-    return export_student_hf(model, out_dir, tokenizer_dir=s_tok.path, extra_config=extra)
-
-
-def uses_dataset_responses(objective) -> bool:
-    return objective.needs.responses == "dataset"
-
-
-def response_prompts(config):
-    """The prompt rows with their dataset responses (prompts.load_response_prompts)."""
-    d = config.data
-    path = resolve_named_source(d.path) if sources.is_named(d.path) else d.path
-    return load_response_prompts(path, d.prompt_key, d.system_prompt)
-
-
 def load_teacher_base(config, mesh):
     """(graphdef, state, lm_head) of model.teacher_base, or None when it is not set."""
     m = config.model
@@ -355,7 +239,7 @@ def load_teacher_base(config, mesh):
 
 
 def make_collector(config, objective, s_tok, t_tok, engine, teacher, mesh):
-    """host.Collector (cross-tokenizer) or host.SameTokenizerCollector (`needs.reuse_sampled_ids`),
+    """collector.Collector (cross-tokenizer) or collector.SameTokenizerCollector (`needs.reuse_sampled_ids`),
     with a second engine over the teacher when the objective may need teacher responses."""
     if not objective.needs.reuse_sampled_ids:   # packing: each optimizer batch in packed micro-batches
         budget = packed_rows.objective_budget(config, objective)

@@ -47,7 +47,6 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ctopd_jax.models.weights import export_hf_checkpoint
 from ctopd_jax.common.run_dir import DISK_ERRNOS, disk_errno
 
 log = logging.getLogger(__name__)
@@ -381,18 +380,3 @@ class Checkpointer:
                 target = self.directory / f"{step}.corrupt-{n}"
             source.rename(target)
         self._manager.reload()
-
-
-def export_student_hf(model: Any, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
-                      extra_config: dict | None = None) -> Path:
-    """Write the student as an HF safetensors directory (config.json + weights [+ tokenizer])."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    export_hf_checkpoint(model, model.cfg, out, extra_config=extra_config)
-    if tokenizer_dir is not None and jax.process_index() == 0:
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                     "chat_template.jinja", "generation_config.json"):
-            src = Path(tokenizer_dir) / name
-            if src.is_file() and not (out / name).exists():
-                shutil.copy(src, out / name)
-    return out

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ctopd_jax.common.records import RecordError, read_jsonl
 from ctopd_jax.data.eval_sets import EvalDataset, EvalProblem, build_prompt, load_dataset
 from ctopd_jax.grading import MathGrader
-from ctopd_jax.common.records import RecordError, read_jsonl
 from ctopd_jax.rollout import make_rollout_engine
 from ctopd_jax.rollout.base import SamplingParams
 

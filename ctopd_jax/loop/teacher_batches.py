@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ctopd_jax.config import default_teacher
 from ctopd_jax.common.routing import route_rows
+from ctopd_jax.config import default_teacher
 from ctopd_jax.step.grad import host_floats
 from ctopd_jax.teacher_service.batch_rows import score_teacher_batch
 

@@ -1,6 +1,6 @@
 """The on-policy loop of SPEC §1, nothing else.
 
-    prompts -> per teacher (`teachers:` routes each prompt; else the one): host.Collector
+    prompts -> per teacher (`teachers:` routes each prompt; else the one): collector.Collector
        (render, generate, re-tokenize, align)
     -> (a teacher behind a server: its token log-probs (and top-k) of the batch, on the host)
     -> per optimizer batch, per teacher, per micro-batch: objective.prepare -> teacher hidden
@@ -8,7 +8,7 @@
        -> student gradient of the objective's sums (step/)
     -> optax update -> engine.update_weights -> metrics -> checkpoint
 
-Building (models, engines, prompts, optimizer) lives in build.py, host collection in host.py,
+Building (models, engines, prompts, optimizer) lives in build.py, host collection in collect/collector.py,
 the objectives in algorithms/: adding an objective never edits this file.
 
 Decisions where SPEC is silent:
@@ -38,27 +38,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ctopd_jax.loop import build
-
-from ctopd_jax.common import heap
-
-from ctopd_jax.loop import offload
-
-from ctopd_jax.loop import teacher_batches
 from ctopd_jax.algorithms.packed_rows import (budget as packing_budget, host_micro_ranges, objective_budget,
-                                          pack_rows)
+                                              pack_rows)
 from ctopd_jax.align import CoverageMeter
-from ctopd_jax.loop.checkpoint import Checkpointer
-from ctopd_jax.config import TrainConfig, default_teacher
-from ctopd_jax.loop.mean_at_k import evaluate_during_training
-from ctopd_jax.mesh.arrays import on_mesh, to_global
+from ctopd_jax.common import heap
 from ctopd_jax.common.metrics import MetricsLogger, StartupClock, StepTimer, compile_seconds
-from ctopd_jax.models import lora
-from ctopd_jax.loop.objective_factory import check_objective
-from ctopd_jax.rollout.async_rollouts import Drawn, Rollouts
-from ctopd_jax.rollout.staleness import step_objective
 from ctopd_jax.common.run_guard import DivergenceGuard, Stopped
 from ctopd_jax.common.setup_errors import TrainerSetupError  # (also re-exported for callers)
+from ctopd_jax.config import TrainConfig, default_teacher
+from ctopd_jax.loop import build, export, offload, teacher_batches
+from ctopd_jax.loop.checkpoint import Checkpointer
+from ctopd_jax.loop.mean_at_k import evaluate_during_training
+from ctopd_jax.loop.objective_factory import check_objective
+from ctopd_jax.mesh.arrays import on_mesh, to_global
+from ctopd_jax.models import lora
+from ctopd_jax.rollout.async_rollouts import Drawn, Rollouts
+from ctopd_jax.rollout.staleness import step_objective
 from ctopd_jax.step.diagnostics import Diagnostics
 from ctopd_jax.step.grad import micro_grad, zero_grads
 from ctopd_jax.step.shards import stack_shards
@@ -140,7 +135,7 @@ class Trainer:
                     timer, dropout, packed: bool = False):
         """(loss, sums, metrics, grads + its gradient) of samples [start, stop) of a batch collected
         for `teacher` (build.TeacherParts; `grads` is donated to the step; `dropout`: its LoRA
-        dropout, lora.train_dropout; `packed`: packed rows, algorithms/packing.py).
+        dropout, lora.train_dropout; `packed`: packed rows, algorithms/packed_rows.py).
 
         When the micro-batch divides over the batch shards (data × fsdp), each shard's samples
         are prepared on their own and the loss and teacher rows run per shard (no row moves
@@ -318,7 +313,7 @@ class Trainer:
                 if c.checkpoint.save and (checkpointer.should_save(step, c.steps) or stopping):
                     with timer("checkpoint"):
                         checkpointer.save(step, self._state(), self._checkpoint_meta())
-                        build.write_adapter(self.student, c, self.run_dir, self.is_writer)  # LoRA only
+                        export.write_adapter(self.student, c, self.run_dir, self.is_writer)  # LoRA only
                 metrics.update(timer.as_metrics())
                 if step % lg.log_every == 0 or step == c.steps or stopping:
                     record = logger.log(step, metrics, samples)
@@ -331,7 +326,7 @@ class Trainer:
                 checkpointer.close()      # raises CheckpointWriteError if the last write failed
             finally:
                 logger.close()
-        hf_dir = build.export_student(self.student, self.s_tok, self.run_dir / "hf_student", self.is_writer, c) \
+        hf_dir = export.export_student(self.student, self.s_tok, self.run_dir / "hf_student", self.is_writer, c) \
             if c.checkpoint.export_hf else None
         return TrainResult(c.steps, self.run_dir, ck_dir, hf_dir, record)
 
@@ -351,7 +346,7 @@ class Trainer:
         with timer("eval"):
             metrics.update(evaluate_during_training(self.config, step, self.student, self.s_tok, self.engine,
                                                     self.run_dir if self.is_writer else None))
-        if compile_seconds() > compiled:   # the compiler's freed host heap back to the OS (heap.py)
+        if compile_seconds() > compiled:   # the compiler's freed host heap back to the OS (common/heap.py)
             with timer("heap_trim"):
                 heap.trim()
         return metrics, samples

@@ -372,3 +372,14 @@ def attend(q, k, v, mask, implementation: str = "blockwise",
             return attend_blockwise(q, k, v, mask, block_q, block_k)
         return attend_cudnn(q, k, v, mask)
     raise ValueError(f"unknown attention implementation {implementation!r}")
+
+
+def prefill_positions(attention_mask: jax.Array) -> jax.Array:
+    """RoPE positions for a (left- or right-) padded prompt batch: 0, 1, ... over real tokens.
+    An integer mask holds packed rows' segment ids (contiguous runs, 0 on pads): positions
+    restart at 0 where each segment starts."""
+    if attention_mask.dtype == jnp.bool_:
+        return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+    seg = attention_mask.astype(jnp.int32)
+    slot = jnp.arange(seg.shape[1], dtype=jnp.int32)[None]
+    return jnp.where(seg > 0, slot - segment_starts(seg), 0)

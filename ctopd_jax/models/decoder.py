@@ -40,11 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ctopd_jax.kernels.paged_attention import api as paged_attention
 from ctopd_jax.mesh.device_mesh import LOGICAL_RULES, logical_spec
 from ctopd_jax.models.attention import AttentionMask, attend, resolve_implementation
 from ctopd_jax.models.config import ModelConfig
-from ctopd_jax.kernels.paged_attention import api as paged_attention
-from ctopd_jax.models.kv_cache import KVCache, PagedKVCache, init_cache  # noqa: F401
+from ctopd_jax.models.kv_cache import PagedKVCache
 from ctopd_jax.models.lora import TARGETS, add_lora_path, lora_weight
 
 INIT_STD = 0.02
@@ -138,7 +138,7 @@ class Attention(nnx.Module):
         self.implementation = cfg.attention
         self.block, self.packed_block = cfg.attention_block, cfg.packed_attention_block
 
-    def __call__(self, x, cos, sin, mask: AttentionMask, cache: KVCache | None = None,
+    def __call__(self, x, cos, sin, mask: AttentionMask, cache: PagedKVCache | None = None,
                  layer: int = 0, dropout=None):
         """`dropout`: the layer's LoRA dropout (lora.Dropout) in a training forward, else None."""
         dt, dr = self.dtype, dropout
@@ -159,15 +159,7 @@ class Attention(nnx.Module):
             out, cache = self._paged(q, k, v, mask, cache, layer)
             o = jnp.einsum("btnd,ndh->bth", out, lora_weight(self, "o_proj", dt, dr))
             return add_lora_path(self, "o_proj", out, o, dr), cache
-        if cache is not None:
-            start = (layer, 0, cache.index, 0, 0)
-            k_all = jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start)
-            cache_axes = (None, "batch", None, "kv_heads", None)
-            k_all, v_all = constrain(k_all, cache_axes), constrain(v_all, cache_axes)
-            cache = cache._replace(k=k_all, v=v_all)
-            k, v = k_all[layer].astype(dt), v_all[layer].astype(dt)
-        implementation = resolve_implementation(self.implementation, dt, cache is not None)
+        implementation = resolve_implementation(self.implementation, dt, False)
         out = attend(q, k, v, mask, implementation, self.block, self.block, self.packed_block)
         o = jnp.einsum("btnd,ndh->bth", out, lora_weight(self, "o_proj", dt, dr))
         return add_lora_path(self, "o_proj", out, o, dr), cache
@@ -286,9 +278,9 @@ class Decoder(nnx.Module):
     - ``input_ids``, ``positions``: int32 [B, T]. ``attention_mask``: bool [B, T], True on real
       tokens (pads may be on the left or the right); None means all real. Or int32 [B, T]
       segment ids of packed rows (0 on pads; ``positions`` restart at each segment, see
-      kv_cache.prefill_positions), so no token attends across samples.
-    - Returns float32 logits [B, T, V]; with a ``KVCache`` returns ``(logits, new_cache)``
-      (see ``kv_cache.py`` for the cache contract).
+      attention.prefill_positions), so no token attends across samples.
+    - Returns float32 logits [B, T, V]; with a ``PagedKVCache`` (the sampler's) returns
+      ``(logits, new_cache)`` (see ``kv_cache.py`` for the cache contract).
     - ``hidden_states(...)`` returns the final-normed hidden [B, T, H] (compute dtype) and
       ``lm_head_weight()`` the [H, V] projection (the embedding transposed when tied), so a loss
       can apply the lm_head chunk by chunk.
@@ -344,25 +336,13 @@ class Decoder(nnx.Module):
                              None if lora_dropout is None else lora_dropout.fold(i))
             return self.final_norm(x)
 
-        if isinstance(cache, PagedKVCache):
-            written = attention_mask.sum(axis=1, dtype=jnp.int32)
-            cache = cache._replace(lengths=cache.lengths + written,
-                                   write_at=jnp.where(attention_mask, positions, -1))
-            mask = AttentionMask(jnp.arange(t, dtype=jnp.int32), attention_mask)
-            for i, layer in enumerate(self.layers):
-                x, cache = layer(x, cos, sin, mask, cache, i)
-            return self.final_norm(x), cache._replace(write_at=None)
-
-        slots = cache.index + jnp.arange(t, dtype=jnp.int32)  # [T] slot of each new token
-        valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask, (0, cache.index))
-        mask = AttentionMask(slots, valid)
-        cache = cache._replace(valid=valid)
+        written = attention_mask.sum(axis=1, dtype=jnp.int32)
+        cache = cache._replace(lengths=cache.lengths + written,
+                               write_at=jnp.where(attention_mask, positions, -1))
+        mask = AttentionMask(jnp.arange(t, dtype=jnp.int32), attention_mask)
         for i, layer in enumerate(self.layers):
             x, cache = layer(x, cos, sin, mask, cache, i)
-        cache = cache._replace(
-            lengths=cache.lengths + attention_mask.sum(axis=1, dtype=jnp.int32),
-            index=cache.index + t)
-        return self.final_norm(x), cache
+        return self.final_norm(x), cache._replace(write_at=None)
 
     def _scan_layers(self, x, cos, sin, mask, policy: str, dropout=None):
         """All layers under one lax.scan over parameters stacked here (see module docstring)."""

@@ -10,14 +10,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ctopd_jax.models.attention import prefill_positions
 from ctopd_jax.models.config import ModelConfig
 from ctopd_jax.models.decoder import Decoder
-from ctopd_jax.models.kv_cache import prefill_positions
 
 
 def student_grad_temp_bytes(cfg: ModelConfig, batch: int, seq: int, packed: bool = False) -> int:
     """XLA's temporary bytes for d(sum of final hidden states)/d(params) at [batch, seq];
-    `packed`: rows of several samples (an int32 segment-id mask, kv_cache.prefill_positions).
+    `packed`: rows of several samples (an int32 segment-id mask, attention.prefill_positions).
 
     The loss stops at the final hidden states so the lm_head / loss chunking (measured
     elsewhere) does not mix in; parameters and ids are abstract shapes only."""

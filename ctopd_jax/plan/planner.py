@@ -55,7 +55,7 @@ then hold the whole micro-batch).
 Time (rough): FLOPs at an assumed model-FLOPs utilisation, printed with the estimate:
 training 6 x params x tokens (8 x with remat: the forward runs twice) plus attention, teacher
 prefill 2 x params x tokens plus attention. The rollout is memory-bound, so its time is the
-decode floor of plan_decode.py (bytes per step / HBM bandwidth, with the samples the cache
+decode floor of decode.py (bytes per step / HBM bandwidth, with the samples the cache
 holds decoded together); the notes give the pages, the concurrent samples and the tok/s floor,
 and for the JAX sampler the samples that fit beside the trainer's state during the rollout,
 with and without the optimizer state offloaded. Every response is taken at its full length

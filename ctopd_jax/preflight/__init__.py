@@ -56,13 +56,13 @@ One module per job (the objective factory it runs first is ctopd_jax/loop/object
 their headers, the LoRA adapter), `tokenizers` (tokenizers, the overlap, prompts encoded),
 `run` (`preflight` itself, in the order above), `served_start` (step 8).
 """
+from ctopd_jax.common.setup_errors import PreflightError
 from ctopd_jax.loop.objective_factory import check_objective
 from ctopd_jax.preflight.checkpoints import checkpoint_dir_of
 from ctopd_jax.preflight.run import Preflight, TeacherChecks, preflight
 from ctopd_jax.preflight.safetensors import (MAX_HEADER_BYTES, check_hf_checkpoint,
                                              expected_hf_shapes, read_safetensors_header)
 from ctopd_jax.preflight.served_start import start_served_teachers
-from ctopd_jax.common.setup_errors import PreflightError
 
 __all__ = ["MAX_HEADER_BYTES", "Preflight", "PreflightError", "TeacherChecks",
            "check_hf_checkpoint", "check_objective", "checkpoint_dir_of", "expected_hf_shapes",

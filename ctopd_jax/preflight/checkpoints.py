@@ -5,12 +5,12 @@ from pathlib import Path
 
 import jax
 
-from ctopd_jax.loop.checkpoint import checkpoint_metas
+from ctopd_jax.common.run_dir import RunDirError, check_not_foreign, check_not_in_use, check_writable
 from ctopd_jax.config import TrainConfig, teacher_views
+from ctopd_jax.loop.checkpoint import checkpoint_metas
 from ctopd_jax.preflight.errors import PreflightError, fail
 from ctopd_jax.preflight.models import model_dir_of
 from ctopd_jax.preflight.resume_config import ConfigChangeError, check_resume_config, read_saved_config
-from ctopd_jax.common.run_dir import RunDirError, check_not_foreign, check_not_in_use, check_writable
 
 
 def checkpoint_dir_of(config: TrainConfig) -> Path:

@@ -4,12 +4,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ctopd_jax.common import sources
-from ctopd_jax.config import TrainConfig, default_teacher, teacher_views
-from ctopd_jax.data.prompts import load_prompts, resolve_named_source
-from ctopd_jax.data.eval_sets import load_dataset
-from ctopd_jax.preflight.errors import fail
 from ctopd_jax.common.records import RecordError
 from ctopd_jax.common.routing import route_rows
+from ctopd_jax.config import TrainConfig, default_teacher, teacher_views
+from ctopd_jax.data.eval_sets import load_dataset
+from ctopd_jax.data.prompts import load_prompts, resolve_named_source
+from ctopd_jax.preflight.errors import fail
 
 
 def check_data(config: TrainConfig):

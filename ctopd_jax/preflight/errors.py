@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import contextlib
 
-from ctopd_jax.config import TrainConfig
 from ctopd_jax.common.setup_errors import PreflightError, fail
+from ctopd_jax.config import TrainConfig
 
 
 @contextlib.contextmanager

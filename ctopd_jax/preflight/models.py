@@ -6,8 +6,8 @@ import math
 from pathlib import Path
 
 from ctopd_jax.common import sources
-from ctopd_jax.loop.build import model_dir, served_teacher_model_config
 from ctopd_jax.config import TrainConfig
+from ctopd_jax.loop.model_sources import model_dir, served_teacher_model_config
 from ctopd_jax.models import PRESETS
 from ctopd_jax.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ctopd_jax.preflight.errors import fail
@@ -15,7 +15,7 @@ from ctopd_jax.preflight.safetensors import check_hf_checkpoint, read_safetensor
 
 
 def model_dir_of(spec: str, field_name: str) -> Path | None:
-    """As build.model_dir: a named source (`demo:student`) or an existing directory."""
+    """As model_sources.model_dir: a named source (`demo:student`) or an existing directory."""
     if sources.is_named(spec) and not spec.startswith("preset:"):
         try:
             return Path(sources.resolve("model", spec, field_name))

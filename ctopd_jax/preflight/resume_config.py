@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ctopd_jax.loop.checkpoint import checkpoint_metas
 from ctopd_jax.config import TrainConfig
+from ctopd_jax.loop.checkpoint import checkpoint_metas
 
 HARMLESS_PREFIXES = ("logging.", "evaluation.", "guard.", "mesh.")
 HARMLESS_FIELDS = frozenset({

@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from ctopd_jax.config import ConfigError, TrainConfig, default_teacher, teacher_views, validate
+from ctopd_jax.loop.objective_factory import check_objective
 from ctopd_jax.preflight.checkpoints import check_checkpoint_state, check_output_dirs
 from ctopd_jax.preflight.data import check_data
 from ctopd_jax.preflight.errors import as_teacher, fail
 from ctopd_jax.preflight.models import check_init_adapter, check_model, check_served_teacher_files
-from ctopd_jax.loop.objective_factory import check_objective
 from ctopd_jax.preflight.settings import check_mesh, check_packages, check_rollout_side
 from ctopd_jax.preflight.tokenizers import (check_eval_prompts, check_objective_models,
                                             check_overlap, encode_prompts, check_prompt_lengths,

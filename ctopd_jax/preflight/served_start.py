@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from ctopd_jax.loop.build import start_served_teacher as start_client
 from ctopd_jax.config import TrainConfig
+from ctopd_jax.loop.build import start_served_teacher as start_client
 from ctopd_jax.preflight.errors import as_teacher, fail
 from ctopd_jax.teacher_service.launch import launched_server
 from ctopd_jax.teacher_service.local_server import LocalServerError

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ctopd_jax.loop.build import context_room
+from ctopd_jax.collect.collector import render
 from ctopd_jax.config import TrainConfig
 from ctopd_jax.data.eval_sets import build_prompt
-from ctopd_jax.collect.collector import render
+from ctopd_jax.loop.build import context_room
+from ctopd_jax.loop.objective_factory import check_models, check_pair
 from ctopd_jax.preflight.errors import fail
 from ctopd_jax.preflight.models import model_cfg
 from ctopd_jax.tokenization import overlap as vocab_overlap   # patched by tests: read at call time
@@ -46,10 +47,7 @@ def check_overlap(objective, teacher, student):
         raise fail(f"model.teacher_tokenizer / model.student_tokenizer: {err}; choose a pair "
                    "with common tokens (python -m ctopd_jax.inspect_pair shows the overlap)") \
             from None
-    try:
-        objective.check(overlap)   # e.g. ctkd_topk <= |V∩|
-    except ValueError as err:
-        raise fail(str(err)) from None
+    check_pair(objective, overlap)   # e.g. ctkd_topk <= |V∩|
     return overlap
 
 
@@ -121,7 +119,4 @@ def check_eval_prompts(config: TrainConfig, objective, eval_set, student, studen
 
 def check_objective_models(config: TrainConfig, objective, teacher_side, teacher_cfg) -> None:
     """The objective's checks against the teacher's config and tokenizer (before any weight)."""
-    try:
-        objective.check_models(config, model_cfg(config, "teacher", teacher_cfg), teacher_side)
-    except ValueError as err:
-        raise fail(str(err)) from None
+    check_models(config, objective, model_cfg(config, "teacher", teacher_cfg), teacher_side)

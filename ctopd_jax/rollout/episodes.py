@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from ctopd_jax.algorithms.turns import CONTEXT, STUDENT, Episode, paragraph_turns
 from ctopd_jax.envs import run_step
 from ctopd_jax.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
-from ctopd_jax.algorithms.turns import CONTEXT, STUDENT, Episode, paragraph_turns
 
 FINISH_TURNS = "turns"      # the turn cap ended the episode
 

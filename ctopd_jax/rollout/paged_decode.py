@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ctopd_jax.models.attention import prefill_positions
 from ctopd_jax.models.decoder import Decoder
-from ctopd_jax.models.kv_cache import PagedKVCache, init_page_pool, prefill_positions
+from ctopd_jax.models.kv_cache import PagedKVCache, init_page_pool
 from ctopd_jax.rollout import sampling
 
 

@@ -73,7 +73,7 @@ from ctopd_jax.models.weights import export_hf_checkpoint
 from ctopd_jax.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutConfigError, RolloutEngine,
                                     RolloutResult, SamplingParams, check_prompts, finish_sample,
                                     normalize_eos_ids)
-# VllmNotInstalledError: cli.py names it by this module (the error of `rollout.engine: vllm`)
+# VllmNotInstalledError: common/cli.py names it by this module (the error of `rollout.engine: vllm`)
 from ctopd_jax.rollout.vllm_support import (MIN_CPU_HEAD_DIM, VllmNotInstalledError,  # noqa: F401
                                             check_memory_split, import_vllm, lora_sync_support,
                                             platform_defaults, vllm_on_cpu)

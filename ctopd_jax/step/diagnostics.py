@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ctopd_jax.algorithms import objectives_that
+from ctopd_jax.common.metrics import StepTimer
+from ctopd_jax.config import ConfigError
 from ctopd_jax.mesh.arrays import replicated, to_global
 from ctopd_jax.step.grad import objective_sums, scalar
-from ctopd_jax.config import ConfigError
-from ctopd_jax.common.metrics import StepTimer
 from ctopd_jax.step.teacher import teacher_hidden_rows
 
 

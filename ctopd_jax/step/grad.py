@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 
 from ctopd_jax.kernels import losses
-from ctopd_jax.models.kv_cache import prefill_positions
+from ctopd_jax.models.attention import prefill_positions
 from ctopd_jax.step.shards import per_shard
 
 

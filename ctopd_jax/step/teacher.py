@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ctopd_jax.mesh.device_mesh import BATCH_AXES
-from ctopd_jax.models.kv_cache import prefill_positions
+from ctopd_jax.models.attention import prefill_positions
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mesh"))

@@ -7,7 +7,7 @@ temperature 1, top-k by log-prob. The real-server test compares the two, and the
 times both on the same workload.
 
 It materialises [B, T, V] logits, so it is for small teachers (the demo's): the trainer's own
-teacher path (teacher.py) keeps to hidden rows instead.
+teacher path (step/teacher.py) keeps to hidden rows instead.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ctopd_jax.models.kv_cache import prefill_positions
+from ctopd_jax.models.attention import prefill_positions
 from ctopd_jax.teacher_service.scores import ScoredSequence
 
 

@@ -19,13 +19,12 @@ import pytest
 import torch
 from flax import nnx
 
-from ctopd_jax.algorithms import padded_rows
-from ctopd_jax.step.diagnostics import Diagnostics, unit_statistics
+from ctopd_jax.algorithms import get_objective, padded_rows
 from ctopd_jax.algorithms.span import SpanLoss, SpanSettings
-from ctopd_jax.algorithms import get_objective
 from ctopd_jax.align import strict_align
-from ctopd_jax.config import ConfigError, load_config
 from ctopd_jax.collect.collector import HostBatch
+from ctopd_jax.config import ConfigError, load_config
+from ctopd_jax.step.diagnostics import Diagnostics, unit_statistics
 from ctopd_jax.tokenization.retokenize import retokenize_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))

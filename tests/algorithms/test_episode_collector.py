@@ -1,4 +1,4 @@
-"""host_episodes.EpisodeCollector on scripted engines: the host batch of turn-structured
+"""episode_collector.EpisodeCollector on scripted engines: the host batch of turn-structured
 episodes (trained rows, rollout log-probs, turns, rewards, TCOD's curriculum, SAGE's judge)."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from ctopd_jax.algorithms import get_objective
+from ctopd_jax.collect.episode_collector import EpisodeCollector
+from ctopd_jax.common.metrics import StepTimer
 from ctopd_jax.config import from_dict
 from ctopd_jax.data.prompts import Prompt
 from ctopd_jax.envs import make_environment
-from ctopd_jax.collect.episode_collector import EpisodeCollector
-from ctopd_jax.common.metrics import StepTimer
 from ctopd_jax.tokenization import load_tokenizer_side
 
 from scripted_engine import EOS, ScriptedEngine

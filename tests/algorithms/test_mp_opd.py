@@ -20,8 +20,8 @@ from _align_oracle import atoms_oracle  # noqa: E402
 from ctopd_jax.algorithms import get_objective, mp_opd_credits, mp_opd_device  # noqa: E402
 from ctopd_jax.algorithms.base import StepInputs  # noqa: E402
 from ctopd_jax.align import strict_align  # noqa: E402
-from ctopd_jax.config import ConfigError, from_dict  # noqa: E402
 from ctopd_jax.collect.collector import HostBatch  # noqa: E402
+from ctopd_jax.config import ConfigError, from_dict  # noqa: E402
 from ctopd_jax.tokenization import retokenize_pair  # noqa: E402
 
 H = 8

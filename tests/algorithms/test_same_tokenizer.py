@@ -12,15 +12,14 @@ import numpy as np
 import pytest
 
 import ctopd_jax.algorithms  # noqa: F401  (heavy imports at collection, not inside a test)
-from ctopd_jax.loop import build
-from ctopd_jax.collect.collector import SameTokenizerCollector, same_tokenizer_batch
-from ctopd_jax.data.prompts import load_response_prompts, response_text
-from ctopd_jax.tokenization import same_pair
 from ctopd_jax.algorithms import get_objective
-from ctopd_jax.config import load_config
+from ctopd_jax.collect.collector import SameTokenizerCollector, same_tokenizer_batch
 from ctopd_jax.common.records import RecordError
+from ctopd_jax.config import load_config
+from ctopd_jax.data.prompts import load_response_prompts, response_text
+from ctopd_jax.loop import build
 from ctopd_jax.rollout.base import RolloutResult
-from ctopd_jax.tokenization import char_vocab
+from ctopd_jax.tokenization import char_vocab, same_pair
 from ctopd_jax.tokenization.side import load_tokenizer_side
 
 ROOT = Path(__file__).resolve().parents[2]

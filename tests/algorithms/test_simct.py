@@ -16,8 +16,8 @@ import torch_simct  # noqa: E402
 from ctopd_jax.algorithms import get_objective  # noqa: E402
 from ctopd_jax.algorithms.base import StepInputs  # noqa: E402
 from ctopd_jax.align import strict_align  # noqa: E402
-from ctopd_jax.config import ConfigError, from_dict  # noqa: E402
 from ctopd_jax.collect.collector import HostBatch  # noqa: E402
+from ctopd_jax.config import ConfigError, from_dict  # noqa: E402
 from ctopd_jax.tokenization import retokenize_pair  # noqa: E402
 from ctopd_jax.tokenization.overlap import overlap_map  # noqa: E402
 

@@ -12,8 +12,8 @@ from ctopd_jax.algorithms.sage_opd import parse_judgment
 from ctopd_jax.algorithms.sod import step_weights
 from ctopd_jax.algorithms.tcod import b2f_prefix, f2b_turns
 from ctopd_jax.algorithms.turn_based import TurnTerms
-from ctopd_jax.config import ConfigError, from_dict
 from ctopd_jax.algorithms.turns import group_advantage
+from ctopd_jax.config import ConfigError, from_dict
 
 from divergences import log_softmax
 from same_helpers import random_logits, step_inputs

@@ -16,7 +16,6 @@ import pytest
 from safetensors.numpy import save_file
 
 from ctopd_jax import evaluate
-
 from ctopd_jax.loop import mean_at_k
 from ctopd_jax.loop.mean_at_k import pass_at_k, summarize
 from ctopd_jax.models.config import tiny_llama

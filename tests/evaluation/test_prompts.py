@@ -7,8 +7,7 @@ import functools
 
 import pytest
 
-from ctopd_jax.data.eval_sets import MATH_SYSTEM_PROMPT, EvalProblem, load_dataset
-from ctopd_jax.data.eval_sets import build_prompt
+from ctopd_jax.data.eval_sets import build_prompt, EvalProblem, load_dataset, MATH_SYSTEM_PROMPT
 from ctopd_jax.tokenization.assets import cache_root
 from ctopd_jax.tokenization.side import load_tokenizer_side
 

@@ -14,14 +14,12 @@ from pathlib import Path
 import pytest
 
 from ctopd_jax import evaluate, inspect_pair
-
-from ctopd_jax.common import cli
-
-from ctopd_jax.plan import planner as plan
 from ctopd_jax.algorithms import get_objective, registry
+from ctopd_jax.common import cli
 from ctopd_jax.config import (AlgorithmSection, ConfigError, TrainConfig, load_config,
                               load_yaml)
 from ctopd_jax.demo import __main__ as demo
+from ctopd_jax.plan import planner as plan
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"

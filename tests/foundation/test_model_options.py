@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ctopd_jax.loop import build
 from ctopd_jax.config import ConfigError, from_dict, load_config
+from ctopd_jax.loop import build
 from ctopd_jax.mesh.device_mesh import make_mesh
 
 OPTIONS = {"attention": "einsum", "remat_policy": "blocks", "scan_layers": True, "mlp_chunk": 8}

@@ -6,7 +6,7 @@ import pytest
 
 from ctopd_jax.config import load_config
 from ctopd_jax.preflight.resume_config import (ConfigChangeError, check_resume_config, config_changes,
-                                     read_saved_config, record_config_changes)
+                                               read_saved_config, record_config_changes)
 
 
 def cfg(*overrides):

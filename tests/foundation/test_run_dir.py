@@ -12,7 +12,7 @@ import pytest
 
 from ctopd_jax.common import cli
 from ctopd_jax.common.run_dir import (LOCK_NAME, RunDirError, RunLock, check_not_in_use,
-                               check_writable, write_error)
+                                      check_writable, write_error)
 
 
 def dead_pid() -> int:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from _strict_case import Case, assert_close, make_case, torch_strict, torch_value_and_grad
-from ctopd_jax.kernels.strict import api
 from ctopd_jax.kernels.losses import DIVERGENCES
+from ctopd_jax.kernels.strict import api
 
 IMPLS = ("reference", "xla")
 

@@ -68,3 +68,13 @@ def jax_logits(model, ids, positions=None, mask=None) -> np.ndarray:
         positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
     mask = None if mask is None else jnp.asarray(mask)
     return np.asarray(model(ids, jnp.asarray(positions, jnp.int32), mask))
+
+
+def paged_cache(cfg: ModelConfig, rows: int, max_len: int, page_size: int = 4):
+    """An empty PagedKVCache (the sampler's) of `rows` rows of up to `max_len` tokens, each row
+    owning its own consecutive pages."""
+    from ctopd_jax.models.kv_cache import PagedKVCache, init_page_pool
+    per_row = -(-max_len // page_size)
+    k, v = init_page_pool(cfg, rows * per_row, page_size)
+    table = np.arange(rows * per_row, dtype=np.int32).reshape(rows, per_row)
+    return PagedKVCache(k, v, jnp.asarray(table), jnp.zeros(rows, jnp.int32))

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hf_fixtures import with_options
-from ctopd_jax.models import init_cache, prefill_positions, weights
+from hf_fixtures import paged_cache, with_options
+from ctopd_jax.models import prefill_positions, weights
 from ctopd_jax.models.attention import (AttentionMask, attend, attend_blockwise, attend_einsum,
                                         resolve_implementation)
 from ctopd_jax.models.config import ModelConfigError, llama3_2_3b, tiny_llama, tiny_qwen2
@@ -205,9 +205,9 @@ def test_scanned_model_exports_and_loads_back(reference_model, tmp_path):
 
 @pytest.mark.slow
 def test_blockwise_cache_decode_equals_full_forward(reference_model):
-    """Prefill a left-padded batch then decode one token at a time, blockwise over a cache of
-    several blocks; logits equal the einsum reference's no-cache forward at every real
-    position (test_kv_cache.py checks the default path against HF)."""
+    """Prefill a left-padded batch blockwise into the paged cache, then decode one token at a
+    time; logits equal the einsum reference's no-cache forward at every real position
+    (test_kv_cache.py checks the default path against HF)."""
     attention = "blockwise"
     model = with_options(reference_model, attention=attention, attention_block=4)
     cfg = model.cfg
@@ -220,7 +220,7 @@ def test_blockwise_cache_decode_equals_full_forward(reference_model):
         ids[r, width - n:], mask[r, width - n:] = rows[r][:n], True
     graphdef, state = nnx.split(model)
     step = jax.jit(lambda s, *a: nnx.merge(graphdef, s)(*a[:3], cache=a[3]))
-    cache = init_cache(cfg, 2, width + new + 3)
+    cache = paged_cache(cfg, 2, width + new + 3)
     logits, cache = step(state, jnp.asarray(ids), prefill_positions(jnp.asarray(mask)),
                          jnp.asarray(mask), cache)
     got = [np.asarray(logits[:, -1])]

@@ -1,4 +1,5 @@
-"""Incremental decoding with the KV cache equals HF's full forward (left-padded prompts)."""
+"""Incremental decoding over the sampler's paged KV cache equals HF's full forward (left-padded
+prompts)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hf_fixtures import VARIANTS, hf_logits, save_hf
-from ctopd_jax.models import init_cache, prefill_positions, weights
+from hf_fixtures import VARIANTS, hf_logits, paged_cache, save_hf
+from ctopd_jax.models import prefill_positions, weights
 
 PROMPT_LENS = (5, 9, 3)
 NEW_TOKENS = 5
@@ -43,7 +44,7 @@ def test_prefill_then_decode_matches_hf_full_forward(variant, tmp_path):
         ids[r, width - n:] = rows[r][:n]
         mask[r, width - n:] = True
 
-    cache = init_cache(cfg, len(rows), width + NEW_TOKENS + 2)
+    cache = paged_cache(cfg, len(rows), width + NEW_TOKENS + 2)
     pos = prefill_positions(jnp.asarray(mask))
     logits, cache = step(jnp.asarray(ids), pos, jnp.asarray(mask), cache)
     got = [np.asarray(logits[:, -1])]
@@ -53,7 +54,7 @@ def test_prefill_then_decode_matches_hf_full_forward(variant, tmp_path):
         logits, cache = step(jnp.asarray(tok), cache.lengths[:, None],
                              jnp.ones((len(rows), 1), bool), cache)
         got.append(np.asarray(logits[:, 0]))
-    assert int(cache.index) == width + NEW_TOKENS - 1
+    np.testing.assert_array_equal(np.asarray(cache.lengths), np.add(PROMPT_LENS, NEW_TOKENS - 1))
 
     for r, n in enumerate(PROMPT_LENS):
         ref = hf_logits(hf, rows[r][None])[0]
@@ -69,31 +70,3 @@ def test_prefill_then_decode_matches_hf_full_forward(variant, tmp_path):
                                   jnp.asarray(all_mask)))
     for j in range(NEW_TOKENS):
         np.testing.assert_allclose(got[j], full_logits[:, width - 1 + j], atol=1e-4)
-
-
-def test_chunked_prefill_and_paused_rows(tmp_path):
-    """Prefill in two chunks equals one; a row decoded with mask False does not advance and
-    does not disturb the others."""
-    cfg = VARIANTS["qwen2_untied_bias"]()
-    hf = save_hf(cfg, tmp_path)
-    model, _ = weights.load_hf_checkpoint(tmp_path)
-    step, _ = _jitted(model)
-    rng = np.random.RandomState(1)
-    seqs = rng.randint(0, cfg.vocab_size, (2, 10)).astype(np.int32)
-    ones = jnp.ones((2, 4), bool)
-
-    cache = init_cache(cfg, 2, 16)
-    _, cache = step(jnp.asarray(seqs[:, :4]), jnp.broadcast_to(jnp.arange(4), (2, 4)), ones, cache)
-    logits, cache = step(jnp.asarray(seqs[:, 4:8]), jnp.broadcast_to(jnp.arange(4, 8), (2, 4)),
-                         ones, cache)
-    ref = hf_logits(hf, seqs)
-    np.testing.assert_allclose(np.asarray(logits), ref[:, 4:8], atol=1e-4)
-
-    # Row 0 paused for one step (its token is a pad), row 1 advances.
-    paused = jnp.array([[False], [True]])
-    _, cache = step(jnp.asarray(seqs[:, 8:9]), cache.lengths[:, None], paused, cache)
-    np.testing.assert_array_equal(np.asarray(cache.lengths), [8, 9])
-    logits, cache = step(jnp.asarray(np.array([[seqs[0, 8]], [seqs[1, 9]]], np.int32)),
-                         cache.lengths[:, None], jnp.ones((2, 1), bool), cache)
-    np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[0, 8], atol=1e-4)
-    np.testing.assert_allclose(np.asarray(logits[1, 0]), ref[1, 9], atol=1e-4)

@@ -12,7 +12,7 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
-from hf_fixtures import VARIANTS, hf_logits, jax_logits, save_hf, with_options
+from hf_fixtures import VARIANTS, hf_logits, jax_logits, paged_cache, save_hf, with_options
 from ctopd_jax.config import ConfigError, TrainConfig, load_config
 from ctopd_jax.models import lora, weights
 from ctopd_jax.plan.model import lora_param_count
@@ -265,8 +265,7 @@ def test_lora_dropout_only_in_the_training_forward():
     # dropout and is unchanged by training forwards with dropout
     np.testing.assert_array_equal(np.asarray(model(ids, pos)), logits)
     with pytest.raises(ValueError, match="lora_dropout"):
-        from ctopd_jax.models.kv_cache import init_cache
-        model.hidden_states(ids, pos, cache=init_cache(model.cfg, 2, 16),
+        model.hidden_states(ids, pos, cache=paged_cache(model.cfg, 2, 16),
                             lora_dropout=lora.Dropout(key, 0.3))
     # the trainer's micro-batch dropouts: none at lora.dropout 0 (today's folded forward),
     # else deterministic in (iteration key, micro-batch index)

@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hf_fixtures import VARIANTS, save_hf
+from hf_fixtures import VARIANTS, paged_cache, save_hf
 from ctopd_jax.mesh.device_mesh import batch_sharding, make_mesh, shard_module
-from ctopd_jax.models import init_cache, prefill_positions, weights
+from ctopd_jax.models import prefill_positions, weights
 
 MESHES = [{"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 4, "tensor": 2}, {"data": 8}]
 B, T = 8, 12
@@ -59,8 +59,8 @@ def test_loaded_sharded_forward_equals_unsharded(checkpoint, shape):
 
 
 def test_shard_module_forward_and_cached_decode(checkpoint):
-    """A loaded unsharded model placed with mesh.shard_module; prefill with a batch-sharded KV
-    cache gives the same logits as the unsharded forward."""
+    """A loaded unsharded model placed with mesh.shard_module; prefill into a paged KV cache
+    whose pools are sharded over the KV heads gives the same logits as the unsharded forward."""
     path, cfg, ids, mask, unsharded = checkpoint
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     model, _ = weights.load_hf_checkpoint(path)
@@ -69,10 +69,10 @@ def test_shard_module_forward_and_cached_decode(checkpoint):
     np.testing.assert_allclose(np.asarray(_forward(model, mesh, ids, mask)), unsharded, atol=1e-5)
 
     graphdef, state = nnx.split(model)
-    cache_sharding = NamedSharding(mesh, P(None, ("data", "fsdp"), None, "tensor", None))
-    cache = init_cache(cfg, B, T + 4)
-    cache = cache._replace(k=jax.device_put(cache.k, cache_sharding),
-                           v=jax.device_put(cache.v, cache_sharding))
+    pool_sharding = NamedSharding(mesh, P("tensor", None, None, None))   # [Hkv, pages, page, D]
+    cache = paged_cache(cfg, B, T + 4)
+    cache = cache._replace(k=tuple(jax.device_put(k, pool_sharding) for k in cache.k),
+                           v=tuple(jax.device_put(v, pool_sharding) for v in cache.v))
 
     @jax.jit
     def prefill(state, ids, mask, cache):

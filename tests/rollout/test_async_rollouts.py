@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from ctopd_jax.algorithms.micro_batch import MicroBatch
-from ctopd_jax.config import RolloutSection
 from ctopd_jax.common.metrics import StepTimer
+from ctopd_jax.config import RolloutSection
 from ctopd_jax.rollout.async_rollouts import Drawn, Rollouts
 from ctopd_jax.rollout.staleness import TruncatedIS, truncated_weights
 

@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctopd_jax.envs import make_environment
+from ctopd_jax.algorithms.turns import CONTEXT, STUDENT, Episode, episode_arrays, paragraph_turns
 from ctopd_jax.collect.collector import token_batch
+from ctopd_jax.envs import make_environment
 from ctopd_jax.rollout.base import SamplingParams
 from ctopd_jax.rollout.episodes import play
 from ctopd_jax.tokenization import load_tokenizer_side
-from ctopd_jax.algorithms.turns import CONTEXT, STUDENT, Episode, episode_arrays, paragraph_turns
 
 from scripted_engine import EOS, ScriptedEngine
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ctopd_jax.algorithms.turns import STUDENT
 from ctopd_jax.envs import StepResult
 from ctopd_jax.rollout import SamplingParams, make_rollout_engine
 from ctopd_jax.rollout.episodes import play
 from ctopd_jax.rollout.logprob_gap import response_logprobs
 from ctopd_jax.tokenization import load_tokenizer_side
-from ctopd_jax.algorithms.turns import STUDENT
 
 from _hf_tiny import load_pair
 

@@ -1,4 +1,4 @@
-"""host_offload: a sharded optimizer-like state goes to pinned host memory and back unchanged."""
+"""loop/offload: a sharded optimizer-like state goes to pinned host memory and back unchanged."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -6,10 +6,10 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from ctopd_jax.kernels import losses
 from ctopd_jax.algorithms.served_topk_loss import (gather_logprobs, overlap_pairs_by_teacher_id,
-                                            take_columns, topk_gkd_rows, topk_gkd_support,
-                                            topk_strict_columns, topk_strict_rows)
+                                                   take_columns, topk_gkd_rows, topk_gkd_support,
+                                                   topk_strict_columns, topk_strict_rows)
+from ctopd_jax.kernels import losses
 
 from divergences import gkd_jsd, log_softmax, served_top_k, softmax, spec5
 

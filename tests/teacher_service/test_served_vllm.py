@@ -11,10 +11,10 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment")
 
+from ctopd_jax.demo.served_inputs import DEMO_TEACHER, demo_teacher_inputs  # noqa: E402
 from ctopd_jax.models.weights import load_hf_checkpoint  # noqa: E402
 from ctopd_jax.teacher_service import (ServedTeacher, TeacherServerCheckError,  # noqa: E402
                                        TeacherServiceSettings)
-from ctopd_jax.demo.served_inputs import DEMO_TEACHER, demo_teacher_inputs  # noqa: E402
 from ctopd_jax.teacher_service.local_scores import LocalTeacherScorer  # noqa: E402
 from ctopd_jax.teacher_service.local_server import local_vllm_server  # noqa: E402
 
@@ -71,7 +71,7 @@ def test_start_up_check_on_the_real_server(url):
 
 
 def test_served_rows_equal_the_trainers_teacher_path(url, tiny_bpe):
-    """On a re-tokenized teacher batch (as host.py builds it), the served rows equal what the
+    """On a re-tokenized teacher batch (as collect/collector.py builds it), the served rows equal what the
     trainer's own teacher path (teacher.teacher_hidden_rows, then the lm_head) gives at every
     loss-mask row: the row convention holds end to end."""
     import jax

@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from ctopd_jax.config import load_config
 from ctopd_jax.common.metrics import read_metrics
-from ctopd_jax.rollout.async_rollouts import Rollouts
+from ctopd_jax.config import load_config
 from ctopd_jax.loop.trainer import Trainer
+from ctopd_jax.rollout.async_rollouts import Rollouts
 
 
 @pytest.mark.slow  # three tiny runs of three steps

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from ctopd_jax import evaluate, inspect_pair, plot, train
 import ctopd_jax.algorithms  # noqa: F401  (heavy imports at collection, not inside a test)
 import ctopd_jax.data.prompts  # noqa: F401
-import ctopd_jax.models  # noqa: F401
-from ctopd_jax import evaluate, inspect_pair, plot, train
 from ctopd_jax.demo import __main__ as demo
+import ctopd_jax.models  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")

@@ -2,8 +2,8 @@
 `algorithm.diagnostics_every` steps their three medians join that step's metrics row."""
 import math
 
-from ctopd_jax.config import load_config
 from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.config import load_config
 from ctopd_jax.loop.trainer import Trainer
 
 KEYS = ("grad_cos_mismatch", "grad_norm_ratio", "grad_cos_control")

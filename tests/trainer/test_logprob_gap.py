@@ -6,8 +6,8 @@ re-tokenized responses equal the sampled ids and the rows line up; a misaligned 
 position or sample) would show a gap of several nats."""
 import pytest
 
-from ctopd_jax.config import from_dict
 from ctopd_jax.common.metrics import StepTimer
+from ctopd_jax.config import from_dict
 from ctopd_jax.loop.trainer import Trainer
 
 from conftest import tiny_tree

@@ -12,10 +12,10 @@ from flax import nnx
 from transformers import AutoModelForCausalLM
 
 from conftest import tiny_tree
-from ctopd_jax.config import load_config
-from ctopd_jax.models import lora, weights
 from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.config import load_config
 from ctopd_jax.loop.trainer import Trainer
+from ctopd_jax.models import lora, weights
 from test_wandb import _history
 
 peft = pytest.importorskip("peft", reason="pip install -e '.[test]' (peft)")

@@ -23,8 +23,8 @@ from flax import nnx
 from transformers import AutoModelForCausalLM
 from safetensors.numpy import load_file
 
-from ctopd_jax.config import load_config
 from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.config import load_config
 from ctopd_jax.loop.trainer import Trainer
 
 from conftest import subprocess_env, tiny_tree

@@ -3,9 +3,9 @@ same token, each micro-batch is padded to its own length bucket, and packing pad
 weight-0 rows only."""
 import numpy as np
 
-from ctopd_jax.align import strict_align
 from ctopd_jax.algorithms.padded_rows import length_bucket, rows_bucket
 from ctopd_jax.algorithms.strict import strict_inputs
+from ctopd_jax.align import strict_align
 from ctopd_jax.collect.collector import HostBatch
 from ctopd_jax.tokenization.retokenize import retokenize_pair
 from ctopd_jax.tokenization.side import load_tokenizer_side

@@ -24,17 +24,16 @@ import numpy as np
 import pytest
 import yaml
 
-from ctopd_jax.loop import teacher_batches
-from ctopd_jax.algorithms import registry
-from ctopd_jax.algorithms import packed_rows
+from ctopd_jax.algorithms import packed_rows, registry
 from ctopd_jax.algorithms.micro_batch import MicroBatch
 from ctopd_jax.algorithms.packed_rows import PackingError, micro_ranges, pack_rows
-from ctopd_jax.loop.build import make_collector
-from ctopd_jax.config import from_dict, load_config
 from ctopd_jax.common.metrics import StepTimer
+from ctopd_jax.config import from_dict, load_config
+from ctopd_jax.loop import teacher_batches
+from ctopd_jax.loop.build import make_collector
+from ctopd_jax.loop.trainer import Trainer
 from ctopd_jax.preflight import preflight
 from ctopd_jax.step.grad import zero_grads
-from ctopd_jax.loop.trainer import Trainer
 
 from conftest import subprocess_env, tiny_tree
 from scripted_engine import long_tail_engine

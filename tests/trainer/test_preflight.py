@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 import ctopd_jax.algorithms  # noqa: F401  (heavy imports at collection, not inside a test)
+from ctopd_jax.config import load_config
 import ctopd_jax.data.prompts  # noqa: F401
 import ctopd_jax.models  # noqa: F401
-import ctopd_jax.tokenization.overlap  # noqa: F401
-from ctopd_jax.config import load_config
 from ctopd_jax.preflight import (PreflightError, expected_hf_shapes, preflight,
                                  read_safetensors_header)
+import ctopd_jax.tokenization.overlap  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"

@@ -13,9 +13,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from ctopd_jax.loop.checkpoint import Checkpointer, _leaf_key
-from ctopd_jax.config import load_config
 from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.config import load_config
+from ctopd_jax.loop.checkpoint import Checkpointer, _leaf_key
 from ctopd_jax.loop.trainer import Trainer
 
 from conftest import subprocess_env

@@ -13,9 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from ctopd_jax.loop.checkpoint import Checkpointer
-from ctopd_jax.config import load_config
 from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.config import load_config
+from ctopd_jax.loop.checkpoint import Checkpointer
 from ctopd_jax.loop.trainer import Trainer
 
 from conftest import subprocess_env

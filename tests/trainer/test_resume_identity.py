@@ -12,11 +12,11 @@ import pytest
 import yaml
 
 from ctopd_jax import train
-from ctopd_jax.config import load_config
 from ctopd_jax.common.metrics import read_metrics
-from ctopd_jax.preflight import preflight
 from ctopd_jax.common.run_guard import Stopped
+from ctopd_jax.config import load_config
 from ctopd_jax.loop.trainer import Trainer
+from ctopd_jax.preflight import preflight
 
 from conftest import tiny_tree
 

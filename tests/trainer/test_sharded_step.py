@@ -17,13 +17,13 @@ import pytest
 from flax import nnx
 
 from ctopd_jax.algorithms import get_objective
-from ctopd_jax.step.grad import micro_grad, zero_grads
 from ctopd_jax.algorithms.micro_batch import map_rows
-from ctopd_jax.step.shards import stack_shards
-from ctopd_jax.mesh.arrays import to_global
 from ctopd_jax.config import from_dict
+from ctopd_jax.mesh.arrays import to_global
 from ctopd_jax.mesh.device_mesh import make_mesh, shard_module
 from ctopd_jax.models import tiny_llama, tiny_qwen2
+from ctopd_jax.step.grad import micro_grad, zero_grads
+from ctopd_jax.step.shards import stack_shards
 from ctopd_jax.step.teacher import lm_head_of, teacher_hidden_rows
 
 from test_student_step import VS, VT, host_batch, samples, tiny

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import yaml
 
-from ctopd_jax.loop.checkpoint import Checkpointer
-from ctopd_jax.config import load_config
 from ctopd_jax.common.metrics import read_metrics
 from ctopd_jax.common.run_dir import LOCK_NAME
+from ctopd_jax.config import load_config
+from ctopd_jax.loop.checkpoint import Checkpointer
 from ctopd_jax.loop.trainer import Trainer
 
 from conftest import subprocess_env, tiny_tree

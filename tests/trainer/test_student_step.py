@@ -16,10 +16,10 @@ from flax import nnx
 from types import SimpleNamespace
 
 from ctopd_jax.algorithms import get_objective
-from ctopd_jax.step.grad import micro_grad, zero_grads
-from ctopd_jax.config import from_dict
 from ctopd_jax.collect.collector import HostBatch
+from ctopd_jax.config import from_dict
 from ctopd_jax.models import Decoder, tiny_llama, tiny_qwen2
+from ctopd_jax.step.grad import micro_grad, zero_grads
 from ctopd_jax.step.teacher import lm_head_of, teacher_hidden_rows
 
 VS, VT = 48, 56

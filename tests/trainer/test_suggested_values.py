@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 
 from ctopd_jax import train
-
 from ctopd_jax.common import cli
-
 from ctopd_jax.plan import planner as plan
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,8 +1,8 @@
 """checkpoint.save: false (the GPU check's end-to-end run) trains without writing any checkpoint,
 and every logged row carries the iteration's compile seconds."""
-from ctopd_jax.loop.checkpoint import Checkpointer
-from ctopd_jax.config import load_config
 from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.config import load_config
+from ctopd_jax.loop.checkpoint import Checkpointer
 from ctopd_jax.loop.trainer import Trainer
 
 

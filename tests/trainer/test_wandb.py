@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from ctopd_jax.config import load_config
 from ctopd_jax.common.metrics import MetricsLogger, read_metrics
+from ctopd_jax.config import load_config
 
 wandb = pytest.importorskip("wandb", reason="pip install -e '.[test]' (wandb)")
 

@@ -23,11 +23,9 @@ from ctopd_jax.kernels import losses
 from ctopd_jax.kernels.choices import choose
 from ctopd_jax.kernels.pallas_shared.tiles import gpu_backend
 from ctopd_jax.kernels.strict import row_chunks
-from ctopd_jax.kernels.strict_full import pallas as full_pallas
-from ctopd_jax.kernels.strict_full import reference as full_reference
+from ctopd_jax.kernels.strict_full import pallas as full_pallas, reference as full_reference
 from ctopd_jax.kernels.strict_full import xla as full_xla
-from ctopd_jax.kernels.strict_topk import pallas as topk_pallas
-from ctopd_jax.kernels.strict_topk import reference as topk_reference
+from ctopd_jax.kernels.strict_topk import pallas as topk_pallas, reference as topk_reference
 from ctopd_jax.kernels.strict_topk import xla as topk_xla
 
 IMPLEMENTATIONS = ("pallas", "xla", "reference")
