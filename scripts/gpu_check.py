@@ -421,7 +421,7 @@ def stage_strict_kernels(report: Report) -> None:
         xla_s=report.results[f"{label}/xla"]["run_s"],
         value_error=report.results[f"{label}/pallas"]["value_rel_error"],
         grad_error=report.results[f"{label}/pallas"]["grad_rel_error"],
-        measured=f"scripts/gpu_check.py strict_kernels, {time.strftime('%Y-%m-%d')}",
+        measured="scripts/gpu_check.py strict_kernels (its run's record: benchmarks/RESULTS.md)",
         shape=[rows, vx], **extra) for label, kernel, extra in (
             ("full", "strict_full", {}), ("top16", "strict_topk", {"k": 16}))}
 

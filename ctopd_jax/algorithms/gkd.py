@@ -1,4 +1,4 @@
-"""GKD (arXiv:2306.13649; TRL's GKDTrainer is the reference behaviour): `algorithm.name: gkd`.
+"""GKD (arXiv:2306.13649): `algorithm.name: gkd`.
 
 Loss per response position (SPEC §9): the generalised JSD with β weighting the TEACHER,
 
@@ -12,12 +12,12 @@ chunked from hidden rows (same_tokenizer.full_vocab_sum).
 Responses: one seeded draw u ~ U(0, 1); u ≤ λ → the current student samples them (on-policy);
 else the teacher (`seq_kd: true`, a second engine over the teacher) or the dataset's responses.
 `gkd_lambda_granularity: step` draws once per optimizer step (the paper's Algorithm 1),
-`micro_batch` once per accumulation micro-batch (TRL's `training_step`). The generator is
+`micro_batch` once per accumulation micro-batch (each micro-batch its own mix). The generator is
 numpy's PCG64 seeded by `gkd_seed`; its state travels with checkpoints (state_dict), so a
 resumed run draws what an uninterrupted one would.
 
-Temperature: sampling only by default (rollout.temperature; TRL GKDConfig 0.9); set
-`algorithm.kd_temperature` to apply one in the loss too (TRL's DistillationTrainer).
+Temperature: sampling only by default (rollout.temperature); set `algorithm.kd_temperature` to
+apply one in the loss too (both distributions divided by it before the divergence).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class GkdSettings(SameTokenizerSettings):
     gkd_beta: float = 0.5                 # β ∈ [0, 1]: 0 → forward KL, 1 → reverse KL
     gkd_lambda: float = 0.5               # probability of on-policy (student) responses
     seq_kd: bool = False                  # off-policy responses from the teacher, else the dataset
-    # one λ draw per optimizer step (the paper) or per micro-batch (TRL)
+    # one λ draw per optimizer step (the paper) or per accumulation micro-batch
     gkd_lambda_granularity: Literal["step", "micro_batch"] = "step"
     gkd_seed: int = 0                     # seed of the λ draws
 

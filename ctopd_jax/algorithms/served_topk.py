@@ -11,11 +11,11 @@ approximations, each selected by its own name:
   constant per row). k = `teacher.top_k`. Unlike `topk_strict` (the STUDENT picks its top-k
   columns, SPEC §4) the teacher picks them. A pair whose top-k holds no shared token adds 0.
   Metric `teacher_topk_mass`: the teacher probability its kept columns hold, per pair.
-- `topk_gkd` (same tokenizer, as TRL distils from a served teacher): GKD (SPEC §9, with gkd's
-  λ draws, β and settings) on the support = the teacher's top-k, plus the sampled token when
-  β > 0 (TRL's choice), with one tail bucket holding each side's remaining mass
-  (`algorithm.topk_gkd_tail: true`, TRL's default, needs kd_temperature 1) or both sides
-  renormalised over the support (`false`).
+- `topk_gkd` (same tokenizer, a served teacher): GKD (SPEC §9, with gkd's λ draws, β and
+  settings) on the support = the teacher's top-k, plus the sampled token when β > 0 (the
+  token the student trains on always has a teacher value), with one tail bucket holding each
+  side's remaining mass (`algorithm.topk_gkd_tail: true`, the default, needs kd_temperature 1)
+  or both sides renormalised over the support (`false`).
 
 Why new names rather than a mode of strict / gkd that switches on with a served teacher: the
 name says which loss a run trains (its metrics key too), `strict` and `gkd` stay the exact
@@ -144,7 +144,7 @@ class TeacherTopkStrict(ServedTopkInputs, Objective):
 
 @dataclass(frozen=True)
 class TopkGkdSettings(GkdSettings):
-    # one more outcome holding each side's mass outside the support (TRL), else renormalise
+    # one more outcome holding each side's mass outside the support, else renormalise
     topk_gkd_tail: bool = True
 
     def validate(self) -> None:

@@ -18,11 +18,11 @@ in the student's values) renormalises and takes the divergence per row. Rows are
    Unlike Strict top-k (SPEC §4, the STUDENT picks the k columns), the teacher picks them here,
    because only the teacher's top-k crosses the wire.
 
-2. Top-k GKD (same tokenizer, as TRL scores a served teacher; `topk_gkd_support` +
+2. Top-k GKD (same tokenizer, a served teacher; `topk_gkd_support` +
    `topk_gkd_rows`). The support at a response position is the teacher's top-k, plus the
    sampled token when `include_sampled` (its teacher log-prob is served too). Student and
    teacher full-vocabulary log-probs are taken on the support and either
-   - `tail=True` (TRL's default): one more bucket holds each side's remaining mass,
+   - `tail=True` (the default): one more bucket holds each side's remaining mass,
      log(1 − Σ_support p), so both are proper distributions over |support| + 1 outcomes; the
      support's mass is capped at 1 − 1e-6 first, so float rounding in served values (a top-k
      summing to 1.0000001) cannot make a bucket log(≤ 0); or
@@ -30,8 +30,8 @@ in the student's values) renormalises and takes the divergence per row. Rows are
    The divergence is GKD's generalised JSD with β weighting the teacher (SPEC §9):
    β = 0 forward KL(p_T‖p_S), β = 1 reverse KL(p_S‖p_T), else
    β KL(p_T‖M) + (1 − β) KL(p_S‖M) with M = β p_T + (1 − β) p_S.
-   TRL's ServerDistillationTrainer is the case include_sampled = (β > 0) (its forward-KL path
-   uses the top-k alone, its β > 0 path top-1 plus the sampled token), which is our default.
+   The objective's default is include_sampled = (β > 0): forward KL (β = 0) reads the
+   teacher's top-k alone; with β > 0 the student's own sampled token joins the support.
    The tail needs full-vocabulary probabilities at the loss temperature, which a τ = 1 server
    gives only at τ = 1: `tail=True` with τ != 1 is refused; without the tail τ is exact as in 1.
 """

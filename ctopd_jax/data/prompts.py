@@ -8,7 +8,7 @@ when the file is opened, so a bad row fails with `file:line` before any model is
 Order: a grain `MapDataset` shuffled by `seed` and repeated forever; grain draws a fresh
 permutation per epoch. Batch k is rows [k*B, (k+1)*B) of that infinite sequence, so the
 iterator state is one integer (the next batch index): saving it and restoring it gives exactly
-the same batches as an uninterrupted run (step-indexed data, as in levanter).
+the same batches as an uninterrupted run (step-indexed data).
 """
 from __future__ import annotations
 
