@@ -4,9 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-ASSETS := $(HOME)/.cache/ctopd_jax/tokenizers/.ready
+ASSETS := $(or $(CTOPD_JAX_CACHE),$(HOME)/.cache/ctopd_jax)/tokenizers/.ready
 
-.PHONY: demo test test-fast test-slow test-vllm test-jax-next assets trl-venv
+.PHONY: demo test test-fast test-slow test-vllm test-jax-next assets trl-venv lane-a lane-b
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
-assets: $(STAMP)
+# The real tokenizers, built once into the cache (setup_assets writes .ready last).
+assets: $(ASSETS)
+$(ASSETS): $(STAMP)
 	$(PY) -m ctopd_jax.setup_assets
 
 demo: $(STAMP) assets
@@ -24,21 +26,18 @@ test-fast: $(STAMP) assets
 	$(PY) -m pytest -q
 
 # Marked slow (multi-process training, compile-only memory analysis at real shapes, the GPU
-# check's CPU dry run): a step of its own, in four pytest processes. jaxlib has segfaulted in
+# check's CPU dry run): groups of their own, each one pytest process. jaxlib has segfaulted in
 # the compiler inside one long-lived process running the whole slow suite (~9 GB resident by
 # then), on different tests in different runs and never on a test alone: shorter processes
-# hold less, and a crash reruns only its own group. A failed test is run once more, alone
-# (--lf), and must pass then: the full-disk test (a trainer process on a 7 MiB tmpfs, then its
-# resume) failed in 2 of ~15 suite runs under load and never when run by itself; both runs'
-# output stay in the log.
-SLOW_GROUPS := "tests/trainer/test_[a-o]*.py" "tests/trainer/test_[p-z]*.py" \
-    "tests/kernels tests/algorithms" \
+# hold less. A test that fails fails the suite: no rerun.
+SLOW_TRAINER_A := "tests/trainer/test_[a-o]*.py"
+SLOW_TRAINER_B := "tests/trainer/test_[p-z]*.py"
+SLOW_REST := "tests/kernels tests/algorithms" \
     "tests --ignore=tests/trainer --ignore=tests/kernels --ignore=tests/algorithms"
+SLOW_GROUPS := $(SLOW_TRAINER_A) $(SLOW_TRAINER_B) $(SLOW_REST)
+slow-groups = set -e; for group in $(1); do $(PY) -m pytest -q -m "slow and not vllm" $$group; done
 test-slow: $(STAMP) assets
-	set -e; for group in $(SLOW_GROUPS); do \
-	    $(PY) -m pytest -q -m "slow and not vllm" $$group || \
-	    $(PY) -m pytest -q -m "slow and not vllm" $$group --lf; \
-	done
+	$(call slow-groups,$(SLOW_GROUPS))
 
 # vLLM (CPU build) pins numpy below our range, so its tests run from a venv of their own,
 # in their own pytest process (grain: the host modules import it at module level). torchvision & co. break `import vllm` on CPU: removed.
@@ -58,7 +57,7 @@ $(VLLM_STAMP): pyproject.toml
 # The trainer against a real `vllm serve`: the trainer from .venv (its dependencies), the
 # server from .venv-vllm, as configs/tiny_cpu_served.yaml runs.
 test-vllm: $(VLLM_STAMP) assets
-	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/rollout --ignore=tests/rollout/test_served_rollouts_vllm.py
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/rollout tests/evaluation --ignore=tests/rollout/test_served_rollouts_vllm.py
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/teacher_service
 	CTOPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/trainer/test_served_vllm_training.py
 	CTOPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/rollout/test_served_rollouts_vllm.py
@@ -107,4 +106,21 @@ else
 	$(NEXT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(NEXT_TESTS)
 endif
 
-test: test-fast test-slow test-vllm test-jax-next
+# `make test` (CI): everything above, in two lanes that run at once on a 2-core machine (most of
+# a test's time is XLA compiling, on one core): the default suite then two slow groups in one,
+# the vLLM and jax-next virtual environments and their tests then the other slow groups in the
+# other. Each lane's pytest processes share one persistent XLA cache for the trainer processes
+# the tests start (tests/trainer/conftest.py); the lanes never share one. --output-sync=line
+# prints each step's output whole when it ends.
+XLA_CACHE := $(CURDIR)/.test_xla_cache
+lane-a:
+	rm -rf $(XLA_CACHE)/a
+	CTOPD_TEST_COMPILE_CACHE=$(XLA_CACHE)/a $(MAKE) test-fast
+	CTOPD_TEST_COMPILE_CACHE=$(XLA_CACHE)/a $(MAKE) test-slow SLOW_GROUPS='$(SLOW_TRAINER_B) $(SLOW_TRAINER_A)'
+lane-b:
+	rm -rf $(XLA_CACHE)/b
+	CTOPD_TEST_COMPILE_CACHE=$(XLA_CACHE)/b $(MAKE) test-vllm
+	CTOPD_TEST_COMPILE_CACHE=$(XLA_CACHE)/b $(MAKE) test-jax-next
+	CTOPD_TEST_COMPILE_CACHE=$(XLA_CACHE)/b $(MAKE) test-slow SLOW_GROUPS='$(SLOW_REST)'
+test: $(STAMP) assets
+	$(MAKE) -j2 --output-sync=line lane-a lane-b
