@@ -82,6 +82,24 @@ def tree_bytes(tree) -> int:
     return int(sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")))
 
 
+def trl_args(spec: dict) -> dict:
+    """TRL's GKDConfig, at its fastest documented settings for this run: the same hyper-parameters
+    as ours, and gradient_checkpointing off. Its default (on) recomputes every activation in the
+    backward pass, and GKDTrainer then generates with use_cache=False, re-running the whole
+    sequence for every new token (~10x its on-policy step here)."""
+    h = spec["hyper"]
+    return dict(
+        output_dir=spec["output_dir"], max_steps=h["steps"], per_device_train_batch_size=h["batch"],
+        gradient_accumulation_steps=1, learning_rate=h["lr"], adam_beta1=h["betas"][0],
+        adam_beta2=h["betas"][1], weight_decay=h["weight_decay"], max_grad_norm=h["max_grad_norm"],
+        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": h["min_lr"]},
+        warmup_steps=h["warmup_steps"], lmbda=h["lmbda"], beta=h["beta"], temperature=h["temperature"],
+        max_new_tokens=h["max_new_tokens"], max_length=h["max_length"], seed=spec["seed"],
+        gradient_checkpointing=False,
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
+        dataloader_num_workers=0, bf16=False, fp16=False)
+
+
 def ours_overrides(spec: dict) -> list[str]:
     h = spec["hyper"]
     return [
@@ -207,6 +225,7 @@ def orchestrate(args) -> None:
                 spec = {"student": str(model_dir("char_student")), "teacher": str(model_dir("char_teacher")),
                         "ours_prompts": str(ours_prompts), "trl_prompts": str(trl_prompts), "seed": args.seed,
                         "output_dir": str(work / f"{side}_{i}"), "hyper": hyper}
+                spec["trl_args"] = trl_args(spec)
                 spec_path = work / f"{side}_{i}.json"
                 spec_path.write_text(json.dumps(spec))
                 results[side].append(spawn(python, script, spec_path, env, cpus))

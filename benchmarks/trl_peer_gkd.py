@@ -63,15 +63,9 @@ def main(spec_path: str) -> None:
     teacher = AutoModelForCausalLM.from_pretrained(spec["teacher"], dtype=torch.float32)
     rss["models"] = vm_rss()
     gkd_trainer.random = SameDraws(h["gkd_seed"])
-    args = GKDConfig(
-        output_dir=spec["output_dir"], max_steps=h["steps"], per_device_train_batch_size=h["batch"],
-        gradient_accumulation_steps=1, learning_rate=h["lr"], adam_beta1=h["betas"][0],
-        adam_beta2=h["betas"][1], weight_decay=h["weight_decay"], max_grad_norm=h["max_grad_norm"],
-        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": h["min_lr"]},
-        warmup_steps=h["warmup_steps"], lmbda=h["lmbda"], beta=h["beta"], temperature=h["temperature"],
-        max_new_tokens=h["max_new_tokens"], max_length=h["max_length"], seed=spec["seed"],
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
-        dataloader_num_workers=0, bf16=False, fp16=False)
+    args = GKDConfig(**spec["trl_args"])   # trl_peer.trl_args: its fastest settings
+    if args.gradient_checkpointing:
+        raise SystemExit("trl_args: gradient_checkpointing must be off (TRL's fastest settings)")
     data = load_dataset("json", data_files=spec["trl_prompts"], split="train")
     ends = StepEnds()
     trainer = GKDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=data,

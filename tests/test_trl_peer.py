@@ -42,3 +42,17 @@ def test_both_prompt_files_hold_the_same_rows(peer, tmp_path):
     assert [p.messages for p in a] == [p.messages for p in b]
     assert [response_text(p) for p in a] == [response_text(p) for p in b]
     assert all(p.messages[-1]["role"] == "user" for p in a)
+
+
+def test_trl_runs_at_its_fastest_settings(peer):
+    """gradient_checkpointing on (TRL's default) makes GKDTrainer generate without a KV cache and
+    recompute activations: the peer must run with it off, and with our hyper-parameters."""
+    hyper = {"steps": 12, "batch": 4, "lmbda": 0.5, "beta": 0.5, "temperature": 0.9,
+             "max_new_tokens": 32, "gkd_seed": 0, "lr": 3e-3, "betas": [0.9, 0.98],
+             "weight_decay": 0.0, "max_grad_norm": 1.0, "min_lr": 1e-5, "warmup_steps": 1,
+             "max_length": 128}
+    args = peer.trl_args({"output_dir": "out", "seed": 3, "hyper": hyper})
+    assert args["gradient_checkpointing"] is False
+    assert (args["max_steps"], args["per_device_train_batch_size"], args["learning_rate"],
+            args["lmbda"], args["beta"], args["max_new_tokens"]) == (12, 4, 3e-3, 0.5, 0.5, 32)
+
