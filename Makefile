@@ -57,7 +57,7 @@ $(VLLM_STAMP): pyproject.toml
 # The trainer against a real `vllm serve`: the trainer from .venv (its dependencies), the
 # server from .venv-vllm, as configs/tiny_cpu_served.yaml runs.
 test-vllm: $(VLLM_STAMP) assets
-	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/rollout tests/evaluation --ignore=tests/rollout/test_served_rollouts_vllm.py
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/rollout tests/evaluation/test_evaluate.py --ignore=tests/rollout/test_served_rollouts_vllm.py
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/teacher_service
 	CTOPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/trainer/test_served_vllm_training.py
 	CTOPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/rollout/test_served_rollouts_vllm.py
