@@ -1,5 +1,6 @@
 """`rollout.async_rollouts` in the trainer: at staleness 0 the synchronous run's numbers bit for
-bit, at staleness 1 the first batch fresh and the next ones one update behind."""
+bit, at staleness 1 the first batch fresh and the next ones one update behind, and those stale
+batches reweighted by the truncated importance weights where the objective asks for them."""
 import dataclasses
 
 import jax
