@@ -68,6 +68,7 @@ def toy_here(tmp_path, monkeypatch):
     registry and its record of imported modules are copies, dropped (with the module) after."""
     from ctopd_jax.algorithms import catalog
 
+    catalog.registry()   # the package's own objectives first, into the registry that stays
     (tmp_path / "toy_hard_label.py").write_text(TOY)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(catalog, "_OBJECTIVES", dict(catalog._OBJECTIVES))
