@@ -1,8 +1,10 @@
-"""`implementation: auto` reads each kernel's table of measured choices (kernels/choices.py)."""
+"""`implementation: auto` reads each kernel's table of measured choices (kernels/choices.py):
+the table's rows, the dispatch, and the routed path's numbers against the reference oracles."""
 import json
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,17 +32,55 @@ def test_every_row_names_a_path_and_why():
             assert ("measured" in row and row["pallas_ms"] > 0 and row["xla_ms"] > 0) or row["why"]
 
 
-def test_auto_resolves_on_this_device_and_computes_like_xla():
+def test_auto_routes_by_the_table(monkeypatch):
+    """Dispatch only: `auto` is what the table says for this device, per kernel; a table that
+    says otherwise is followed (the values of the routed path: the next test)."""
     assert api.resolve_implementation("auto", "rkl", None) == choices.choose("strict_full")
+    assert api.resolve_implementation("auto", "rkl", 4) == choices.choose("strict_topk")
+    asked = []
+    monkeypatch.setattr(api, "choose", lambda kernel: asked.append(kernel) or "reference")
+    assert api.resolve_implementation("auto", "rkl", None) == "reference"
+    assert api.resolve_implementation("auto", "rkl", 4) == "reference"
+    assert asked == ["strict_full", "strict_topk"]
+
+
+def test_auto_computes_what_the_reference_oracle_computes():
+    """Whatever `auto` routes to on this device (xla on CPU), its values and gradients equal
+    the plain-jnp oracles' (kernels/*/reference.py: whole-batch autodiff, no chunks): the strict
+    sums from hidden rows in chunks of 4 rows over a shared vocabulary of 24 of 40 columns, full
+    and top-4, and token_rows' log-probs and logsumexps."""
+    from ctopd_jax.kernels.strict_full import reference as full_reference
+    from ctopd_jax.kernels.strict_topk import reference as topk_reference
+    from ctopd_jax.kernels.token_rows import reference as rows_reference
+
     rng = np.random.default_rng(0)
-    zs, zt = (jnp.asarray(rng.normal(size=(6, 40)), jnp.float32) for _ in range(2))
-    ids, w = jnp.arange(40), jnp.ones(6)
-    for topk in (None, 4):
-        got = api.strict_kd_sum(zs, zt, ids, w, divergence="rkl", topk=topk, implementation="auto")
-        want = api.strict_kd_sum(zs, zt, ids, w, divergence="rkl", topk=topk, implementation="xla")
-        assert float(got) == float(want)
-    lp, _ = token_rows(zs[:, :8], jnp.eye(8, 12), jnp.zeros(6, jnp.int32), implementation="auto")
-    assert lp.shape == (6,) and bool(jnp.isfinite(lp).all())
+    hidden, lm_head = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((6, 8), (8, 40)))
+    s_ids = jnp.asarray(rng.permutation(40)[:24])
+    zt = jnp.asarray(rng.normal(size=(6, 24)), jnp.float32)
+    w = jnp.asarray([1.0, 1.0, 0.0, 1.0, 0.5, 1.0])
+    for topk, oracle in ((None, full_reference.strict_full_rows),
+                         (4, lambda *a, **k: topk_reference.strict_topk_rows(*a, topk=4, **k))):
+        routed = jax.jit(jax.value_and_grad(lambda h, m: api.strict_kd_sum(
+            (h, m), zt, s_ids, w, divergence="rkl", topk=topk, implementation="auto",
+            chunk_rows=4), argnums=(0, 1)))
+        want = jax.jit(jax.value_and_grad(lambda h, m: jnp.sum(oracle((h, m), zt, s_ids, w, divergence="rkl")),
+                                          argnums=(0, 1)))
+        (got_v, got_g), (want_v, want_g) = routed(hidden, lm_head), want(hidden, lm_head)
+        assert float(got_v) == pytest.approx(float(want_v), rel=1e-5), topk
+        for g, r in zip(got_g, want_g):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
+    targets = jnp.asarray(rng.integers(0, 40, 6), jnp.int32)
+    # a cotangent per row on both outputs (a span loss's is not uniform)
+    c_lp, c_lse = (jnp.asarray(rng.normal(size=6), jnp.float32) for _ in range(2))
+    mix = lambda out: jnp.sum(c_lp * out[0] + c_lse * out[1])
+    got = jax.jit(jax.value_and_grad(lambda h, m: mix(token_rows(h, m, targets, implementation="auto",
+                                                         chunk_rows=4)), argnums=(0, 1)))
+    want = jax.jit(jax.value_and_grad(lambda h, m: mix(rows_reference.token_rows(h, m, targets, 1.0)),
+                                      argnums=(0, 1)))
+    (got_v, got_g), (want_v, want_g) = got(hidden, lm_head), want(hidden, lm_head)
+    assert float(got_v) == pytest.approx(float(want_v), rel=1e-5)
+    for g, r in zip(got_g, want_g):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
 
 
 def test_auto_is_a_config_value():

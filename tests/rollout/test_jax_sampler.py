@@ -118,10 +118,31 @@ def test_no_recompile_within_buckets(llama):
     # Same buckets (batch 4, prompt 16, new tokens 8), other values of the traced knobs.
     sampler.generate(random_prompts(rng, 4, max_len=15),
                      SamplingParams(temperature=1.2, top_k=50, top_p=0.5, max_new_tokens=7, seed=2))
-    # (prefill runs once per prompt: 2 prompts x n=2 would be a 2-row prefill, a new program)
     sampler.generate(random_prompts(rng, 4, min_len=10, max_len=12),
                      SamplingParams(temperature=0.3, top_k=2, top_p=0.99, max_new_tokens=8, seed=3))
     assert compiled_variants() == before
+    # n = 2: 2 prompts x 2 samples fill the same 4 slots. The samples of a prompt share its one
+    # prefill, so the prefill batch is 2 prompts (a 2-row program, new unless an earlier test
+    # made it); decoding, admission and the page pool are the 4-slot programs already compiled.
+    # A second n = 2 call with other prompts and knobs then compiles nothing at all.
+    counts = sampler_programs()
+    sampler.generate(random_prompts(rng, 2, min_len=10, max_len=12),
+                     SamplingParams(temperature=0.3, top_k=2, top_p=0.99, max_new_tokens=8, seed=3, n=2))
+    after = sampler_programs()
+    new = {k: after[k] - counts[k] for k in counts if after[k] != counts[k]}
+    assert new in ({}, {"prefill_pages": 1}), (counts, after)
+    result = sampler.generate(random_prompts(rng, 2, max_len=15),
+                              SamplingParams(temperature=1.1, top_k=9, top_p=0.7, max_new_tokens=6,
+                                             seed=4, n=2))
+    assert len(result.token_ids) == 4 and sampler_programs() == after
+
+
+def sampler_programs() -> dict:
+    """Compiled programs per device function of the sampler (their sum is compiled_variants)."""
+    from ctopd_jax.rollout import paged_decode
+
+    return {f: getattr(paged_decode, f)._cache_size()
+            for f in ("decode_until_refill", "prefill_pages", "admit_newcomers", "new_pool")}
 
 
 def test_sharded_on_mesh_equals_unsharded(llama, tmp_path):

@@ -1,5 +1,6 @@
 """`rollout.async_rollouts` in the trainer: at staleness 0 the synchronous run's numbers bit for
-bit, at staleness 1 the first batch fresh and the next ones one update behind."""
+bit, at staleness 1 the first batch fresh and the next ones one update behind, and those stale
+batches reweighted by the truncated importance weights where the objective asks for them."""
 import dataclasses
 
 import jax
@@ -36,26 +37,35 @@ def test_staleness_0_trains_as_the_synchronous_run_and_staleness_1_one_update_be
 
 
 @pytest.mark.slow  # two tiny runs of two steps
-def test_truncated_importance_weights_in_the_trainer_step_at_cap_1_against_the_uncorrected_run(tmp_path):
-    """opd with gap_logprobs recomputed declares "tis": the step multiplies each response token
-    by min(π_θ/π_rollout, cap). With the JAX engine the ratio is 1 up to XLA's rounding (~1e-6),
-    so at cap 1 the weights are <= 1 and near 1: the losses stay those of the uncorrected run
-    within that rounding, and the mean weight is logged."""
+def test_stale_batches_are_reweighted_in_the_trainer_and_fresh_ones_are_not(tmp_path):
+    """opd with gap_logprobs recomputed ("tis") at staleness 1, the JAX engine behind the
+    background collection: step 2 trains on responses sampled by the weights before step 1's
+    update, so their rollout log-probs are those of an older policy (ratios != 1). The corrected
+    run (the trainer's own `step_objective` choice) logs a mean weight of 1 at step 1 (fresh:
+    ratio 1 up to XLA's rounding) and away from 1 at step 2, and its step-2 loss moves off the
+    uncorrected stale run's while step 1's stays. The exact weights and the gradient they make
+    are checked against torch in tests/rollout/test_async_rollouts.py."""
     from test_served_teacher_training import small_run
 
-    from ctopd_jax.rollout.staleness import TruncatedIS
+    from ctopd_jax.rollout.staleness import TruncatedIS, step_objective
 
-    losses = {}
+    runs = {}
     for corrected in (False, True):
         out = tmp_path / f"tis_{corrected}"
-        trainer = Trainer(small_run(out, "opd", "algorithm.gap_logprobs=recomputed"))
-        assert trainer.objective.stale_responses == "tis"
+        # no warm-up: step 1's update moves the weights, so step 2's responses are stale
+        trainer = Trainer(small_run(out, "opd", "algorithm.gap_logprobs=recomputed",
+                                    "optimizer.warmup_ratio=0"))
+        rollout = dataclasses.replace(trainer.config.rollout, async_rollouts=True, async_staleness=1)
+        trainer.rollouts = Rollouts(trainer.draw, trainer.collect, rollout, trainer.config.steps)
         if corrected:
-            trainer.step_objective = TruncatedIS(trainer.objective, 1.0)
+            trainer.step_objective = step_objective(trainer.objective, rollout)
+            assert isinstance(trainer.step_objective, TruncatedIS)
         trainer.train()
-        losses[corrected] = read_metrics(out)
-    weights = [r["tis_weight"] for r in losses[True]]
-    assert all(0.999 < w <= 1.0 for w in weights), weights
-    assert "tis_weight" not in losses[False][0]
-    np.testing.assert_allclose([r["loss"] for r in losses[True]],
-                               [r["loss"] for r in losses[False]], rtol=1e-4, atol=1e-6)
+        runs[corrected] = read_metrics(out)
+    plain, tis = runs[False], runs[True]
+    assert [r["rollout_staleness"] for r in tis] == [0, 1]
+    assert "tis_weight" not in plain[0]
+    assert abs(tis[0]["tis_weight"] - 1) < 1e-5            # fresh responses: weight 1
+    assert abs(tis[1]["tis_weight"] - 1) > 1e-3            # stale responses: reweighted (0.98)
+    assert tis[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-4, abs=1e-6)
+    assert abs(tis[1]["loss"] - plain[1]["loss"]) > 1e-3 * abs(plain[1]["loss"])

@@ -3,13 +3,17 @@
 other file changed and no private name touched (docs/objectives.md walks through it).
 
 The toy: at every strict pair, the student's cross-entropy on the teacher's most likely token
-of the shared vocabulary (a hard-label distillation). It runs in its own process, so the
-registry of this test process never holds it."""
+of the shared vocabulary (a hard-label distillation). The training run is a process of its own;
+the tests that import the toy here (its loss against numpy, its config key) give the registry
+back as it was (`toy_here`), since other tests enumerate it."""
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -56,6 +60,55 @@ class HardLabel(Objective):
         terms = jax.nn.logsumexp(s_logits.astype(jnp.float32), axis=-1) - picked
         return {"hard_label": losses.masked_sum(terms, x.batch.terms.strict_weight)}, {}
 '''
+
+
+@pytest.fixture
+def toy_here(tmp_path, monkeypatch):
+    """The toy module importable in this process, registered only for the test: the catalog's
+    registry and its record of imported modules are copies, dropped (with the module) after."""
+    from ctopd_jax.algorithms import catalog
+
+    catalog.registry()   # the package's own objectives first, into the registry that stays
+    (tmp_path / "toy_hard_label.py").write_text(TOY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(catalog, "_OBJECTIVES", dict(catalog._OBJECTIVES))
+    monkeypatch.setattr(catalog, "_IMPORTED", set(catalog._IMPORTED))
+    monkeypatch.delitem(sys.modules, "toy_hard_label", raising=False)
+    yield
+    sys.modules.pop("toy_hard_label", None)
+
+
+def test_the_toy_loss_matches_numpy(toy_here):
+    """The toy's kd_sums (what the command above trains) against the same loss in numpy:
+    Σ_pairs w · (logsumexp(z_S) − z_S[argmax z_T]) over the shared vocabulary, the student's and
+    teacher's logits from their hidden rows and lm_head columns s_ids / t_ids."""
+    toy = importlib.import_module("toy_hard_label")
+    rng = np.random.default_rng(0)
+    hidden, s_head = rng.normal(size=(7, 8)), rng.normal(size=(8, 20))     # 7 flat student rows
+    t_rows, t_head = rng.normal(size=(5, 6)), rng.normal(size=(6, 30))     # 5 pairs' teacher rows
+    s_ids, t_ids = np.array([3, 7, 11, 2]), np.array([0, 29, 5, 17])        # V∩ of 4 columns
+    pair_rows, weight = np.array([0, 2, 3, 5, 6]), np.array([1.0, 1.0, 0.0, 1.0, 1.0])
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    x = SimpleNamespace(hidden=f32(hidden), lm_head=f32(s_head), teacher_hidden=f32(t_rows),
+                        teacher_lm_head=f32(t_head),
+                        overlap={"s_ids": jnp.asarray(s_ids), "t_ids": jnp.asarray(t_ids)},
+                        batch=SimpleNamespace(terms=SimpleNamespace(
+                            strict_student_rows=jnp.asarray(pair_rows), strict_weight=f32(weight))))
+    sums, _ = toy.HardLabel(toy.HardLabelSettings(name="hard_label")).kd_sums(x)
+    s_logits, t_logits = hidden[pair_rows] @ s_head[:, s_ids], t_rows @ t_head[:, t_ids]
+    target = t_logits.argmax(axis=1)
+    log_z = np.log(np.exp(s_logits).sum(axis=1))
+    want = np.sum(weight * (log_z - s_logits[np.arange(5), target]))
+    assert float(sums["hard_label"]) == pytest.approx(want, rel=1e-5)
+
+
+def test_the_toys_own_key_is_read_and_a_misspelt_one_refused_naming_it(toy_here):
+    toy = ["algorithm.name=hard_label", "algorithm.modules=[toy_hard_label]"]
+    assert load_config(None, [*toy, "algorithm.hard_label_weight=2.5"]).algorithm.hard_label_weight == 2.5
+    # refused, not dropped: the line names the misspelt key and lists the toy's own among the known
+    with pytest.raises(ConfigError, match=r"^unknown config key\(s\) algorithm\.hard_label_wieght; "
+                                          r"known keys of algorithm: .*hard_label_weight"):
+        load_config(None, [*toy, "algorithm.hard_label_wieght=2.0"])
 
 
 def test_a_toy_objective_module_trains_through_the_real_command(tmp_path, compile_cache):
