@@ -111,7 +111,7 @@ def test_tis_reweights_the_opd_gradient_of_stale_responses_as_spec_says_torch_re
     objective's loss_sums, its loss weights, SPEC §1's normalisation), stale responses whose
     rollout log-probs put π_θ/π_rollout on both sides of the cap (and of 1) give the loss and the
     gradient of the torch formula above; the uncorrected gradient differs, so the weights matter."""
-    from ctopd_jax import losses
+    from ctopd_jax.kernels import losses
     from ctopd_jax.algorithms.opd import OpdSampled, OpdSettings
     from ctopd_jax.step.grad import weighted_sum
 

@@ -66,7 +66,7 @@ class HardLabel(Objective):
 def toy_here(tmp_path, monkeypatch):
     """The toy module importable in this process, registered only for the test: the catalog's
     registry and its record of imported modules are copies, dropped (with the module) after."""
-    from ctopd_jax.algorithms import catalog
+    from ctopd_jax.config import catalog
 
     catalog.registry()   # the package's own objectives first, into the registry that stays
     (tmp_path / "toy_hard_label.py").write_text(TOY)
