@@ -95,7 +95,19 @@ def check_writable(path: str | Path, field: str) -> None:
 # ----------------------------------------------------------------------------- nothing of others
 
 # What a run (and `evaluate --out`) writes itself: found in a folder, they are a run's own.
+# metrics.py keeps every earlier row it moves: a fresh start over a log renames it to
+# metrics.1.jsonl, .2 ...; a resume sets the rows after its step aside in
+# metrics.after_step_N.jsonl (.2 ... when taken). Each is the run's own, or the second
+# resume of a run would refuse its own folder.
 RUN_JSONL = frozenset({"metrics.jsonl", "samples.jsonl", "config_changes.jsonl", "per_problem.jsonl"})
+_RUN_LOG = re.compile(r"(metrics|samples)(\.\d+|\.after_step_\d+(\.\d+)?)?\.jsonl")
+
+
+def is_run_file(name: str) -> bool:
+    """A file name the trainer or `evaluate --out` writes itself (above)."""
+    return name in RUN_JSONL or _RUN_LOG.fullmatch(name) is not None
+
+
 DATA_SUFFIXES = (".jsonl", ".parquet", ".arrow", ".csv", ".tsv")
 
 
@@ -123,7 +135,7 @@ def foreign_contents(folder: Path, checkpoint_folder: bool = False) -> str | Non
         return "a model's config.json"
     if "tokenizer.json" in names:
         return "a tokenizer (tokenizer.json)"
-    data = [n for n in names if n.endswith(DATA_SUFFIXES) and n not in RUN_JSONL
+    data = [n for n in names if n.endswith(DATA_SUFFIXES) and not is_run_file(n)
             or n in ("dataset_info.json", "dataset_dict.json")]
     if data:
         return f"a dataset ({data[0]})"
