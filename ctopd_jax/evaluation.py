@@ -189,7 +189,8 @@ def grade_file(path: str | Path, *, answer_fallbacks: bool = False,
         row.setdefault("id", row["problem"])
         samples.append(row)
     if not samples:
-        raise ValueError(f"{path}: no samples")
+        raise RecordError(f"{path}: holds no samples (no non-blank line); give a jsonl with one "
+                          "{problem, answer, response} object per line")
     start = time.perf_counter()
     grade_samples(samples, answer_fallbacks=answer_fallbacks, grade_fn=grade_fn, grader=grader)
     return _report(str(path), samples, k, {"grading": time.perf_counter() - start})
