@@ -48,7 +48,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ctopd_jax.models.weights import export_hf_checkpoint
-from ctopd_jax.run_dir import DISK_ERRNOS, disk_errno
+from ctopd_jax.kill_points import kill_point
+from ctopd_jax.run_dir import DISK_ERRNOS, disk_errno, replaced_folder
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +238,7 @@ class Checkpointer:
         with self._write_errors():
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(full_meta)), force=True)
+        kill_point("checkpoint_write")   # the asynchronous write in flight
 
     def wait(self) -> None:
         with self._write_errors():
@@ -385,14 +387,14 @@ class Checkpointer:
 
 def export_student_hf(model: Any, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
                       extra_config: dict | None = None) -> Path:
-    """Write the student as an HF safetensors directory (config.json + weights [+ tokenizer])."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    export_hf_checkpoint(model, model.cfg, out, extra_config=extra_config)
-    if tokenizer_dir is not None and jax.process_index() == 0:
+    """Write the student as an HF safetensors directory (config.json + weights [+ tokenizer]),
+    whole or not at all (run_dir.replaced_folder: a kill mid-export leaves the earlier one)."""
+    with replaced_folder(out_dir) as staging:
+        export_hf_checkpoint(model, model.cfg, staging, extra_config=extra_config)
+        kill_point("hf_export")
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                      "chat_template.jinja", "generation_config.json"):
-            src = Path(tokenizer_dir) / name
-            if src.is_file() and not (out / name).exists():
-                shutil.copy(src, out / name)
-    return out
+            src = Path(tokenizer_dir or "") / name
+            if tokenizer_dir is not None and src.is_file() and not (staging / name).exists():
+                shutil.copy(src, staging / name)
+    return Path(out_dir)

@@ -27,10 +27,12 @@ Decisions:
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
+import shutil
 import socket
 import time
 import warnings
@@ -296,6 +298,34 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+# ----------------------------------------------------------------------------- whole folders
+
+@contextlib.contextmanager
+def replaced_folder(out: str | Path):
+    """`with replaced_folder(out) as staging:` what the block writes into `staging` (a hidden
+    sibling) replaces the folder `out` as a whole when the block ends, or never: an error or a
+    kill leaves `out` as it was, never half-written (an exported model, an adapter). Only for
+    folders that one process writes (under its run lock): it clears its own leftovers."""
+    out = Path(out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    old = out.parent / f".{out.name}.old"
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):   # a killed write's, never in place
+        shutil.rmtree(stale, ignore_errors=True)
+    if old.is_dir() and not out.exists():   # killed between the two renames below: put it back
+        os.replace(old, out)
+    shutil.rmtree(old, ignore_errors=True)
+    staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    staging.mkdir()
+    try:
+        yield staging
+        if out.exists():
+            os.replace(out, old)
+        os.replace(staging, out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- refused writes
