@@ -83,16 +83,22 @@ def plan_kills(seed: int, kills: int) -> list[dict]:
     plan = []
     for k in range(kills):
         if k % 2 == 0:
-            point = POINTS[k // 2] if k // 2 < len(POINTS) else rng.choice(POINTS)
+            point = POINTS[k // 2] if k // 2 < len(POINTS) else rng.choice(POINTS[:4] + POINTS[5:])
             plan.append({"point": point, "u": rng.random()})
         else:
             plan.append({"time": True, "u": rng.random(), "v": rng.random()})
-    return plan
+    # the export comes once the steps are done: its kill last, or the kills after it would
+    # all fall on a finished run
+    return [k for k in plan if k.get("point") != "hf_export"] + \
+        [k for k in plan if k.get("point") == "hf_export"]
 
 
-def resolve(kill: dict, remaining: int, every: int, startup_s: float, step_s: float) -> dict:
+def resolve(kill: dict, remaining: int, every: int, kills_left: int, startup_s: float,
+            step_s: float) -> dict:
     """The passage (a named point) or the delay in seconds (a timed kill) of `kill` for a
-    process with `remaining` steps to train, so that the kill comes before the run ends."""
+    process with `remaining` steps to train: within the next `span` steps, the steps left
+    shared among the kills left, so the kills spread over the whole run."""
+    remaining_all, remaining = remaining, min(remaining, max(every, remaining // max(kills_left, 1)))
     if "time" in kill:
         # one in five during the start-up, the others within one of the steps left: after the
         # k-th step line of the process (0: the line before the loop), a fraction of a step
@@ -101,7 +107,7 @@ def resolve(kill: dict, remaining: int, every: int, startup_s: float, step_s: fl
             return {**kill, "delay_s": round(u / 0.2 * startup_s, 2)}
         return {**kill, "after_line": int((u - 0.2) / 0.8 * remaining),
                 "delay_s": round(kill["v"] * step_s, 2)}
-    point = kill["point"] if remaining else "hf_export"   # all trained: only the export is left
+    point = kill["point"] if remaining_all else "hf_export"   # all trained: only the export is left
     passes = 1 if point == "hf_export" else \
         -(-remaining // every) if point in PER_CHECKPOINT else remaining
     return {**kill, "point": point, "passage": 1 + int(kill["u"] * passes)}
@@ -150,7 +156,8 @@ def chaos(out: Path, sets: list[str], env: dict, plan: list[dict], steps: int, e
         with open(log, "ab") as sink:
             sink.write(f"\n=== run {len(events) + 1}\n".encode())
         done = max(committed_steps(out), default=0)
-        kill = resolve(pending.pop(0), steps - done, every, startup_s, step_s) if pending else None
+        kill = resolve(pending.pop(0), steps - done, every, len(pending) + 1, startup_s, step_s) \
+            if pending else None
         event = run_once(out, sets, env, kill, log)
         events.append(event)
         if not event["killed"]:
