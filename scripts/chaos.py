@@ -97,8 +97,10 @@ def resolve(kill: dict, remaining: int, every: int, kills_left: int, startup_s: 
             step_s: float) -> dict:
     """The passage (a named point) or the delay in seconds (a timed kill) of `kill` for a
     process with `remaining` steps to train: within the next `span` steps, the steps left
-    shared among the kills left, so the kills spread over the whole run."""
-    remaining_all, remaining = remaining, min(remaining, max(every, remaining // max(kills_left, 1)))
+    shared among the kills left (at least two checkpoints' worth, so a process often gets past
+    one before its kill), so the kills spread over the whole run."""
+    remaining_all = remaining
+    remaining = min(remaining, max(2 * every, remaining // max(kills_left, 1)))
     if "time" in kill:
         # one in five during the start-up, the others within one of the steps left: after the
         # k-th step line of the process (0: the line before the loop), a fraction of a step

@@ -13,19 +13,13 @@
 """
 import importlib.util
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from ctopd_jax.config import load_config
-from ctopd_jax.trainer import Trainer
-
 from conftest import subprocess_env
-from test_resume import assert_same_run
 
 ROOT = Path(__file__).resolve().parents[2]
 ISSUE_MOMENTS = {"phase:rollout", "device:student", "checkpoint_write", "metrics_write",
@@ -65,20 +59,24 @@ def test_ten_sigkills_at_seeded_moments_end_as_the_uninterrupted_run(tmp_path, m
         "metrics.jsonl step 5: ['loss'] differ", "hf_student/model.safetensors differs"]
 
 
-@pytest.mark.slow   # a reference run, a killed process and the resume (~1 min)
+@pytest.mark.slow   # three short training processes (~1.5 min on 2 cores)
 def test_a_kill_after_a_committed_checkpoint_in_its_row_loses_no_row(write_config, compile_cache):
-    changes = {"checkpoint__async_save": False}
+    changes = {"checkpoint__async_save": False, "checkpoint__export_hf": True}
+
+    def train(cfg, *extra, **env):
+        return subprocess.run([sys.executable, "-m", "ctopd_jax.train", "--config", str(cfg), *extra],
+                              env=subprocess_env(compile_cache, **env), capture_output=True,
+                              text=True, timeout=600)
     ref_cfg, ref_dir = write_config("reference", **changes)
-    reference = Trainer(load_config(ref_cfg))
-    reference.train()
+    assert train(ref_cfg).returncode == 0
     cfg, run_dir = write_config("killed", **changes)
     # the 2nd row is step 2's, whose checkpoint is on disk once save() returned
-    proc = subprocess.run([sys.executable, "-m", "ctopd_jax.train", "--config", str(cfg)],
-                          env=subprocess_env(compile_cache, CTOPD_JAX_KILL_AT="metrics_write:2"),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == -9, proc.stderr[-3000:]
+    killed = train(cfg, CTOPD_JAX_KILL_AT="metrics_write:2")
+    assert killed.returncode == -9, killed.stderr[-3000:]
     assert (run_dir / "checkpoints" / "2").is_dir()
     assert not (run_dir / "metrics.jsonl").read_text().endswith("\n")   # half a row on disk
-    resumed = Trainer(load_config(cfg))
-    assert resumed.train(resume=True).final_step == 4
-    assert_same_run(reference, ref_dir, resumed, run_dir)
+    resumed = train(cfg, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 2" in resumed.stderr
+    assert "the row of step 2 came from its checkpoint" in resumed.stderr
+    assert chaos_script().compare(ref_dir, run_dir, 4) == []
