@@ -173,3 +173,30 @@ def test_every_log_the_metrics_logger_keeps_aside_is_a_runs_own(tmp_path):
     # a dataset beside them is still one
     (tmp_path / "train.jsonl").write_text('{"prompt": "x"}\n')
     assert foreign_contents(tmp_path) == "a dataset (train.jsonl)"
+
+
+def test_a_replaced_folder_is_whole_or_untouched(tmp_path):
+    """The HF export's folder (checkpoint.export_student_hf): written beside its place and
+    renamed into it; a stop in the middle leaves the earlier folder as it was, and the next
+    write clears what a killed one left (a staging folder; an earlier folder moved aside)."""
+    from ctopd_jax.run_dir import replaced_folder
+
+    out = tmp_path / "hf_student"
+    with replaced_folder(out) as staging:
+        (staging / "model.safetensors").write_text("first")
+    assert (out / "model.safetensors").read_text() == "first"
+    with pytest.raises(KeyboardInterrupt):
+        with replaced_folder(out) as staging:
+            (staging / "model.safetensors").write_text("half")
+            raise KeyboardInterrupt
+    assert (out / "model.safetensors").read_text() == "first"
+    # what a SIGKILL leaves: a staging folder, and the earlier folder moved aside while the
+    # new one was not yet renamed into place
+    (tmp_path / ".hf_student.tmp-99999").mkdir()
+    (tmp_path / ".hf_student.tmp-99999" / "model.safetensors").write_text("half")
+    out.rename(tmp_path / ".hf_student.old")
+    with replaced_folder(out) as staging:
+        assert (out / "model.safetensors").read_text() == "first"   # put back before writing
+        (staging / "model.safetensors").write_text("second")
+    assert (out / "model.safetensors").read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_student"]
