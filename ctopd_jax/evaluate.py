@@ -24,7 +24,8 @@ from ctopd_jax.common.run_dir import RunDirError, RunLock, check_writable
 from ctopd_jax.config import load_config, validate
 from ctopd_jax.data.eval_sets import build_prompt, load_dataset
 from ctopd_jax.grading import MathGrader
-from ctopd_jax.loop.mean_at_k import REPORT_FILES, EvalReport, evaluate_model, grade_file, write_report
+from ctopd_jax.loop.mean_at_k import (REPORT_FILES, REPORT_INCOMPLETE, EvalReport, evaluate_model,
+                                      grade_file, write_report)
 from ctopd_jax.mesh.device_mesh import make_mesh, parse_mesh
 from ctopd_jax.models import weights   # weights.load_hf_checkpoint read at call time (tests trip on it)
 from ctopd_jax.preflight import check_hf_checkpoint
@@ -38,7 +39,10 @@ def check_out(out: str | Path) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: is a file; give a folder for {', '.join(REPORT_FILES)}")
     held = [name for name in REPORT_FILES if (out / name).exists()]
-    if held:
+    if held and (out / REPORT_INCOMPLETE).exists():   # a killed evaluation's: this one replaces it
+        print(f"{PROG}: --out {out}: replacing the report an interrupted evaluation left "
+              "half-written", file=sys.stderr, flush=True)
+    elif held:
         raise UserError(f"--out {out}: already holds {held[0]} of an earlier evaluation; choose "
                         "another folder or move those files away")
     try:

@@ -9,13 +9,10 @@ Decisions:
 - Every row also gets `wall_time` (unix seconds), `elapsed_s` (seconds of training so far,
   continued across resumes from the last kept row) and, where the device reports it,
   `peak_device_memory_bytes` (the largest `peak_bytes_in_use` over this process's devices).
-- Nothing is ever truncated or overwritten. A fresh start (start_step 0) over an existing
-  non-empty `metrics.jsonl` / `samples.jsonl` first renames it to `metrics.1.jsonl` (the next
-  free number). A resume from step N keeps the rows of steps <= N in place and moves the rows
-  after N (written by the run that was interrupted after its checkpoint) to
-  `metrics.after_step_N.jsonl` (`.2`, ... when that exists), so the log ends up as an
-  uninterrupted run's while the discarded rows stay on disk. A damaged line (a kill in the
-  middle of a write) is set aside with them.
+- Nothing is ever truncated or overwritten, and a kill at any moment loses no row: a fresh
+  start renames an existing log to metrics.1.jsonl, a resume from step N sets the rows after N
+  aside in metrics.after_step_N.jsonl, and the row of a checkpointed step also rides in its
+  checkpoint (metrics_files.py says how and why).
 - Progress: a tqdm bar when the stream is a terminal; otherwise (redirected to a file, CI) one
   plain line per logged step. Messages (`write`) always get lines of their own, never inside
   the bar.
@@ -43,8 +40,9 @@ from typing import Any, Iterable, Mapping
 import jax
 from tqdm import tqdm
 
-METRICS_FILE = "metrics.jsonl"
-SAMPLES_FILE = "samples.jsonl"
+from ctopd_jax.common.kill_points import kill_point
+from ctopd_jax.common.metrics_files import (METRICS_FILE, SAMPLES_FILE, complete_step, last_elapsed,
+                                            rotate_log, set_aside_after)
 TIME_KEYS = ("rollout", "align", "teacher", "student", "sync", "checkpoint")
 NOT_SCALARS_FOR_TENSORBOARD = ("wall_time",)
 
@@ -104,6 +102,7 @@ class StepTimer:
 
     @contextmanager
     def __call__(self, phase: str):
+        kill_point(f"phase:{phase}")
         start = time.perf_counter()
         try:
             yield start
@@ -113,6 +112,7 @@ class StepTimer:
     def device(self, phase: str, output, since: float) -> None:
         """Device work of `phase` dispatched at `since`, done when `output` (a returned array
         nothing donates) is ready."""
+        kill_point(f"device:{phase}")   # the phase's work dispatched, not yet done
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, daemon=True)
             self._watcher.start()
@@ -168,57 +168,6 @@ class StartupClock:
                   flush=True)
 
 
-def _free_name(path: Path, stem_suffix: str) -> Path:
-    """<stem><stem_suffix>.jsonl, or with .2, .3 ... when taken."""
-    candidate = path.with_name(f"{path.stem}{stem_suffix}{path.suffix}")
-    n = 1
-    while candidate.exists():
-        n += 1
-        candidate = path.with_name(f"{path.stem}{stem_suffix}.{n}{path.suffix}")
-    return candidate
-
-
-def rotate_log(path: Path) -> Path | None:
-    """Rename a non-empty log to metrics.1.jsonl, metrics.2.jsonl ... (the first free number);
-    returns the new path (None when there was nothing to keep)."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return None
-    n = 1
-    while (target := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
-        n += 1
-    path.rename(target)
-    return target
-
-
-def _row_step(line: str) -> int | None:
-    try:
-        row = json.loads(line)
-        return int(row["step"]) if isinstance(row, dict) else None
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def set_aside_after(path: Path, step: int) -> Path | None:
-    """Move the rows with step > `step` (and damaged lines) to <stem>.after_step_<step>.jsonl;
-    the rows up to `step` stay. Returns the set-aside file, None when nothing moved."""
-    if not path.is_file():
-        return None
-    kept, moved = [], []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        row_step = _row_step(line)
-        (kept if row_step is not None and row_step <= step else moved).append(line)
-    if not moved:
-        return None
-    aside = _free_name(path, f".after_step_{step}")
-    aside.write_text("".join(line + "\n" for line in moved), encoding="utf-8")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    tmp.replace(path)
-    return aside
-
-
 def peak_device_memory() -> int | None:
     """The largest peak_bytes_in_use over this process's devices (None when not reported)."""
     jax = sys.modules.get("jax")
@@ -235,26 +184,18 @@ def peak_device_memory() -> int | None:
     return max(peaks) if peaks else None
 
 
-def _last_elapsed(path: Path) -> float:
-    if not path.is_file():
-        return 0.0
-    for line in reversed(path.read_text(encoding="utf-8").splitlines()):
-        try:
-            return float(json.loads(line).get("elapsed_s", 0.0))
-        except (ValueError, AttributeError, TypeError):
-            continue
-    return 0.0
-
-
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0, jsonl: bool = True,
                  tensorboard: bool = True, progress: bool = True, is_writer: bool = True,
-                 stream=None, config=None):
+                 stream=None, config=None, restored_lines=None):
+        """`restored_lines`: the lines the checkpoint of `start_step` carried (`lines`), written
+        when the log lacks that step's row."""
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
         self.is_writer = is_writer
         self.stream = stream if stream is not None else sys.stderr
         self.moved: list[Path] = []       # logs rotated or rows set aside at start
+        self.restored_row: int | None = None   # the step whose row came from its checkpoint
         self._jsonl = None
         self._samples = None
         self._tb = None
@@ -272,8 +213,10 @@ class MetricsLogger:
                 moved = set_aside_after(path, start_step) if start_step else rotate_log(path)
                 if moved is not None:
                     self.moved.append(moved)
+            if start_step and complete_step(self.run_dir, start_step, restored_lines):
+                self.restored_row = start_step
             if start_step:
-                self._elapsed_before = _last_elapsed(self.run_dir / METRICS_FILE)
+                self._elapsed_before = last_elapsed(self.run_dir / METRICS_FILE)
             self._jsonl = (self.run_dir / METRICS_FILE).open("a", encoding="utf-8")
             self._samples = (self.run_dir / SAMPLES_FILE).open("a", encoding="utf-8")
         if tensorboard:
@@ -290,8 +233,12 @@ class MetricsLogger:
             self._wandb = _start_wandb(self.run_dir, config, start_step)
         for path in self.moved:
             self.write(f"metrics: kept the earlier rows in {path}")
+        if self.restored_row is not None:
+            self.write(f"metrics: the row of step {self.restored_row} came from its checkpoint (the "
+                       "run stopped before writing it)")
 
-    def log(self, step: int, metrics: Mapping[str, Any], samples: Iterable[Mapping[str, Any]] = ()) -> dict:
+    def record(self, step: int, metrics: Mapping[str, Any]) -> dict:
+        """The row of `step`: every scalar of `metrics`, the clock and the device's peak."""
         record = {"step": int(step)}
         for key, value in metrics.items():
             number = _scalar(value)
@@ -303,14 +250,33 @@ class MetricsLogger:
         peak = peak_device_memory()
         if peak is not None:
             record.setdefault("peak_device_memory_bytes", peak)
+        return record
+
+    @staticmethod
+    def _sample_line(step: int, sample: Mapping[str, Any]) -> str:
+        return json.dumps({"step": int(step), **sample}, ensure_ascii=False)
+
+    def lines(self, step: int, metrics: Mapping[str, Any], samples=()) -> dict | None:
+        """The lines `log` would write for `step` now, for its checkpoint to carry
+        (metrics_files.complete_step); None when this process writes no log."""
+        if not (self.is_writer and self._jsonl is not None):
+            return None
+        return {"metrics": json.dumps(self.record(step, metrics), sort_keys=True),
+                "samples": [self._sample_line(step, s) for s in samples]}
+
+    def log(self, step: int, metrics: Mapping[str, Any], samples: Iterable[Mapping[str, Any]] = ()) -> dict:
+        record = self.record(step, metrics)
         if not self.is_writer:
             return record
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
-            self._jsonl.flush()
-            for sample in samples:
-                self._samples.write(json.dumps({"step": int(step), **sample}, ensure_ascii=False) + "\n")
+            for sample in samples:   # first: a row on disk means its samples are whole
+                self._samples.write(self._sample_line(step, sample) + "\n")
             self._samples.flush()
+            text = json.dumps(record, sort_keys=True) + "\n"
+            self._jsonl.write(text[:len(text) // 2])
+            kill_point("metrics_write", before=self._jsonl.flush)   # a torn row on disk
+            self._jsonl.write(text[len(text) // 2:])
+            self._jsonl.flush()
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and key not in NOT_SCALARS_FOR_TENSORBOARD and math.isfinite(value):

@@ -42,8 +42,34 @@ def read_jsonl(path: Path) -> Rows:
         if not isinstance(row, dict):
             raise RecordError(f"{where}: expected a JSON object per line, got "
                               f"{type(row).__name__}")
+        field = _lone_surrogate(row, "")
+        if field is not None:
+            raise RecordError(f"{where}: {field} holds a lone surrogate escape (a \\ud800-\\udfff "
+                              "without its pair), which is no character and no tokenizer encodes; "
+                              "fix the escape or remove the row")
         rows.append((where, row))
     return rows
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The field (`prompt`, `messages[0].content`) of the first string holding a lone surrogate:
+    JSON allows the escape "\\ud800" alone, UTF-8 (every tokenizer's input) cannot hold it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "the row"
+        return None
+    items = value.items() if isinstance(value, dict) else \
+        enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _lone_surrogate(key, "") is not None:
+            return f"the key {key.encode('utf-8', 'backslashreplace').decode()!r}"
+        sub = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+        found = _lone_surrogate(item, sub)
+        if found is not None:
+            return found
+    return None
 
 
 def read_parquet(path: Path) -> Rows:

@@ -27,10 +27,12 @@ Decisions:
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
+import shutil
 import socket
 import time
 import warnings
@@ -95,7 +97,19 @@ def check_writable(path: str | Path, field: str) -> None:
 # ----------------------------------------------------------------------------- nothing of others
 
 # What a run (and `evaluate --out`) writes itself: found in a folder, they are a run's own.
+# metrics.py keeps every earlier row it moves: a fresh start over a log renames it to
+# metrics.1.jsonl, .2 ...; a resume sets the rows after its step aside in
+# metrics.after_step_N.jsonl (.2 ... when taken). Each is the run's own, or the second
+# resume of a run would refuse its own folder.
 RUN_JSONL = frozenset({"metrics.jsonl", "samples.jsonl", "config_changes.jsonl", "per_problem.jsonl"})
+_RUN_LOG = re.compile(r"(metrics|samples)(\.\d+|\.after_step_\d+(\.\d+)?)?\.jsonl")
+
+
+def is_run_file(name: str) -> bool:
+    """A file name the trainer or `evaluate --out` writes itself (above)."""
+    return name in RUN_JSONL or _RUN_LOG.fullmatch(name) is not None
+
+
 DATA_SUFFIXES = (".jsonl", ".parquet", ".arrow", ".csv", ".tsv")
 
 
@@ -123,7 +137,7 @@ def foreign_contents(folder: Path, checkpoint_folder: bool = False) -> str | Non
         return "a model's config.json"
     if "tokenizer.json" in names:
         return "a tokenizer (tokenizer.json)"
-    data = [n for n in names if n.endswith(DATA_SUFFIXES) and n not in RUN_JSONL
+    data = [n for n in names if n.endswith(DATA_SUFFIXES) and not is_run_file(n)
             or n in ("dataset_info.json", "dataset_dict.json")]
     if data:
         return f"a dataset ({data[0]})"
@@ -284,6 +298,34 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+# ----------------------------------------------------------------------------- whole folders
+
+@contextlib.contextmanager
+def replaced_folder(out: str | Path):
+    """`with replaced_folder(out) as staging:` what the block writes into `staging` (a hidden
+    sibling) replaces the folder `out` as a whole when the block ends, or never: an error or a
+    kill leaves `out` as it was, never half-written (an exported model, an adapter). Only for
+    folders that one process writes (under its run lock): it clears its own leftovers."""
+    out = Path(out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    old = out.parent / f".{out.name}.old"
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):   # a killed write's, never in place
+        shutil.rmtree(stale, ignore_errors=True)
+    if old.is_dir() and not out.exists():   # killed between the two renames below: put it back
+        os.replace(old, out)
+    shutil.rmtree(old, ignore_errors=True)
+    staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    staging.mkdir()
+    try:
+        yield staging
+        if out.exists():
+            os.replace(out, old)
+        os.replace(staging, out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- refused writes

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ctopd_jax.common.kill_points import kill_point
 from ctopd_jax.common.run_dir import DISK_ERRNOS, disk_errno
 
 log = logging.getLogger(__name__)
@@ -236,6 +237,7 @@ class Checkpointer:
         with self._write_errors():
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(full_meta)), force=True)
+        kill_point("checkpoint_write")   # the asynchronous write in flight
 
     def wait(self) -> None:
         with self._write_errors():

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import jax
 
+from ctopd_jax.common.kill_points import kill_point
+from ctopd_jax.common.run_dir import replaced_folder
 from ctopd_jax.loop.model_sources import model_dir
 from ctopd_jax.mesh.arrays import local_copy
 from ctopd_jax.models.lora import save_adapter
@@ -43,11 +45,12 @@ def export_student(student, s_tok, out_dir: Path, is_writer: bool, config=None) 
     extra = {"eos_token_id": s_tok.eos_id, "pad_token_id": s_tok.pad_id}
     if s_tok.bos_id is not None:
         extra["bos_token_id"] = s_tok.bos_id
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    export_hf_checkpoint(model, model.cfg, out, extra_config=extra)
-    for name in TOKENIZER_FILES:   # the tokenizer travels with the weights
-        src = Path(s_tok.path) / name
-        if src.is_file() and not (out / name).exists():
-            shutil.copy(src, out / name)
-    return out
+    # whole or not at all (run_dir.replaced_folder): a kill mid-export leaves the earlier one
+    with replaced_folder(out_dir) as staging:
+        export_hf_checkpoint(model, model.cfg, staging, extra_config=extra)
+        kill_point("hf_export")
+        for name in TOKENIZER_FILES:   # the tokenizer travels with the weights
+            src = Path(s_tok.path) / name
+            if src.is_file() and not (staging / name).exists():
+                shutil.copy(src, staging / name)
+    return Path(out_dir)

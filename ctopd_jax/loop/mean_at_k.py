@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ctopd_jax.common.kill_points import kill_point
 from ctopd_jax.common.records import RecordError, read_jsonl
 from ctopd_jax.data.eval_sets import EvalDataset, EvalProblem, build_prompt, load_dataset
 from ctopd_jax.grading import MathGrader
@@ -189,22 +190,28 @@ def grade_file(path: str | Path, *, answer_fallbacks: bool = False,
         row.setdefault("id", row["problem"])
         samples.append(row)
     if not samples:
-        raise ValueError(f"{path}: no samples")
+        raise RecordError(f"{path}: holds no samples (no non-blank line); give a jsonl with one "
+                          "{problem, answer, response} object per line")
     start = time.perf_counter()
     grade_samples(samples, answer_fallbacks=answer_fallbacks, grade_fn=grade_fn, grader=grader)
     return _report(str(path), samples, k, {"grading": time.perf_counter() - start})
 
 
 REPORT_FILES = ("samples.jsonl", "per_problem.jsonl", "summary.json")
+# Beside the report files while they are moved into place, one by one: found in a folder, the
+# report there is half-written (a kill in between), never an earlier evaluation's.
+REPORT_INCOMPLETE = ".report-incomplete"
 
 
 def write_report(report: EvalReport, out_dir: str | Path) -> Path:
     """The report files under `out_dir`, written in a temporary sibling folder first and then
-    moved into place: a write that fails (no space) leaves `out_dir` as it was."""
+    moved into place, `REPORT_INCOMPLETE` marking the moves: a write that fails (no space) or a
+    kill leaves `out_dir` without a report taken for whole (summary.json comes last)."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):   # a killed write's (one writer: --out's lock)
+        shutil.rmtree(stale, ignore_errors=True)
     staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
     try:
         staging.mkdir()
         texts = {"samples.jsonl": "".join(json.dumps(s, ensure_ascii=False) + "\n"
@@ -215,8 +222,11 @@ def write_report(report: EvalReport, out_dir: str | Path) -> Path:
         for name, text in texts.items():
             (staging / name).write_text(text, encoding="utf-8")
         out.mkdir(exist_ok=True)
+        (out / REPORT_INCOMPLETE).write_text("the report files here are being replaced\n")
         for name in REPORT_FILES:
             os.replace(staging / name, out / name)
+            kill_point("report_write")
+        (out / REPORT_INCOMPLETE).unlink()
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out

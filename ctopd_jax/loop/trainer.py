@@ -257,6 +257,7 @@ class Trainer:
         self.update_count = int(restored.meta["update_count"])
         self.objective.load_state_dict(restored.meta.get("objective", {}))
         self.guard.restore(restored.meta.get("guard"))
+        self._restored_lines = restored.meta.get("log")   # the step's log lines (metrics_files.py)
         saved = restored.meta["coverage"]
         if "pairs" in saved:   # a checkpoint of one teacher written before `teachers:` existed
             saved = {self.default_teacher: saved}
@@ -278,15 +279,19 @@ class Trainer:
             checkpointer.close()
             raise TrainerSetupError(f"{ck_dir} already holds checkpoints {checkpointer.steps()}; pass --resume "
                                     "to continue that run or choose another output_dir")
+        self._restored_lines = None
         start = self._resume(checkpointer) if resume else 0
         if start and on_resumed is not None:
             on_resumed(start)
         if self.is_writer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(c.to_json())
+            draft = self.run_dir / "config.json.tmp"   # renamed into place: a kill leaves one whole
+            draft.write_text(c.to_json())
+            draft.replace(self.run_dir / "config.json")
         lg = c.logging
         logger = MetricsLogger(self.run_dir, c.steps, start_step=start, jsonl=lg.jsonl,
-                               tensorboard=lg.tensorboard, progress=lg.progress, is_writer=self.is_writer, config=c)
+                               tensorboard=lg.tensorboard, progress=lg.progress, is_writer=self.is_writer,
+                               config=c, restored_lines=self._restored_lines)
         logger.write(f"run {c.run_name}, objective {c.algorithm.name}; " + (
             f"resumed from step {start} ({ck_dir})" if start else
             "overlap: " + json.dumps(self.default_parts.overlap.summary() if not c.teachers else
@@ -310,12 +315,16 @@ class Trainer:
                     raise TrainingDiverged(f"{reason}. Last good checkpoint: "
                                            f"{checkpointer.newest_whole()} in {ck_dir}")
                 stopping = stop is not None and stop.requested_everywhere()
+                logged = step % lg.log_every == 0 or step == c.steps or stopping
                 if c.checkpoint.save and (checkpointer.should_save(step, c.steps) or stopping):
+                    # the lines this step logs ride in its checkpoint: the (async) commit may
+                    # land before they do, and a resume from it starts after them
+                    lines = logger.lines(step, metrics, samples) if logged else None
                     with timer("checkpoint"):
-                        checkpointer.save(step, self._state(), self._checkpoint_meta())
+                        checkpointer.save(step, self._state(), {**self._checkpoint_meta(), "log": lines})
                         export.write_adapter(self.student, c, self.run_dir, self.is_writer)  # LoRA only
                 metrics.update(timer.as_metrics())
-                if step % lg.log_every == 0 or step == c.steps or stopping:
+                if logged:
                     record = logger.log(step, metrics, samples)
                 if stopping:
                     checkpointer.wait()

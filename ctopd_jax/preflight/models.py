@@ -53,6 +53,32 @@ def check_served_teacher_files(config: TrainConfig):
         raise fail(str(err)) from None
 
 
+def lora_projection_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """(out, in) of each projection LoRA may target, from the model's config (HF's layout)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def check_lora_rank(config: TrainConfig, student_cfg) -> None:
+    """lora.rank at most the smaller side of every projection it targets: B A of an (out, in)
+    projection has rank <= min(out, in), so a larger rank only adds parameters that cannot
+    change the update (and above hidden_size it is a typo). Read from config.json, before any
+    weight loads."""
+    rank = config.lora.rank
+    if rank <= 0:
+        return
+    cfg = model_cfg(config, "student", student_cfg)
+    shapes = lora_projection_shapes(cfg)
+    name, (out, inp) = min(((n, shapes[n]) for n in config.lora.target_modules),
+                           key=lambda item: min(item[1]))
+    if rank > min(out, inp):
+        raise fail(f"lora.rank: {rank} is above what the student's {name} ({out} x {inp}, "
+                   f"hidden_size {cfg.hidden_size}) can hold: an adapter's update has rank at "
+                   f"most {min(out, inp)}; set lora.rank to {min(out, inp)} or less")
+
+
 def check_init_adapter(config: TrainConfig) -> None:
     """lora.init_adapter: a PEFT LoRA folder whose settings match the `lora:` section and whose
     weights file is whole; models/lora.load_adapter applies the same rules once the student has

@@ -11,7 +11,8 @@ from ctopd_jax.loop.objective_factory import check_objective
 from ctopd_jax.preflight.checkpoints import check_checkpoint_state, check_output_dirs
 from ctopd_jax.preflight.data import check_data
 from ctopd_jax.preflight.errors import as_teacher, fail
-from ctopd_jax.preflight.models import check_init_adapter, check_model, check_served_teacher_files
+from ctopd_jax.preflight.models import (check_init_adapter, check_lora_rank, check_model,
+                                        check_served_teacher_files)
 from ctopd_jax.preflight.settings import check_mesh, check_packages, check_rollout_side
 from ctopd_jax.preflight.tokenizers import (check_eval_prompts, check_objective_models,
                                             check_overlap, encode_prompts, check_prompt_lengths,
@@ -77,6 +78,7 @@ def preflight(config: TrainConfig, *, resume: bool = False, allow_config_change:
     ck_dir, steps, changes, where = check_checkpoint_state(config, resume, allow_config_change)
     data_path, prompts, eval_set = check_data(config)
     student_dir, student_cfg = check_model(config.model.student, "student")
+    check_lora_rank(config, student_cfg)
     student = load_tokenizer(config, "student", student_dir, student_cfg)
     if config.model.teacher_base:   # OPD²'s third model: its files, before any model loads
         check_model(config.model.teacher_base, "teacher_base")

@@ -108,11 +108,14 @@ class JaxSampler(RolloutEngine):
     def __init__(self, model, eos_ids, pad_id: int | None = None, mesh=None,
                  max_batch_size: int = 256, max_prompt_len: int | None = None,
                  kv_cache_budget_gb: float = DEFAULT_KV_CACHE_BUDGET_GB,
-                 page_size: int = DEFAULT_PAGE_SIZE, refill_fraction: float = 0.25):
+                 page_size: int = DEFAULT_PAGE_SIZE, refill_fraction: float = 0.25,
+                 vocab_limit: int | None = None):
         self._model = model
         self.eos_ids = normalize_eos_ids(eos_ids)
         self.pad_id = int(pad_id if pad_id is not None else (self.eos_ids or (0,))[0])
         vocab = model.cfg.vocab_size
+        # the tokenizer's size when the embedding has more rows: those are never sampled
+        self.vocab_limit = int(vocab_limit) if vocab_limit is not None and vocab_limit < vocab else None
         for name, ids in (("eos_ids", self.eos_ids), ("pad_id", (self.pad_id,))):
             if any(not 0 <= i < vocab for i in ids):
                 raise RolloutConfigError(
@@ -141,7 +144,7 @@ class JaxSampler(RolloutEngine):
                    max_batch_size=rollout.jax_decode_slots,
                    max_prompt_len=rollout.max_prompt_len,
                    kv_cache_budget_gb=rollout.jax_kv_cache_budget_gb,
-                   page_size=rollout.jax_page_size)
+                   page_size=rollout.jax_page_size, vocab_limit=tokenizer.vocab_size)
 
     # -- protocol ---------------------------------------------------------------------------
     def update_weights(self, model: Any) -> None:
@@ -239,7 +242,8 @@ class JaxSampler(RolloutEngine):
         knobs = (np.uint32(params.seed % (1 << 32)), np.float32(params.temperature or 1.0),
                  np.int32(top_k), np.float32(params.top_p), np.int32(params.max_new_tokens), eos)
         static = dict(graphdef=graphdef, greedy=params.greedy, use_top_k=top_k > 0,
-                      use_top_p=params.top_p < 1.0, pad_id=self.pad_id)
+                      use_top_p=params.top_p < 1.0, pad_id=self.pad_id,
+                      vocab_limit=self.vocab_limit)
 
         pending = collections.deque(range(len(prompt_index)))
         out_tokens: list = [None] * len(prompt_index)

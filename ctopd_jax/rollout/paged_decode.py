@@ -54,12 +54,12 @@ def admit_newcomers(k, v, logits, src, dst, rows, new_logits):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "graphdef", "greedy", "use_top_k", "use_top_p", "pad_id"),
+    "graphdef", "greedy", "use_top_k", "use_top_p", "pad_id", "vocab_limit"),
     donate_argnames=("k", "v", "logits", "tokens", "logprobs"))
 def decode_until_refill(state, k, v, logits, tokens, logprobs, table, lengths, sample_ids,
                          steps, done, free_stack, free_top, seed, temperature, top_k, top_p,
                          max_new_tokens, eos, refill_min,
-                         *, graphdef, greedy, use_top_k, use_top_p, pad_id):
+                         *, graphdef, greedy, use_top_k, use_top_p, pad_id, vocab_limit=None):
     """Decode until `refill_min` occupied slots finished, all are done, or the pool may run
     dry at the next step (a row at a page boundary needs a page)."""
     model = nnx.merge(graphdef, state)
@@ -78,7 +78,8 @@ def decode_until_refill(state, k, v, logits, tokens, logprobs, table, lengths, s
         k, v, logits, tokens, logprobs, lengths, steps, done, free_top, table = carry
         keys = None if greedy else sampling.sample_keys(seed, sample_ids, steps)
         tok, lp = sampling.sample_tokens(keys, logits, temperature, top_k, top_p, greedy=greedy,
-                                         use_top_k=use_top_k, use_top_p=use_top_p)
+                                         use_top_k=use_top_k, use_top_p=use_top_p,
+                                         vocab_limit=vocab_limit)
         active = ~done
         tok = jnp.where(active, tok, pad_id)
         at = jnp.where(active, steps, max_new_bucket)  # out of bounds: dropped

@@ -85,15 +85,20 @@ def filter_logits(logits: jax.Array, top_k=0, top_p=1.0, *, use_top_k: bool = Tr
 
 
 def sample_tokens(keys: jax.Array, logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0, *,
-                  greedy: bool = False, use_top_k: bool = True,
-                  use_top_p: bool = True) -> tuple[jax.Array, jax.Array]:
+                  greedy: bool = False, use_top_k: bool = True, use_top_p: bool = True,
+                  vocab_limit: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Pick one token per row of logits [B, V] with per-row keys [B].
 
     Returns (tokens [B] int32, raw log-probs [B]): the log-probs are log softmax of the
-    unmodified logits at the chosen token (see rollout/base.py for why).
+    unmodified logits at the chosen token (see rollout/base.py for why). `vocab_limit`: ids
+    from it on are never chosen: an embedding padded past its tokenizer (Qwen2.5: 151,936 rows
+    for 151,665 tokens) has rows no text decodes to; like top-k, the cut changes the choice,
+    not the reported log-probs.
     """
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, NEG_INF)
     if greedy:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from ctopd_jax.tokenization.assets import PACKAGED_DIR, resolve_tokenizer_dir
 from ctopd_jax.tokenization.byte_view import detect_dummy_prefix, detect_kind, vocabulary_bytes
-from ctopd_jax.tokenization.chat import render_chat
+from ctopd_jax.tokenization.chat import ChatTemplateError, render_chat
 
 
 class TokenizerLoadError(FileNotFoundError):
@@ -67,6 +67,10 @@ class TokenizerSide:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:   # the one file to fix, not a traceback at the first prompt
+            raise ChatTemplateError(
+                f"{self.path / 'tokenizer_config.json'}: this tokenizer has no chat_template; add "
+                "the model's `chat_template` there (or a chat_template.jinja beside it)")
         return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                            special_tokens=self.special_token_strings)
 

@@ -147,3 +147,56 @@ def test_every_command_reports_a_full_disk_in_one_line(capsys):
     assert cli.run(inner, [], "prog") == 2
     err = capsys.readouterr().err
     assert err == "prog: error: /data/out/summary.json: No space left on device\n"
+
+
+# ----------------------------------------------------------------------------- a run's own files
+
+def test_every_log_the_metrics_logger_keeps_aside_is_a_runs_own(tmp_path):
+    """The files metrics.py itself writes when a run starts over or resumes (twice: the second
+    set-aside of the same step takes the next free name) never make the folder look like a
+    dataset: a run resumed twice must still be resumable."""
+    from ctopd_jax.common.metrics import rotate_log, set_aside_after
+    from ctopd_jax.common.run_dir import foreign_contents
+
+    rows = "".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4))
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        log = tmp_path / name
+        log.write_text(rows)
+        made = [set_aside_after(log, 2)]
+        log.write_text(rows)
+        made.append(set_aside_after(log, 2))
+        made.append(rotate_log(log))
+        assert all(p is not None and p.is_file() for p in made), made
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "metrics.after_step_2.2.jsonl" in names and "samples.1.jsonl" in names, names
+    assert foreign_contents(tmp_path) is None, names
+    # a dataset beside them is still one
+    (tmp_path / "train.jsonl").write_text('{"prompt": "x"}\n')
+    assert foreign_contents(tmp_path) == "a dataset (train.jsonl)"
+
+
+def test_a_replaced_folder_is_whole_or_untouched(tmp_path):
+    """The HF export's folder (checkpoint.export_student_hf): written beside its place and
+    renamed into it; a stop in the middle leaves the earlier folder as it was, and the next
+    write clears what a killed one left (a staging folder; an earlier folder moved aside)."""
+    from ctopd_jax.common.run_dir import replaced_folder
+
+    out = tmp_path / "hf_student"
+    with replaced_folder(out) as staging:
+        (staging / "model.safetensors").write_text("first")
+    assert (out / "model.safetensors").read_text() == "first"
+    with pytest.raises(KeyboardInterrupt):
+        with replaced_folder(out) as staging:
+            (staging / "model.safetensors").write_text("half")
+            raise KeyboardInterrupt
+    assert (out / "model.safetensors").read_text() == "first"
+    # what a SIGKILL leaves: a staging folder, and the earlier folder moved aside while the
+    # new one was not yet renamed into place
+    (tmp_path / ".hf_student.tmp-99999").mkdir()
+    (tmp_path / ".hf_student.tmp-99999" / "model.safetensors").write_text("half")
+    out.rename(tmp_path / ".hf_student.old")
+    with replaced_folder(out) as staging:
+        assert (out / "model.safetensors").read_text() == "first"   # put back before writing
+        (staging / "model.safetensors").write_text("second")
+    assert (out / "model.safetensors").read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_student"]

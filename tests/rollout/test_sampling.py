@@ -167,3 +167,23 @@ def test_sample_keys_depend_only_on_seed_sample_and_step():
     assert np.array_equal(jax.random.key_data(a[2:]), jax.random.key_data(b))
     c = sampling.sample_keys(6, jnp.array([2, 3]), 4)
     assert not np.array_equal(jax.random.key_data(c), jax.random.key_data(b))
+
+
+def test_rows_past_the_tokenizer_are_never_chosen_and_log_probs_stay_the_models():
+    """An embedding padded past its tokenizer (vocab_limit): its rows hold the largest logits
+    here, yet neither greedy nor sampling picks them; the returned log-probs are still the
+    model's own (log softmax over every row), as with top-k."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(4000, 12)).astype(np.float32)
+    logits[:, 9:] += 3.0                       # rows 9..11 would win most draws
+    keys = sampling.sample_keys(0, jnp.arange(4000), 0)
+    for greedy in (True, False):
+        tokens, logprobs = sampling.sample_tokens(None if greedy else keys, jnp.asarray(logits),
+                                                  greedy=greedy, use_top_k=False,
+                                                  use_top_p=False, vocab_limit=9)
+        tokens = np.asarray(tokens)
+        assert tokens.max() < 9
+        full = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        np.testing.assert_allclose(np.asarray(logprobs), full[np.arange(4000), tokens], atol=1e-5)
+    free, _ = sampling.sample_tokens(keys, jnp.asarray(logits), use_top_k=False, use_top_p=False)
+    assert np.asarray(free).max() >= 9        # without the limit they are drawn

@@ -182,6 +182,12 @@ def unencodable_prompt(tmp, run):
     return ["--set", f"model.student_tokenizer={tok}", "--set", f"data.path={data}"]
 
 
+def lone_surrogate(tmp, run):   # valid JSON, no UTF-8: the tokenizer raised a TypeError
+    p = tmp / "surrogate.jsonl"
+    p.write_text('{"prompt": "What is 1 + 1?"}\n{"prompt": "What is \\ud800 + 2?"}\n')
+    return ["--set", f"data.path={p}"]
+
+
 def long_eval_problem(tmp, run):   # would crash the first evaluation, at the end of training
     data = tmp / "eval.jsonl"
     data.write_text('{"problem": "What is 1 + 1?", "answer": "2"}\n'
@@ -234,6 +240,13 @@ TRAIN_CASES = [
     ("missing_data", lambda t, r: ["--set", f"data.path={t / 'none.jsonl'}"], "data.path"),
     ("malformed_row", bad_jsonl_row, "bad.jsonl:2"),
     ("binary_data", binary_data, "bin.jsonl:2: not UTF-8"),
+    # fourth round (issue 43)
+    ("lone_surrogate", lone_surrogate, "surrogate.jsonl:2: prompt holds a lone surrogate"),
+    # the demo student: hidden 128, k_proj / v_proj 64 x 128 (its config.json)
+    ("lora_rank_above_hidden", lambda t, r: ["--set", "lora.rank=129"],
+     "lora.rank: 129 is above what the student's k_proj (64 x 128, hidden_size 128)"),
+    ("lora_rank_above_kv", lambda t, r: ["--set", "lora.rank=65", "--set",
+                                         "lora.target_modules=[k_proj]"], "at most 64"),
     ("missing_teacher_tok", lambda t, r: ["--set", f"model.teacher_tokenizer={t / 'no_tok'}"],
      "model.teacher_tokenizer"),
     ("missing_student_tok", lambda t, r: ["--set", "model.student_tokenizer=nosuchtok"],
@@ -406,6 +419,15 @@ def test_evaluate_out_onto_a_file_or_an_earlier_report_is_refused_before_work(tm
     err = run_case(capsys, "evaluate_out_earlier", evaluate.cli_main,
                    ["--grade-only", str(samples), "--out", str(target)], tmp_path)
     assert "already holds summary.json" in err and (target / "summary.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n"], ids=["empty", "blank_lines"])
+def test_evaluate_grade_only_of_a_file_without_samples_is_one_line(tmp_path, capsys, text):
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text(text)
+    err = run_case(capsys, "evaluate_grade_empty", evaluate.cli_main,
+                   ["--grade-only", str(samples), "--out", str(tmp_path / "report")], tmp_path)
+    assert f"{samples}: holds no samples" in err
 
 
 def test_usage_errors_are_one_line(tmp_path, capsys):

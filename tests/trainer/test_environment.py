@@ -63,7 +63,7 @@ def test_demo_algorithm_config_leaves_nothing_in_the_temporary_folder(tmp_path, 
 
 def test_the_readme_table_names_every_file_written():
     from ctopd_jax.common.cache import CACHE_VARIABLE
-    from ctopd_jax.loop.mean_at_k import REPORT_FILES
+    from ctopd_jax.loop.mean_at_k import REPORT_FILES, REPORT_INCOMPLETE
     from ctopd_jax.common.metrics import METRICS_FILE, SAMPLES_FILE, WANDB_ID_FILE
     from ctopd_jax.preflight.resume_config import CHANGES_FILE
     from ctopd_jax.common.run_dir import LOCK_NAME
@@ -71,7 +71,8 @@ def test_the_readme_table_names_every_file_written():
     text = (ROOT / "README.md").read_text()
     table = text[text.index("### Where the project writes"):text.index("## Layout")]
     for name in (METRICS_FILE, SAMPLES_FILE, WANDB_ID_FILE, CHANGES_FILE, LOCK_NAME,
-                 *REPORT_FILES, "config.json", "hf_student/", "plots/", "adapter/",
+                 *REPORT_FILES, REPORT_INCOMPLETE, "config.json", "hf_student/",
+                 "metrics.after_step_N.jsonl", ".hf_student.tmp-", "plots/", "adapter/",
                  "tensorboard/", "eval/step_N/", "demo_summary.json", CACHE_VARIABLE,
                  "ctopd_vllm_", "vllm_server_"):
         assert name in table, name

@@ -187,3 +187,27 @@ def test_plots_label_axes_and_keep_equal_series_visible(tmp_path, monkeypatch):
     assert (loss["label"], kd["label"]) == ("loss", "kd_loss")
     assert loss["linestyle"] != kd["linestyle"] and loss["linewidth"] > kd["linewidth"]
     assert labels == ["loss (per student response token)"]
+
+
+def test_a_row_lost_after_its_checkpoint_comes_back_from_the_checkpoint(tmp_path):
+    """The trainer starts step 2's checkpoint with the lines step 2 will log (`lines`); the
+    process dies with the row half-written and its samples half there. The resume from step 2
+    writes the row and the missing samples once, and a second resume adds nothing."""
+    logger = MetricsLogger(tmp_path, total_steps=3, progress=False, tensorboard=False)
+    logger.log(1, {"loss": 1.0}, samples=[{"text": "a"}])
+    carried = logger.lines(2, {"loss": 0.5}, samples=[{"text": "b"}, {"text": "c"}])
+    logger.close()
+    with open(tmp_path / "samples.jsonl", "a") as f:   # the kill: one of two samples, half a row
+        f.write(json.dumps({"step": 2, "text": "b"}) + "\n")
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"loss": 0.5, "st')
+    for _ in range(2):
+        logger = MetricsLogger(tmp_path, total_steps=3, start_step=2, progress=False,
+                               tensorboard=False, restored_lines=carried)
+        logger.log(3, {"loss": 0.25})
+        logger.close()
+        assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 0.5), (3, 0.25)]
+        samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+        assert [(s["step"], s["text"]) for s in samples] == [(1, "a"), (2, "b"), (2, "c")]
+    torn = (tmp_path / "metrics.after_step_2.jsonl").read_text()
+    assert torn.startswith('{"loss": 0.5, "st'), torn   # the damaged line kept aside, not lost
