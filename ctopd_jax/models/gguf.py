@@ -1,0 +1,34 @@
+"""`python -m ctopd_jax.models.gguf SRC.gguf OUT_DIR [--sha256 HEX]`: a llama.cpp GGUF model
+(Llama or Qwen2) as a transformers folder that train, evaluate and inspect_pair read.
+
+The work is `gguf_convert.convert_gguf`; this is its command line: one line per bad input
+(another architecture, a truncated file, a wrong checksum, an existing output folder) and exit
+status 2, with nothing left at OUT_DIR.
+"""
+from __future__ import annotations
+
+import sys
+
+from tqdm import tqdm
+
+from ctopd_jax.cli import Parser, run
+from ctopd_jax.models.gguf_convert import convert_gguf
+
+PROG = "python -m ctopd_jax.models.gguf"
+
+
+def main(argv: list[str]) -> int:
+    parser = Parser(prog=PROG, description=__doc__)
+    parser.add_argument("src", help="the .gguf file")
+    parser.add_argument("out_dir", help="the folder to write (must not exist)")
+    parser.add_argument("--sha256", help="refuse the file unless its sha256 is this")
+    args = parser.parse_args(argv)
+    with tqdm(desc="tensors", unit="", file=sys.stderr, leave=False) as bar:
+        out = convert_gguf(args.src, args.out_dir, sha256=args.sha256,
+                           progress=lambda name: bar.update(1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main, None, PROG))
