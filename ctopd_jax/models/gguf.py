@@ -23,9 +23,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out_dir", help="the folder to write (must not exist)")
     parser.add_argument("--sha256", help="refuse the file unless its sha256 is this")
     args = parser.parse_args(argv)
-    with tqdm(desc="tensors", unit="", file=sys.stderr, leave=False) as bar:
-        out = convert_gguf(args.src, args.out_dir, sha256=args.sha256,
-                           progress=lambda name: bar.update(1))
+    bars = []   # the bar starts at the first tensor: every check of the input comes before it
+
+    def progress(name: str) -> None:
+        if not bars:
+            bars.append(tqdm(desc="tensors", unit="", file=sys.stderr, leave=False, disable=None))
+        bars[0].update(1)
+
+    try:
+        out = convert_gguf(args.src, args.out_dir, sha256=args.sha256, progress=progress)
+    finally:
+        for bar in bars:
+            bar.close()
     print(f"wrote {out}")
     return 0
 
