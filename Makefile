@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ASSETS := $(HOME)/.cache/ctopd_jax/tokenizers/.ready
 
-.PHONY: demo test test-fast test-slow test-vllm test-jax-next assets trl-venv
+.PHONY: demo demo-real test test-fast test-slow test-real test-vllm test-jax-next assets trl-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ assets: $(STAMP)
 
 demo: $(STAMP) assets
 	$(PY) -m ctopd_jax.demo
+
+# The demo on real pretrained models: Qwen2.5-Coder-0.5B-Instruct teaches SmolLM2-135M-Instruct
+# (both fetched from pinned packages and converted from GGUF into the cache on first use).
+demo-real: $(STAMP)
+	$(PY) -m ctopd_jax.demo.real
 
 test-fast: $(STAMP) assets
 	$(PY) -m pytest -q
@@ -39,6 +44,11 @@ test-slow: $(STAMP) assets
 	    $(PY) -m pytest -q -m "slow and not vllm" $$group || \
 	    $(PY) -m pytest -q -m "slow and not vllm" $$group --lf; \
 	done
+
+# The packaged Qwen2.5 models (0.5B and 1.5B, ~1.6 GB of downloads) against transformers' own
+# GGUF load: marked real_models, in neither the default nor the slow run (SmolLM2's is slow).
+test-real: $(STAMP)
+	$(PY) -m pytest -q -m real_models tests/models/test_gguf_real.py
 
 # vLLM (CPU build) pins numpy below our range, so its tests run from a venv of their own,
 # in their own pytest process (grain: the host modules import it at module level). torchvision & co. break `import vllm` on CPU: removed.
