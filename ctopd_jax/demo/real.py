@@ -43,6 +43,7 @@ from ctopd_jax.run_guard import SignalGuard
 from ctopd_jax.trainer import Trainer
 
 PROG = "python -m ctopd_jax.demo.real"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"   # one per XLA program compiled
 TEACHER, STUDENT = "qwen2.5-coder-0.5b", "smollm2-135m"
 DEFAULT_CONFIG = Path(ctopd_jax.__file__).resolve().parent.parent / "configs" / "real_cpu.yaml"
 
@@ -58,9 +59,33 @@ def _parser() -> Parser:
     return p
 
 
+def _count_compiles() -> list[float]:
+    """The wall-clock time (time.time) of every XLA compile from here on."""
+    times: list[float] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: times.append(time.time()) if event == COMPILE_EVENT else None)
+    return times
+
+
+def compile_report(compiled: list[float], run_dir: Path, train_started: float) -> dict:
+    """Programs compiled before training and in each iteration (metrics.jsonl's wall_time ends
+    one), and compile seconds over wall seconds after the first iteration."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ends = [row["wall_time"] for row in rows]
+    per_step = [sum(1 for t in compiled if start < t <= end)
+                for start, end in zip([train_started, *ends], ends)]
+    later = rows[1:]
+    wall = sum(row["time_wall"] for row in later)
+    return {"before_training": sum(1 for t in compiled if t <= train_started),
+            "per_step": per_step, "after_training": sum(1 for t in compiled if t > ends[-1]),
+            "compile_share_after_first_step":
+                round(sum(row["time_compile"] for row in later) / wall, 4) if wall else None}
+
+
 def run(argv=None) -> dict:
     args = _parser().parse_args(argv)
     started = time.perf_counter()
+    compiled = _count_compiles()
     if not args.config.is_file():
         raise FileNotFoundError(f"--config {args.config}: not found; run from the repository "
                                 "root or pass --config configs/real_cpu.yaml")
@@ -95,7 +120,7 @@ def run(argv=None) -> dict:
             f"(teacher) and {trainer.s_tok.vocab_size} (student)")
         teacher_acc = accuracy(parts.model, parts.tokenizer, "teacher")
         before = accuracy(trainer.student, trainer.s_tok, "student_before", engine=trainer.engine)
-        train_started = time.perf_counter()
+        train_started, train_clock = time.perf_counter(), time.time()
         with SignalGuard() as stop:   # a signal: the step finishes, is checkpointed, one line
             result = trainer.train(stop=stop)
         train_s = time.perf_counter() - train_started
@@ -113,7 +138,8 @@ def run(argv=None) -> dict:
         "shared_vocab": parts.overlap.shared, "steps": config.steps,
         "train_seconds": round(train_s, 1), "algorithm": config.algorithm.name,
         "model_teacher": TEACHER, "model_student": STUDENT, "held_out_problems": len(dataset),
-        "timings": timings, "total_seconds": round(time.perf_counter() - started, 1),
+        "timings": timings, "compiles": compile_report(compiled, result.run_dir, train_clock),
+        "total_seconds": round(time.perf_counter() - started, 1),
         "run_dir": str(result.run_dir), "checkpoints": str(result.checkpoint_dir),
         "hf_student": str(result.hf_dir) if result.hf_dir else None,
         "plots": [str(p) for p in plots],

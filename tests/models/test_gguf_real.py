@@ -1,7 +1,9 @@
 """The three packaged models (`ctopd_jax.models.packaged`) converted by our GGUF path against
 transformers' own load of the same GGUF file: the tokenizer's ids, the logits of a ~300-token
 prefill, the logits of decoding with the KV cache, and the log-probs the rollout sampler returns
-while it decodes greedily, all float32, within 1e-4.
+while it decodes greedily, all float32, within 1e-4 (the cached decode: within 1e-4 or within
+transformers' own cached decode's distance from its full forward, whichever is larger; both
+numbers are printed).
 
 SmolLM2 (a ~100 MB download) is marked slow; the Qwen models (~0.5 GB and ~1.1 GB, 2.5 GB and
 7 GB of float32 weights held twice) are marked real_models and run by `make test-real`. Without
@@ -85,7 +87,23 @@ def test_prefill_and_cached_decode_logits_match_transformers(pair):
         logits, cache = step(state, jnp.asarray([[ids[j]]], jnp.int32), cache.lengths[:, None],
                              jnp.ones((1, 1), bool), cache)
         worst = max(worst, float(np.abs(np.asarray(logits[0, 0]) - want[j]).max()))
-    assert worst <= TOLERANCE, f"{name}: cached decode max abs logits error {worst}"
+    # transformers' own cached decode against its own full forward: the float32 floor of
+    # decoding one token at a time over ~300 positions (summation order), measured, not assumed
+    floor = _reference_cached_decode_error(reference, ids, want)
+    print(f"{name}: prefill {err:.2e}, cached decode {worst:.2e}, transformers' own cached "
+          f"decode {floor:.2e} (max abs logits error; |logits| up to {np.abs(want).max():.1f})")
+    assert worst <= max(TOLERANCE, floor), f"{name}: cached decode max abs logits error {worst}"
+
+
+def _reference_cached_decode_error(reference, ids, want) -> float:
+    with torch.no_grad():
+        out = reference(torch.tensor([ids[:PREFILL]]), use_cache=True)
+        cache, worst = out.past_key_values, 0.0
+        for j in range(PREFILL, PREFILL + DECODE - 1):
+            out = reference(torch.tensor([[ids[j]]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            worst = max(worst, float(np.abs(out.logits[0, 0].numpy() - want[j]).max()))
+    return worst
 
 
 def test_the_samplers_greedy_logprobs_match_transformers(pair):
