@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ASSETS := $(or $(CTOPD_JAX_CACHE),$(HOME)/.cache/ctopd_jax)/tokenizers/.ready
 
-.PHONY: demo test test-fast test-slow test-vllm test-jax-next assets trl-venv lane-a lane-b
+.PHONY: demo demo-real test test-fast test-slow test-real test-vllm test-jax-next assets trl-venv lane-a lane-b
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ $(ASSETS): $(STAMP)
 
 demo: $(STAMP) assets
 	$(PY) -m ctopd_jax.demo
+
+# The demo on real pretrained models: Qwen2.5-Coder-0.5B-Instruct teaches SmolLM2-135M-Instruct
+# (both fetched from pinned packages and converted from GGUF into the cache on first use).
+demo-real: $(STAMP)
+	$(PY) -m ctopd_jax.demo.real
 
 test-fast: $(STAMP) assets
 	$(PY) -m pytest -q
@@ -38,6 +43,11 @@ SLOW_GROUPS := $(SLOW_TRAINER_A) $(SLOW_TRAINER_B) $(SLOW_REST)
 slow-groups = set -e; for group in $(1); do $(PY) -m pytest -q -m "slow and not vllm" $$group; done
 test-slow: $(STAMP) assets
 	$(call slow-groups,$(SLOW_GROUPS))
+
+# The packaged Qwen2.5 models (0.5B and 1.5B, ~1.6 GB of downloads) against transformers' own
+# GGUF load: marked real_models, in neither the default nor the slow run (SmolLM2's is slow).
+test-real: $(STAMP)
+	$(PY) -m pytest -q -m real_models tests/models/test_gguf_real.py
 
 # vLLM (CPU build) pins numpy below our range, so its tests run from a venv of their own,
 # in their own pytest process (grain: the host modules import it at module level). torchvision & co. break `import vllm` on CPU: removed.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -65,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eos-token", help="end-of-turn token string if not the tokenizer's eos_token")
     p.add_argument("--dataset", help="dataset name or file (see ctopd_jax.data.eval_sets)")
     p.add_argument("--limit", type=at_least(1), help="evaluate only the first N problems")
+    p.add_argument("--system-prompt", metavar="TEXT",
+                   help="the system turn of every problem without chat messages of its own, instead "
+                        "of the data set's (files: the math prompt, ask for a \\boxed answer); '' "
+                        "for none (the chat template's default)")
     p.add_argument("--samples", type=at_least(1), help="samples per problem K (default: config evaluation.samples)")
     p.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=None,
                    help="temperature 0 (default: evaluation.greedy of the config when K == 1)")
@@ -127,6 +132,8 @@ def _generate_from_cli(args, grader: MathGrader) -> EvalReport:
     k = args.samples if args.samples is not None else cfg.evaluation.samples
     limit = args.limit if args.limit is not None else (cfg.evaluation.max_problems or None)
     dataset = load_dataset(dataset_name, limit=limit, seed=args.seed)  # bad rows fail here, first
+    if args.system_prompt is not None:   # a task of its own (bare numbers, code) asks its own way
+        dataset = dataclasses.replace(dataset, system_prompt=args.system_prompt or None)
     checkpoint = Path(args.checkpoint)
     if not (checkpoint / "config.json").is_file():
         raise SystemExit(f"--checkpoint {checkpoint}: no config.json; pass an HF safetensors "

