@@ -16,8 +16,10 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hf_fixtures import paged_cache
+
 from ctopd_jax.loop.mean_at_k import stop_ids
-from ctopd_jax.models import init_cache, prefill_positions, weights
+from ctopd_jax.models import prefill_positions, weights
 from ctopd_jax.models.gguf_convert import convert_gguf
 from ctopd_jax.models.packaged import FetchError, assemble
 from ctopd_jax.rollout import make_rollout_engine
@@ -76,7 +78,7 @@ def test_prefill_and_cached_decode_logits_match_transformers(pair):
     def step(state, tokens, positions, mask, cache):
         return nnx.merge(graphdef, state)(tokens, positions, mask, cache=cache)
 
-    cache = init_cache(model.cfg, 1, PREFILL + DECODE)
+    cache = paged_cache(model.cfg, 1, PREFILL + DECODE, page_size=16)   # the sampler's cache
     mask = jnp.ones((1, PREFILL), bool)
     logits, cache = step(state, jnp.asarray([ids[:PREFILL]], jnp.int32), prefill_positions(mask),
                          mask, cache)
