@@ -22,7 +22,7 @@ from ctopd_jax.loop.mean_at_k import stop_ids
 from ctopd_jax.models import prefill_positions, weights
 from ctopd_jax.models.gguf_convert import convert_gguf
 from ctopd_jax.models.packaged import FetchError, assemble
-from ctopd_jax.rollout import make_rollout_engine
+from ctopd_jax.rollout import JaxSampler
 from ctopd_jax.rollout.base import SamplingParams
 from ctopd_jax.tokenization.side import load_tokenizer_side
 
@@ -111,7 +111,10 @@ def _reference_cached_decode_error(reference, ids, want) -> float:
 def test_the_samplers_greedy_logprobs_match_transformers(pair):
     name, model, side, reference, _ = pair
     prompt = side.encode(side.render_prompt("Write a Python function that adds two numbers."))
-    engine = make_rollout_engine("jax", model, stop_ids(side), side.pad_id)
+    # one sample: a page pool of 0.25 GB, not the 8 GB GPU default (with the 1.5B model held
+    # twice in float32 that default ran this machine out of memory)
+    engine = JaxSampler(model, stop_ids(side), side.pad_id, max_batch_size=1,
+                        kv_cache_budget_gb=0.25)
     result = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=SAMPLED,
                                                       stop_on_eos=False))
     tokens, logprobs = result.token_ids[0], np.asarray(result.logprobs[0])
