@@ -44,8 +44,8 @@ slow-groups = set -e; for group in $(1); do $(PY) -m pytest -q -m "slow and not 
 test-slow: $(STAMP) assets
 	$(call slow-groups,$(SLOW_GROUPS))
 
-# The packaged Qwen2.5 models (0.5B and 1.5B, ~1.6 GB of downloads) against transformers' own
-# GGUF load: marked real_models, in neither the default nor the slow run (SmolLM2's is slow).
+# The packaged real models (SmolLM2-135M, Qwen2.5-Coder 0.5B and 1.5B, ~1.7 GB of downloads)
+# against transformers' own GGUF load: marked real_models, in neither the default nor the slow run.
 test-real: $(STAMP)
 	$(PY) -m pytest -q -m real_models tests/models/test_gguf_real.py
 
