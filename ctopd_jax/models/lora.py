@@ -34,9 +34,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
@@ -45,6 +42,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from ctopd_jax.common.run_dir import replaced_folder
 from ctopd_jax.mesh.device_mesh import logical_sharding, variable_logical_axes
 from ctopd_jax.models.config import ModelConfigError
 
@@ -222,25 +220,12 @@ def adapter_settings(model) -> dict:
 
 
 def save_adapter(model, out_dir, base_model: str = "", dropout: float = 0.0) -> Path:
-    """``adapter_config.json`` + ``adapter_model.safetensors`` that PEFT loads.  Written to a
-    sibling temporary folder and renamed into place, so `out_dir` never holds half an adapter
-    (a crash between moving an older `out_dir` aside and the rename leaves that older one
-    complete as ``.<name>.old``; the next save clears it)."""
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp's 0700 would follow the folder into place
-        _write_adapter(model, tmp, base_model, dropout)
-        old = out.parent / f".{out.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    """``adapter_config.json`` + ``adapter_model.safetensors`` that PEFT loads, replacing
+    `out_dir` as a whole or not at all (run_dir.replaced_folder): it never holds half an
+    adapter."""
+    with replaced_folder(out_dir) as staging:
+        _write_adapter(model, staging, base_model, dropout)
+    return Path(out_dir)
 
 
 def _write_adapter(model, out: Path, base_model: str, dropout: float) -> None:
