@@ -208,11 +208,11 @@ def run(argv=None) -> dict:
                                                          "student_after")},
     }
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _print_summary(summary)
+    print_summary(summary)
     return summary
 
 
-def _print_summary(s: dict) -> None:
+def print_summary(s: dict) -> None:
     # the 50% target is the strict demo's (configs/tiny_cpu.yaml, topk_strict): other
     # objectives have no stated target, so none is printed beside them
     target = " (target >= 50%)" if s.get("algorithm", STRICT_DEMO_OBJECTIVE) == \

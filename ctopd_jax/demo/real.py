@@ -33,7 +33,7 @@ from ctopd_jax.common.run_guard import SignalGuard
 from ctopd_jax.config import load_config
 from ctopd_jax.data.eval_sets import load_dataset
 from ctopd_jax.demo import arithmetic
-from ctopd_jax.demo.__main__ import _print_summary, fresh_output_dir
+from ctopd_jax.demo.__main__ import fresh_output_dir, print_summary
 from ctopd_jax.demo.compare import gap_closed
 from ctopd_jax.loop.mean_at_k import evaluate_model
 from ctopd_jax.loop.trainer import Trainer
@@ -147,7 +147,7 @@ def run(argv=None) -> dict:
                                                          "student_after")},
     }
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _print_summary(summary)
+    print_summary(summary)
     return summary
 
 

@@ -215,9 +215,9 @@ def test_the_documented_cpu_command_sets_the_kv_cache_space():
 @pytest.mark.parametrize("algorithm,target", [("topk_strict", True), ("mp_opd", False)])
 def test_the_demo_prints_the_50_percent_target_beside_the_strict_demo_only(capsys, algorithm,
                                                                             target):
-    from ctopd_jax.demo.__main__ import _print_summary
+    from ctopd_jax.demo.__main__ import print_summary
 
-    _print_summary({"teacher_accuracy": 0.9, "student_accuracy_before": 0.1,
+    print_summary({"teacher_accuracy": 0.9, "student_accuracy_before": 0.1,
                     "student_accuracy_after": 0.6, "gap_closed": 0.625, "coverage_student": None,
                     "coverage_teacher": None, "train_seconds": 1, "total_seconds": 2, "steps": 1,
                     "checkpoints": "c", "hf_student": "h", "plots": [], "run_dir": "r",
