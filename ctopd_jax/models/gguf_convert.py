@@ -22,10 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from safetensors.numpy import save_file
-
 from ctopd_jax.models.gguf_read import GGUFError, field, hf_config, hf_tensors, open_gguf
 from ctopd_jax.models.gguf_tokenizer import GGUFTokenizerError, build_tokenizer, tokenizer_config
+from ctopd_jax.models.weights import write_safetensors_shards
 
 MAX_SHARD_BYTES = 4 * 1024 ** 3
 
@@ -81,26 +80,20 @@ def _shards(reader) -> list[int]:
 
 def _weights(reader, config: dict, out: Path, progress: Callable[[str], None] | None) -> None:
     counts = _shards(reader)
-    names = (["model.safetensors"] if len(counts) == 1 else
-             [f"model-{k + 1:05d}-of-{len(counts):05d}.safetensors" for k in range(len(counts))])
     tensors = hf_tensors(reader, config)
-    weight_map, total = {}, 0
-    for fname, count in zip(names, counts):
-        shard = {}
+
+    def shard(count: int) -> dict:
+        taken = {}
         for _ in range(count):
             item = next(tensors, None)
             if item is None:   # the plan counted a skipped tensor (rope_freqs)
                 break
-            shard[item[0]] = item[1]
+            taken[item[0]] = item[1]
             if progress is not None:
                 progress(item[0])
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({name: fname for name in shard})
-        total += sum(t.nbytes for t in shard.values())
-        del shard
-    if len(names) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return taken
+
+    write_safetensors_shards(out, len(counts), (shard(count) for count in counts))
 
 
 def convert_gguf(src, out_dir, sha256: str | None = None,

@@ -277,6 +277,23 @@ def hf_named_tensors(model: Decoder, include_tied_lm_head: bool = True,
             yield "lm_head.weight", value  # [V, H] is also the HF lm_head layout
 
 
+def write_safetensors_shards(out: Path, count: int, shards) -> None:
+    """Write `count` shards (an iterable of {hf name: numpy array}, each made when its turn comes,
+    so one shard is in memory at a time) as model.safetensors, or as model-0000k-of-0000n
+    files with model.safetensors.index.json, the layout transformers reads."""
+    names = (["model.safetensors"] if count == 1 else
+             [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)])
+    weight_map, total = {}, 0
+    for fname, tensors in zip(names, shards):
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in tensors})
+        total += sum(t.nbytes for t in tensors.values())
+        del tensors
+    if count > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
 def export_hf_checkpoint(model: Decoder, cfg: ModelConfig, out_dir,
                          extra_config: dict | None = None,
                          max_shard_bytes: int = 4 * 1024**3, dtype: str | None = None) -> Path:
@@ -304,18 +321,9 @@ def export_hf_checkpoint(model: Decoder, cfg: ModelConfig, out_dir,
             size = 0
         shards[-1].append((hf_name, rule, var))
         size += nbytes
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
-    weight_map, total = {}, 0
-    for fname, shard in zip(names, shards):
-        tensors = {hf_name: to_hf(rule, _host(var[...], dtype)) for hf_name, rule, var in shard}
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({name: fname for name in tensors})
-        total += sum(t.nbytes for t in tensors.values())
-        del tensors
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    write_safetensors_shards(out, len(shards), (
+        {hf_name: to_hf(rule, _host(var[...], dtype)) for hf_name, rule, var in shard}
+        for shard in shards))
     hf_config = {**(extra_config or {}), **cfg.to_hf_dict()}
     if dtype is not None:
         hf_config["dtype"] = dtype
