@@ -40,7 +40,7 @@ CASES = [
     ("inspect_pair_show_negative", "ctopd_jax.inspect_pair",
      lambda t: ["--teacher", "tiny_bpe", "--student", "tiny_unigram", "--show", "-1"], {}, "--show"),
     ("plot_missing", "ctopd_jax.plot", lambda t: [str(t / "none")], {}, "none"),
-    ("plan_demo_sources_bad_device", "ctopd_jax.plan.planner",
+    ("plan_demo_sources_bad_device", "ctopd_jax.plan",
      lambda t: ["--config", TINY, "--device", "h1000"], {}, "--device"),
     ("demo_unknown_algorithm", "ctopd_jax.demo", lambda t: ["--algorithm", "nope"], {},
      "argument --algorithm: 'nope' is not a registered objective"),
