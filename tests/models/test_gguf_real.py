@@ -32,9 +32,11 @@ TEXT = ("The quick brown fox jumps over the lazy dog. In 1969, 3 astronauts flew
         "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # naïve, O(φ^n)\n"
         "What is 7 * 8? 56. Größe, 東京, emoji 🙂, tabs\tand   spaces.\n") * 6
 
-# SmolLM2 runs with the Qwen models (not in `make test`): through the sampler's paged cache its
-# prefill reads 2.0e-4 from transformers (9.6e-5 through the dense cache it replaced), over the
-# 1e-4 bound, and the einsum attention path reads 1.2e-2; not yet understood (benchmarks/RESULTS.md).
+# Prefill: within 1e-4 of transformers' float32 forward, or, where the two float32 forwards are
+# further apart than that, no further from transformers' float64 forward than twice transformers'
+# own float32 forward is: two float32 summation orders, each at the model's float32 floor.
+# Measured on SmolLM2 (30 layers): 1.3-2.0e-4 apart (blockwise or einsum, cached or not); from
+# the float64 forward ours 1.42e-4, transformers' 0.93e-4. A wrong rope, norm or mask reads 1e-2+.
 MODELS = [pytest.param("smollm2-135m", marks=pytest.mark.real_models),
           pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.real_models),
           pytest.param("qwen2.5-coder-1.5b", marks=pytest.mark.real_models)]
@@ -85,8 +87,13 @@ def test_prefill_and_cached_decode_logits_match_transformers(pair):
     mask = jnp.ones((1, PREFILL), bool)
     logits, cache = step(state, jnp.asarray([ids[:PREFILL]], jnp.int32), prefill_positions(mask),
                          mask, cache)
-    err = np.abs(np.asarray(logits[0]) - want[:PREFILL]).max()
-    assert err <= TOLERANCE, f"{name}: prefill max abs logits error {err}"
+    ours = np.asarray(logits[0])
+    err = np.abs(ours - want[:PREFILL]).max()
+    if err > TOLERANCE:
+        ours_64, theirs_64 = _float64_distances(reference, ids[:PREFILL], ours, want[:PREFILL])
+        print(f"{name}: prefill {err:.2e} from transformers' float32; from its float64 forward "
+              f"ours {ours_64:.2e}, transformers' float32 {theirs_64:.2e}")
+        assert ours_64 <= 2 * theirs_64, f"{name}: prefill max abs logits error {err}"
     worst = 0.0
     for j in range(PREFILL, PREFILL + DECODE - 1):   # one token at a time through the cache
         logits, cache = step(state, jnp.asarray([[ids[j]]], jnp.int32), cache.lengths[:, None],
@@ -101,6 +108,24 @@ def test_prefill_and_cached_decode_logits_match_transformers(pair):
         pytest.xfail(f"{name}: cached decode {worst:.2e} is over the 1e-4 target, within twice "
                      f"it; transformers' own cached decode is {floor:.2e} from its full forward")
     assert worst <= max(TOLERANCE, floor), f"{name}: cached decode max abs logits error {worst}"
+
+
+def _float64_distances(reference, ids, ours, theirs) -> tuple[float, float]:
+    """Max abs distance of our and transformers' float32 logits from transformers' float64
+    forward of the same weights: the float32 floor of the model, measured."""
+    _cast(reference, torch.float64)   # transformers refuses .double() on a GGUF-loaded model
+    try:
+        with torch.no_grad():
+            exact = reference(torch.tensor([ids])).logits[0].numpy()
+    finally:
+        _cast(reference, torch.float32)   # float32 -> float64 -> float32 is exact
+    return float(np.abs(ours - exact).max()), float(np.abs(theirs - exact).max())
+
+
+def _cast(model, dtype):
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.is_floating_point():
+            tensor.data = tensor.data.to(dtype)
 
 
 def _reference_cached_decode_error(reference, ids, want) -> float:
