@@ -48,6 +48,7 @@ import contextlib
 import itertools
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -63,7 +64,8 @@ from ctopd_jax.rollout.base import (RolloutConfigError, RolloutEngine, RolloutRe
                                     check_prompts, finish_sample, normalize_eos_ids)
 from ctopd_jax.rollout.logprob_gap import response_logprobs
 from ctopd_jax.teacher_service import sglang_protocol, vllm_protocol
-from ctopd_jax.teacher_service.client import TeacherServiceError, failure_line
+from ctopd_jax.teacher_service.client import (TeacherServiceError, failure_line,
+                                              mismatch_line)
 from ctopd_jax.teacher_service.launch import check_launch_python, launched_server
 from ctopd_jax.teacher_service.scores import ProtocolError
 from ctopd_jax.teacher_service.transport import ServerError, Transport
@@ -242,19 +244,28 @@ class ServedRolloutEngine(RolloutEngine):
         prompts = check_prompts(prompts, self._vocab, max_new_tokens=params.max_new_tokens,
                                 positions=(self.max_model_len, "the rollout server's max_model_len"))
         first = params.first_sample_id // params.n
+        # a failed request fails the batch: the prompts not sent yet stay unsent (each would
+        # otherwise go through its own retries against a server known to fail)
+        failed = threading.Event()
 
         def one(i: int):
+            if failed.is_set():
+                return None
             payload = self.protocol.generate_request(
                 [prompts[i]], params, self._served_name, self.eos_ids,
                 (params.seed * 1_000_003 + first + i) % (1 << 63))
-            answer = self._post(i % len(self.urls), "rollout", self.protocol.GENERATE_PATH,
-                                payload)
+            server = i % len(self.urls)
             try:
-                return self.protocol.parse_generation(answer, 1, params.n)
-            except ProtocolError as err:
-                raise ServedRolloutError(f"rollout.url {self.urls[i % len(self.urls)]}: the "
-                                         f"answer does not match the request ({err}); check "
-                                         "rollout.engine") from None
+                answer = self._post(server, "rollout", self.protocol.GENERATE_PATH, payload)
+                try:
+                    return self.protocol.parse_generation(answer, 1, params.n)
+                except ProtocolError as err:
+                    raise ServedRolloutError(mismatch_line(f"rollout.url {self.urls[server]}",
+                                                           "rollout", self.rollout.engine,
+                                                           err)) from None
+            except BaseException:
+                failed.set()
+                raise
 
         workers = min(len(prompts), self.rollout.max_concurrency * len(self.urls))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:

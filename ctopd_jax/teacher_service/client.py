@@ -103,9 +103,9 @@ class ServedTeacher:
         except ServerError as err:
             raise TeacherServiceError(self._failure_line(err)) from None
         except ProtocolError as err:
-            raise TeacherServiceError(
-                f"{self.prefix}.url {self.settings.url}: the {self.settings.engine} answer does "
-                f"not match the request ({err}); check {self.prefix}.engine") from None
+            raise TeacherServiceError(mismatch_line(f"{self.prefix}.url {self.settings.url}",
+                                                    self.prefix, self.settings.engine,
+                                                    err)) from None
 
     def _failure_line(self, err: ServerError) -> str:
         where = f"{self.prefix}.url {self.settings.url}"
@@ -134,16 +134,28 @@ class ServedTeacher:
 
 def failure_line(where: str, prefix: str, retries: int, err: ServerError, what: str) -> str:
     """One line for a request that failed for good: a time-out says so and names timeout_s; a
-    dropped or refused connection says the server is down. (The trainer adds the step and the
-    last checkpoint; at start-up there is no run to resume yet.)"""
+    dropped or refused connection says the server is down; answers that are not JSON say they
+    are broken. (The trainer adds the step and the last checkpoint; at start-up there is no run
+    to resume yet.)"""
     if not err.transient:
         return f"{where}: the server refused a {what} request: {err}"
+    if err.status is not None and err.status < 400:   # it answered, but not in JSON
+        return (f"{where}: {err} (after {retries} retries); its answers are broken: check the "
+                f"server's log (or the proxy in front of it) and restart it")
     if err.timed_out:
         return (f"{where}: {err} (after {retries} retries): a time-out, the server is alive but "
                 f"too slow for {prefix}.timeout_s; raise {prefix}.timeout_s, or lower the load "
                 f"({prefix}.max_concurrency) or check the server's log")
     return (f"{where}: {err} (after {retries} retries); the server is down or overloaded: check "
             f"its log and restart it, or raise {prefix}.retries")
+
+
+def mismatch_line(where: str, prefix: str, engine: str, err: ProtocolError) -> str:
+    """One line for JSON of the wrong shape (fewer log-probs than tokens, a field missing). It
+    is not retried: the server understood the request, and the same request gets the same
+    answer."""
+    return (f"{where}: the {engine} answer does not match the request ({err}); not retried, as "
+            f"the server would answer the same again: check its log and {prefix}.engine")
 
 
 def plan_requests(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

@@ -1,9 +1,14 @@
 """JSON over HTTP with the standard library, and the retry rule of a served engine.
 
 Transient failures are retried with exponential backoff: a time-out, a refused or dropped
-connection, HTTP 5xx, and 429 (a server shedding load says so with 429 or 503). Everything else
-(4xx: a request the server will never accept) fails at once with the server's own message, since
-repeating it cannot help. `sleep` is injectable so tests can check the backoff without waiting.
+connection, HTTP 5xx, 429 (a server shedding load says so with 429 or 503), and a 200 whose body
+is not JSON (an answer broken on the way: cut short by a worker that died mid-write, or a proxy's
+error page while the engine behind it restarts; every request here is idempotent, so asking again
+is safe). Everything else (4xx: a request the server will never accept) fails at once with the
+server's own message, since repeating it cannot help. JSON of the wrong shape (fewer log-probs
+than tokens) is the protocol modules' ProtocolError, not retried either: the server understood the
+request and would answer it the same way again. `sleep` is injectable so tests can check the
+backoff without waiting.
 
 A server that dies while a request waits (vLLM stopped by SIGTERM closes its listening socket but
 keeps the accepted connection open without ever answering) would otherwise hold the caller for
@@ -30,9 +35,10 @@ HEALTH_TIMEOUT_S = 5.0
 
 
 class ServerError(RuntimeError):
-    """A request that failed for good. `status` is the HTTP status (None: no answer at all);
-    `transient` says whether it was retried until the retries ran out; `timed_out` that the
-    last try ended on `timeout_s` rather than on an answer or a dropped connection."""
+    """A request that failed for good. `status` is the HTTP status (None: no answer at all; below
+    400: an answer that is not JSON); `transient` says whether it was retried until the retries
+    ran out; `timed_out` that the last try ended on `timeout_s` rather than on an answer or a
+    dropped connection."""
 
     def __init__(self, message: str, status: int | None, transient: bool,
                  timed_out: bool = False):
@@ -110,7 +116,7 @@ class Transport:
             return json.loads(raw)
         except ValueError:
             raise ServerError(f"{method} {path}: the answer is not JSON "
-                              f"({raw[:80]!r})", 200, False) from None
+                              f"({raw[:80]!r})", response.status, True) from None
 
     def _wait_for_answer(self, sock, deadline: float, method: str, path: str, timed_out):
         """Until the answer's first bytes arrive: the deadline, or the health probe failing."""

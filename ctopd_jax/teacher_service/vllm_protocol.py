@@ -126,9 +126,12 @@ def parse_generation(answer: dict, n_prompts: int, n: int) -> list[tuple[list[in
     for choice in sorted(choices, key=lambda c: c.get("index", 0)):
         ids, logprobs = choice.get("token_ids"), (choice.get("logprobs") or {})
         values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
-        if not isinstance(ids, list) or not isinstance(values, list) or len(ids) != len(values):
-            raise ProtocolError("a choice lacks token_ids / logprobs.token_logprobs of one length "
-                                "(was return_token_ids honoured?)")
+        if not isinstance(ids, list) or not isinstance(values, list):
+            raise ProtocolError("a choice lacks token_ids / logprobs.token_logprobs (was "
+                                "return_token_ids honoured?)")
+        if len(ids) != len(values):
+            raise ProtocolError(f"choice {choice.get('index', 0)} has {len(ids)} token_ids but "
+                                f"{len(values)} logprobs.token_logprobs")
         out.append(([int(t) for t in ids], [logprob_value(v) for v in values]))
     return out
 

@@ -4,10 +4,28 @@ It answers in each engine's documented shape (the vLLM shape as recorded from vl
 recorded/, the SGLang one after its docs) from a toy teacher whose next-token log-probs the
 tests compute on their own (`ToyTeacher.logprobs`), and it can misbehave on request: answer 5xx,
 stall past the client's time-out, drop the connection, or be slow to measure concurrency.
+
+`script` holds one action per coming scoring request ("ok" when it runs out):
+    "ok"            answer
+    "503" (digits)  that HTTP status with a vLLM-style error body
+    "stall"         no answer for 1 s, then the connection closes
+    "drop"          the connection closes at once, no answer
+    "slow:S"        answer after S seconds (GET /health keeps answering meanwhile)
+    "restart:S"     a restart: the listening socket closes at once (new connections are
+                    refused) while this request is held open unanswered, as vLLM does on
+                    SIGTERM; after S seconds the server listens again on the same port and
+                    the held connection closes without an answer
+    "truncated"     200 with the first half of the JSON answer (its Content-Length matching)
+    "html"          200 with a proxy's HTML error page instead of JSON
+    "short"         the answer with one log-prob too few (`shorten`)
+`actions` and `arrived` record, per scoring request, the action taken and when it came
+(time.monotonic()); `back_at` when the last restart listened again; `health_checks` counts the
+GET /health it answered (the client probes it while an answer is slow to come).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.server
 import json
 import threading
@@ -30,6 +48,17 @@ class ToyTeacher:
         return z - np.logaddexp.reduce(z)
 
 
+@dataclasses.dataclass(frozen=True)
+class Raw:
+    """An answer sent as these bytes (not encoded as JSON)."""
+    body: bytes
+    content_type: str = "application/json"
+
+
+PROXY_PAGE = Raw(b"<html><head><title>502 Bad Gateway</title></head><body><h1>Bad Gateway</h1>"
+                 b"<p>The upstream server is restarting.</p></body></html>", "text/html")
+
+
 class FakeTeacherServer:
     def __init__(self, engine: str, toy: ToyTeacher, *, model: str = "toy-teacher",
                  max_model_len: int = 128, max_logprobs: int = 20, delay_s: float = 0.0,
@@ -44,19 +73,48 @@ class FakeTeacherServer:
         self.lock = threading.Lock()
         self.in_flight = self.max_in_flight = 0
         self.scoring_requests: list[dict] = []    # every scoring payload received, in order
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self.server.daemon_threads = True
+        self.actions: list[str] = []              # the action taken on each of them
+        self.arrived: list[float] = []            # when each came (time.monotonic())
+        self.back_at: float | None = None         # when the last restart listened again
+        self.health_checks = 0                    # GET /health answered
+        self.closed = False
+        self._listen(0)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def _listen(self, port: int):
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        with self.lock:
+            self.closed = True   # a restart under way does not listen again
+            server = self.server
+        server.shutdown()
+        server.server_close()
+
+    def restart(self, down_s: float):
+        """Stop listening (connections are refused), wait `down_s`, listen on the same port."""
+        with self.lock:
+            server = self.server
+        port = server.server_address[1]
+        server.shutdown()
+        server.server_close()
+        time.sleep(down_s)
+        with self.lock:
+            if self.closed:
+                return
+            self._listen(port)   # SO_REUSEADDR (http.server's default): the port binds again
+            self.back_at = time.monotonic()
 
     # ------------------------------------------------------------------ routes
 
     def route(self, method: str, path: str, body: dict | None):
+        if method == "GET" and path == "/health":   # both engines: 200 while the engine lives
+            with self.lock:
+                self.health_checks += 1
+            return 200, Raw(b"")
         if self.engine == "vllm":
             if method == "GET" and path == "/v1/models":
                 return 200, {"object": "list", "data": [
@@ -78,6 +136,8 @@ class FakeTeacherServer:
         with self.lock:
             self.scoring_requests.append(body)
             action = self.script.pop(0) if self.script else "ok"
+            self.actions.append(action)
+            self.arrived.append(time.monotonic())
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -88,13 +148,33 @@ class FakeTeacherServer:
                 return None, None
             if action.isdigit():
                 return int(action), {"error": {"message": f"injected HTTP {action}"}}
+            if action.startswith("restart:"):
+                self.restart(float(action.split(":")[1]))
+                return None, None  # the held connection closes unanswered
+            if action == "html":
+                return 200, PROXY_PAGE
             if self.gate is not None:
                 self.gate.wait(timeout=10)
-            time.sleep(self.delay_s)
-            return answer(body)
+            time.sleep(float(action.split(":")[1]) if action.startswith("slow:") else self.delay_s)
+            status, payload = answer(body)
+            if status == 200 and action == "truncated":
+                raw = json.dumps(payload).encode()
+                return status, Raw(raw[: len(raw) // 2])
+            if status == 200 and action == "short":
+                self.shorten(payload)
+            return status, payload
         finally:
             with self.lock:
                 self.in_flight -= 1
+
+    def shorten(self, payload):
+        """One log-prob too few: the first sequence's last position goes missing."""
+        if self.engine == "vllm":
+            payload["choices"][0]["prompt_logprobs"].pop()
+        else:
+            meta = payload[0]["meta_info"]
+            meta["input_token_logprobs"].pop()
+            meta["input_top_logprobs"].pop()
 
     def check_ids(self, sequences):
         for ids in sequences:
@@ -182,9 +262,12 @@ def _handler(fake: FakeTeacherServer):
                 with contextlib.suppress(OSError):
                     self.connection.shutdown(2)
                 return
-            raw = json.dumps(answer).encode()
+            if isinstance(answer, Raw):
+                raw, kind = answer.body, answer.content_type
+            else:
+                raw, kind = json.dumps(answer).encode(), "application/json"
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(raw)))
             self.end_headers()
             self.wfile.write(raw)

@@ -305,7 +305,9 @@ def test_check_not_an_inference_server():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        line = check_line(ServedTeacher(TeacherServiceSettings(engine="vllm_server", url=url)))
+        # a page that is not JSON is retried (a broken answer), without waiting here
+        line = check_line(ServedTeacher(TeacherServiceSettings(engine="vllm_server", url=url),
+                                        sleep=lambda s: None))
         assert "does not answer as teacher.engine: vllm_server expects" in line
         assert "not JSON" in line
     finally:
