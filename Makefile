@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ASSETS := $(or $(CTOPD_JAX_CACHE),$(HOME)/.cache/ctopd_jax)/tokenizers/.ready
 
-.PHONY: demo demo-real test test-fast test-slow test-real test-vllm test-jax-next assets trl-venv lane-a lane-b
+.PHONY: demo demo-real test test-fast test-slow test-real test-vllm test-jax-next assets trl-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,21 +28,21 @@ demo-real: $(STAMP)
 	$(PY) -m ctopd_jax.demo.real
 
 test-fast: $(STAMP) assets
-	$(PY) -m pytest -q
+	$(TEST_CACHE) $(PY) -m pytest -q
 
 # Marked slow (multi-process training, compile-only memory analysis at real shapes, the GPU
-# check's CPU dry run): groups of their own, each one pytest process. jaxlib has segfaulted in
-# the compiler inside one long-lived process running the whole slow suite (~9 GB resident by
-# then), on different tests in different runs and never on a test alone: shorter processes
-# hold less. A test that fails fails the suite: no rerun.
-SLOW_TRAINER_A := "tests/trainer/test_[a-o]*.py"
-SLOW_TRAINER_B := "tests/trainer/test_[p-z]*.py"
-SLOW_REST := "tests/kernels tests/algorithms" \
-    "tests --ignore=tests/trainer --ignore=tests/kernels --ignore=tests/algorithms"
-SLOW_GROUPS := $(SLOW_TRAINER_A) $(SLOW_TRAINER_B) $(SLOW_REST)
-slow-groups = set -e; for group in $(1); do $(PY) -m pytest -q -m "slow and not vllm" $$group; done
-test-slow: $(STAMP) assets
-	$(call slow-groups,$(SLOW_GROUPS))
+# check's CPU dry run): four groups, each one pytest process. jaxlib has segfaulted in the
+# compiler inside one long-lived process running the whole slow suite (~9 GB resident by then),
+# on different tests in different runs and never on a test alone: shorter processes hold less.
+# A test that fails fails the suite: no rerun.
+SLOW_trainer-a := tests/trainer/test_[a-p]*.py
+SLOW_trainer-b := tests/trainer/test_[q-z]*.py
+SLOW_kernels := tests/kernels tests/algorithms
+SLOW_others := tests --ignore=tests/trainer --ignore=tests/kernels --ignore=tests/algorithms
+SLOW_JOBS := test-slow-trainer-b test-slow-others test-slow-trainer-a test-slow-kernels
+test-slow-%: $(STAMP) assets
+	$(TEST_CACHE) $(PY) -m pytest -q -m "slow and not vllm" $(SLOW_$*)
+test-slow: $(SLOW_JOBS)
 
 # The packaged real models (SmolLM2-135M, Qwen2.5-Coder 0.5B and 1.5B, ~1.7 GB of downloads)
 # against transformers' own GGUF load: marked real_models, in neither the default nor the slow run.
@@ -67,10 +67,10 @@ $(VLLM_STAMP): pyproject.toml
 # The trainer against a real `vllm serve`: the trainer from .venv (its dependencies), the
 # server from .venv-vllm, as configs/tiny_cpu_served.yaml runs.
 test-vllm: $(VLLM_STAMP) assets
-	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/rollout tests/evaluation/test_evaluate.py --ignore=tests/rollout/test_served_rollouts_vllm.py
-	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/teacher_service
-	CTOPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/trainer/test_served_vllm_training.py
-	CTOPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/rollout/test_served_rollouts_vllm.py
+	$(TEST_CACHE) $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/rollout tests/evaluation/test_evaluate.py --ignore=tests/rollout/test_served_rollouts_vllm.py
+	$(TEST_CACHE) $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/teacher_service
+	$(TEST_CACHE) CTOPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/trainer/test_served_vllm_training.py
+	$(TEST_CACHE) CTOPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/rollout/test_served_rollouts_vllm.py
 
 # The TRL GKDTrainer peer of benchmarks/trl_peer.py, from a venv of its own (torch CPU, pinned);
 # not part of `make test`.
@@ -84,19 +84,19 @@ $(TRL_VENV)/.installed:
 	touch $@
 trl-venv: $(TRL_VENV)/.installed
 
-# jax 0.11-0.12 need Python >= 3.12: the default suite's tests that reach jax run again on the
-# newest jax the pins admit (Python 3.12, jax 0.12, flax 0.12.12), from a venv of its own;
-# skipped, with a line that says so, where no Python 3.12 is found. Left out: the pure-Python
-# tests (alignment, tokenization, grading, environments, HTTP protocols, config and docs),
-# which no jax version changes, and of tests/trainer (half the suite's time, the loop's Python
-# over the same jax calls) all but the files that reach jax's own APIs most: Orbax checkpoints
-# and resume, the step on one device and on the mesh, packed rows.
-NEXT_TESTS := tests/algorithms tests/kernels tests/models tests/rollout tests/foundation \
-    --ignore=tests/rollout/test_episodes.py --ignore=tests/rollout/test_served_rollouts.py \
-    --ignore=tests/rollout/test_weight_transfer.py tests/teacher_service/test_served_topk.py \
-    tests/teacher_service/test_served_local_scores.py tests/evaluation/test_evaluate.py tests/demo/test_assets.py \
-    tests/demo/test_tools_task.py tests/test_losses.py tests/test_plan.py tests/test_teacher.py \
-    tests/trainer/test_checkpoint.py tests/trainer/test_resume.py \
+# jax 0.11-0.12 need Python >= 3.12: the default suite's tests of the code that calls jax's own
+# APIs most run again on the newest jax the pins admit (Python 3.12, jax 0.12, flax 0.12.12),
+# from a venv of their own; skipped, with a line that says so, where no Python 3.12 is found:
+# the kernels and the strict losses (Pallas, custom VJPs), the models (nnx, sharding, LoRA,
+# GGUF), the mesh and the model options, the JAX sampler and its paged cache, the memory
+# kinds of the offload, the teacher's rows, Orbax checkpoints and resume, the step on one
+# device and on the mesh, packed rows. Not the objectives' arithmetic over jax.numpy
+# (tests/algorithms), the served clients, the graders or the config, which a jax version
+# does not reach.
+NEXT_TESTS := tests/kernels tests/models tests/foundation/test_mesh.py \
+    tests/foundation/test_model_options.py tests/rollout/test_paged_sampler.py \
+    tests/rollout/test_jax_sampler.py tests/rollout/test_host_offload.py tests/test_losses.py \
+    tests/test_teacher.py tests/trainer/test_checkpoint.py tests/trainer/test_resume.py \
     tests/trainer/test_student_step.py tests/trainer/test_sharded_step.py tests/trainer/test_packed_rows.py
 PYTHON_NEXT ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3 /usr/bin/python3.12))
 NEXT_VENV := .venv-jax-next
@@ -113,24 +113,21 @@ ifeq ($(PYTHON_NEXT),)
 else
 	$(MAKE) $(NEXT_VENV)/.installed
 	$(NEXT_VENV)/bin/python -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__)"
-	$(NEXT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(NEXT_TESTS)
+	$(TEST_CACHE) $(NEXT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(NEXT_TESTS)
 endif
 
-# `make test` (CI): everything above, in two lanes that run at once on a 2-core machine (most of
-# a test's time is XLA compiling, on one core): the default suite then two slow groups in one,
-# the vLLM and jax-next virtual environments and their tests then the other slow groups in the
-# other. Each lane's pytest processes share one persistent XLA cache for the trainer processes
-# the tests start (tests/trainer/conftest.py); the lanes never share one. --output-sync=line
-# prints each step's output whole when it ends.
+# `make test` (CI): every job above, two at a time on a 2-core machine (most of a test's time
+# is XLA compiling, on one core): make starts the next job as one ends, the longest first, and
+# prints each job's output whole when it ends, with the time it took. Each job's pytest
+# processes share one persistent XLA cache for the trainer processes its tests start
+# (tests/trainer/conftest.py); jobs never share one (a cache entry is not written atomically).
+TEST_JOBS := test-slow-trainer-b test-fast test-vllm test-jax-next test-slow-others \
+    test-slow-trainer-a test-slow-kernels
 XLA_CACHE := $(CURDIR)/.test_xla_cache
-lane-a:
-	rm -rf $(XLA_CACHE)/a
-	CTOPD_TEST_COMPILE_CACHE=$(XLA_CACHE)/a $(MAKE) test-fast
-	CTOPD_TEST_COMPILE_CACHE=$(XLA_CACHE)/a $(MAKE) test-slow SLOW_GROUPS='$(SLOW_TRAINER_B) $(SLOW_TRAINER_A)'
-lane-b:
-	rm -rf $(XLA_CACHE)/b
-	CTOPD_TEST_COMPILE_CACHE=$(XLA_CACHE)/b $(MAKE) test-vllm
-	CTOPD_TEST_COMPILE_CACHE=$(XLA_CACHE)/b $(MAKE) test-jax-next
-	CTOPD_TEST_COMPILE_CACHE=$(XLA_CACHE)/b $(MAKE) test-slow SLOW_GROUPS='$(SLOW_REST)'
+TEST_CACHE = $(if $(TEST_XLA_CACHE),CTOPD_TEST_COMPILE_CACHE=$(TEST_XLA_CACHE)/$@)
 test: $(STAMP) assets
-	$(MAKE) -j2 --output-sync=line lane-a lane-b
+	rm -rf $(XLA_CACHE)
+	$(MAKE) -j2 --output-sync=target TEST_XLA_CACHE=$(XLA_CACHE) $(addprefix timed-,$(TEST_JOBS))
+timed-%:
+	@start=$$(date +%s); $(MAKE) --no-print-directory $*; \
+	echo "make test: $* took $$(( $$(date +%s) - start )) s"

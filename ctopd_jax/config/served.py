@@ -40,7 +40,7 @@ class TeacherServiceSettings:
     model: str = ""                 # the served model name to expect; "" = the one it serves
     timeout_s: float = 120.0        # one HTTP request, connect + answer
     max_concurrency: int = 8        # requests in flight at once
-    retries: int = 3                # extra tries after a time-out, a refused connection or a 5xx
+    retries: int = 3                # extra tries after a time-out, a refused connection, 5xx, non-JSON
     backoff_s: float = 0.5          # first retry waits this long, then 2x, 4x, ... (capped 30 s)
     top_k: int = 16                 # teacher top-k entries per response position
     max_tokens_per_request: int = 16384  # sequences are packed into requests up to this many tokens

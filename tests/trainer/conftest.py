@@ -46,8 +46,8 @@ def write_config(tmp_path):
 def compile_cache(tmp_path_factory):
     """A persistent XLA cache for the tests' subprocesses (`subprocess_env`), so a program they
     share compiles once: `CTOPD_TEST_COMPILE_CACHE` when set (`make test` gives the pytest
-    processes of each of its two lanes one, so a later process reuses an earlier one's
-    programs; the lanes never share one), else a folder of this session. The pytest process
+    processes of each of its jobs one, so a later process reuses an earlier one's programs;
+    jobs that run at once never share one), else a folder of this session. The pytest process
     itself does not use it: jaxlib crashed (segfault) inside the cache write,
     `executable.serialize()`, in the long-lived suite process, on different tests in different
     runs and never when a test ran alone; short-lived subprocesses have not."""
