@@ -8,7 +8,12 @@ samples every `--interval` seconds, from outside the process: its resident memor
 /proc/<pid>/status), the step reached, the sizes of metrics.jsonl, samples.jsonl and the
 TensorBoard folder, and the checkpoint folder (bytes and committed steps).
 
+Also, polling every 0.1 s, the resident memory the moment each metrics row appears: the same
+point of every step (its end), so that a step's own buffers, which come and go within it,
+do not make two samples differ.
+
 Reported (<out>/soak.json, <out>/soak.png, and printed):
+- RSS at each step's end after the warm-up: min, max and their spread (max - min) / min;
 - RSS after the warm-up (the first `--warmup` fraction of the steps): min, max and the spread
   (max - min) / min over every sample, which the issue wants within 5 %, and per tenth of the
   steps its median and peak, whose spreads tell a leak (every block higher) from the buffers
@@ -62,6 +67,19 @@ def sample(proc, run: Path, started: float) -> dict | None:
             "checkpoint_bytes": folder_bytes(ck), "checkpoint_steps": steps}
 
 
+def step_ends(samples: list[dict], steps: int, warmup: float) -> dict | None:
+    """RSS at the end of each step after the warm-up (`samples`: {"step", "rss_mb"} read as
+    each metrics row appeared), and its least-squares drift per 1,000 steps."""
+    after = [s for s in samples if s["step"] >= warmup * steps and s["rss_mb"]]
+    if not after:
+        return None
+    rss = [s["rss_mb"] for s in after]
+    slope, _ = linear_fit([s["step"] for s in after], rss)
+    return {"samples": len(rss), "min": round(min(rss), 1), "max": round(max(rss), 1),
+            "median": round(sorted(rss)[len(rss) // 2], 1), "spread": spread(rss),
+            "drift_mb_per_1000_steps": round(1000 * slope, 1)}
+
+
 def linear_fit(xs, ys) -> tuple[float, float]:
     """(slope, R^2) of the least-squares line."""
     n = len(xs)
@@ -92,7 +110,8 @@ def spread(values) -> float:
     return round((max(values) - min(values)) / min(values), 4) if values else float("nan")
 
 
-def summarize(samples: list[dict], steps: int, keep: int, warmup: float) -> dict:
+def summarize(samples: list[dict], ends: list[dict], steps: int, keep: int,
+              warmup: float) -> dict:
     after = [s for s in samples if s["step"] >= warmup * steps and s["rss_mb"]]
     rss = [s["rss_mb"] for s in after]
     per_block = blocks(after, steps, int(warmup * steps))
@@ -100,6 +119,7 @@ def summarize(samples: list[dict], steps: int, keep: int, warmup: float) -> dict
     slope, r2 = linear_fit([s["step"] for s in grown], [s["metrics_bytes"] for s in grown])
     return {
         "samples": len(samples), "warmup_steps": int(warmup * steps),
+        "rss_at_step_end_after_warmup_mb": step_ends(ends, steps, warmup),
         "rss_after_warmup_mb": {"min": round(min(rss), 1), "max": round(max(rss), 1),
                                 "first": round(rss[0], 1), "last": round(rss[-1], 1),
                                 "spread": spread(rss)} if rss else None,
@@ -115,7 +135,7 @@ def summarize(samples: list[dict], steps: int, keep: int, warmup: float) -> dict
     }
 
 
-def plot(samples: list[dict], summary: dict, path: Path) -> None:
+def plot(samples: list[dict], ends: list[dict], summary: dict, path: Path) -> None:
     import matplotlib   # heavy: only for the figure
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -123,6 +143,8 @@ def plot(samples: list[dict], summary: dict, path: Path) -> None:
     step = [s["step"] for s in samples]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     axes[0].plot(step, [s["rss_mb"] or float("nan") for s in samples], lw=0.5, label="samples")
+    axes[0].plot([s["step"] for s in ends], [s["rss_mb"] or float("nan") for s in ends], lw=0.5,
+                 label="at each step's end")
     for key in ("median", "peak"):
         axes[0].step([b["steps"][0] for b in summary["rss_blocks"]],
                      [b[key] for b in summary["rss_blocks"]], where="post", label=f"block {key}")
@@ -164,18 +186,27 @@ def main(argv=None) -> int:
     with open(out / "train.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "JAX_PLATFORMS": "cpu"})
-        samples = []
+        samples, ends, rows_bytes, last_full = [], [], -1, 0.0
         while proc.poll() is None:
-            samples.append(sample(proc, run, started))
-            time.sleep(args.interval)
+            now = time.time()
+            if now - last_full >= args.interval:
+                samples.append(sample(proc, run, started))
+                last_full = now
+            metrics = run / "metrics.jsonl"
+            size = metrics.stat().st_size if metrics.is_file() else 0
+            if size and size != rows_bytes:   # a row appeared: the RSS at this step's end
+                rss, rows_bytes = rss_mb(proc.pid), size
+                ends.append({"step": metrics.read_bytes().count(b"\n"), "rss_mb": rss})
+            time.sleep(0.1)
         samples.append({**sample(proc, run, started), "rss_mb": None})
     if proc.returncode != 0:
         print(f"the run failed ({proc.returncode}): see {out / 'train.log'}", file=sys.stderr)
         return 1
-    summary = {**summarize(samples, args.steps, args.keep, args.warmup),
+    summary = {**summarize(samples, ends, args.steps, args.keep, args.warmup),
                "seconds": round(time.time() - started, 1)}
-    (out / "soak.json").write_text(json.dumps({"summary": summary, "samples": samples}) + "\n")
-    plot(samples, summary, out / "soak.png")
+    (out / "soak.json").write_text(json.dumps({"summary": summary, "samples": samples,
+                                               "step_ends": ends}) + "\n")
+    plot(samples, ends, summary, out / "soak.png")
     print(json.dumps(summary, indent=2))
     return 0
 
