@@ -16,7 +16,8 @@ The points (where the code passes them):
 - `checkpoint_write` once Orbax's asynchronous write of a step is in flight;
 - `metrics_write` in the middle of a metrics.jsonl row (half the line handed to the OS);
 - `hf_export` when the exported student's weights are written, not yet in place;
-- `report_write` between two files of an evaluation report moved into place.
+- `report_write` between two files of an evaluation report moved into place;
+- `gguf_convert` after each tensor a GGUF conversion dequantized (models/gguf_convert.py).
 
 Unset (every real run) a point costs one dictionary lookup.
 """

@@ -4,9 +4,11 @@ float32 safetensors, tokenizer.json, tokenizer_config.json (with the chat templa
     convert_gguf(src, out_dir, sha256=None)
 
 Decisions:
-- All or nothing: the folder is written under a temporary name beside `out_dir` and renamed
-  into place at the end, so an error or a kill leaves no half-written folder where a command
-  (or the fetch cache) would take it for a finished one.
+- All or nothing: the folder is written under a temporary name beside `out_dir`
+  (`.NAME.partial-PID-*`) and renamed into place at the end, so an error or a kill leaves no
+  half-written folder where a command (or the fetch cache) would take it for a finished one.
+  A kill skips the clean-up, so the next conversion to the same place removes the temporary
+  folders whose process is gone (a float32 model is gigabytes).
 - Everything that can fail on the input (checksum, header, architecture, tokenizer metadata)
   is checked before the first tensor is dequantized.
 - float32 on disk: the quantized values exactly, in the dtype the parity checks compare; shards
@@ -22,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from ctopd_jax.common.kill_points import kill_point
 from ctopd_jax.models.gguf_read import GGUFError, field, hf_config, hf_tensors, open_gguf
 from ctopd_jax.models.gguf_tokenizer import GGUFTokenizerError, build_tokenizer, tokenizer_config
 from ctopd_jax.models.weights import write_safetensors_shards
@@ -89,11 +92,32 @@ def _weights(reader, config: dict, out: Path, progress: Callable[[str], None] | 
             if item is None:   # the plan counted a skipped tensor (rope_freqs)
                 break
             taken[item[0]] = item[1]
+            kill_point("gguf_convert")   # one passage per tensor dequantized
             if progress is not None:
                 progress(item[0])
         return taken
 
     write_safetensors_shards(out, len(counts), (shard(count) for count in counts))
+
+
+def _remove_left_by_kills(out: Path) -> None:
+    """The temporary folders of conversions to `out` whose process is gone (a conversion still
+    running elsewhere keeps its own)."""
+    prefix = f".{out.name}.partial-"
+    for left in out.parent.glob(prefix + "*"):
+        pid = left.name[len(prefix):].split("-")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(left, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process
+        return True
+    return True
 
 
 def convert_gguf(src, out_dir, sha256: str | None = None,
@@ -107,7 +131,8 @@ def convert_gguf(src, out_dir, sha256: str | None = None,
     reader = open_gguf(src)
     config = hf_config(reader)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    _remove_left_by_kills(out)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     try:
         _tokenizer_files(reader, config, staging)
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -4,7 +4,11 @@ reference: its reader and its undoing of llama.cpp's q/k order); bad files are o
 status 2, and nothing at the output folder."""
 import hashlib
 import json
+import os
+import subprocess
+import sys
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -122,3 +126,29 @@ def test_an_existing_output_folder_is_refused(tmp_path, capsys):
     err = _one_line(*_convert([str(src), str(tmp_path / "hf")], capsys))
     assert "already exists" in err
     assert list((tmp_path / "hf").iterdir()) == []
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_a_conversion_killed_midway_is_never_taken_for_whole_and_reruns_the_same(tmp_path, capsys,
+                                                                                which):
+    """SIGKILL (common/kill_points.py) while the weights are dequantized: no folder at the
+    output path, the rerun writes the same bytes as a conversion never killed, and removes
+    what the killed one left."""
+    src = tmp_path / "m.gguf"
+    write_gguf(src, "qwen2")
+    passage = 1 if which == "first" else len(gguf.GGUFReader(str(src)).tensors)
+    assert _convert([str(src), str(tmp_path / "whole")], capsys)[0] == 0
+    out = tmp_path / "hf"
+    env = {**os.environ, "CTOPD_JAX_KILL_AT": f"gguf_convert:{passage}", "JAX_PLATFORMS": "cpu"}
+    killed = subprocess.run([sys.executable, "-m", "ctopd_jax.from_gguf", str(src), str(out)],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert f"kill point gguf_convert:{passage}" in killed.stderr
+    assert not out.exists()
+    assert len(list(tmp_path.glob(".hf.partial-*"))) == 1   # what the kill left behind
+    assert _convert([str(src), str(out)], capsys)[0] == 0
+    assert list(tmp_path.glob(".hf.partial-*")) == []
+    files = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert sorted(p.name for p in out.iterdir()) == files
+    for name in files:
+        assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
