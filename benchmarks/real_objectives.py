@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from ctopd_jax.common.metrics import read_metrics
+
 PHASES = ("rollout", "teacher", "student")
 
 
@@ -33,7 +35,7 @@ def one_run(name: str, seed: int, steps: int, out: Path) -> dict:
     if code != 0:
         return {"objective": name, "seed": seed, "failed": f"exit {code}, see {out}.log"}
     summary = json.loads((out / "demo_summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out)
     quiet = [r for r in rows[1:] if r.get("time_compile", 0) == 0] or rows[1:]
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in quiet)   # noqa: E731
     return {"objective": name, "seed": seed, "teacher": summary["teacher_accuracy"],

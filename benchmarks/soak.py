@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     with open(out / "train.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "JAX_PLATFORMS": "cpu"})
-        samples, ends, rows_bytes, last_full = [], [], -1, 0.0
+        samples, ends, rows, read, last_full = [], [], 0, 0, 0.0
         while proc.poll() is None:
             now = time.time()
             if now - last_full >= args.interval:
@@ -194,9 +194,13 @@ def main(argv=None) -> int:
                 last_full = now
             metrics = run / "metrics.jsonl"
             size = metrics.stat().st_size if metrics.is_file() else 0
-            if size and size != rows_bytes:   # a row appeared: the RSS at this step's end
-                rss, rows_bytes = rss_mb(proc.pid), size
-                ends.append({"step": metrics.read_bytes().count(b"\n"), "rss_mb": rss})
+            if size > read:   # a row appeared: the RSS at this step's end
+                rss = rss_mb(proc.pid)
+                with open(metrics, "rb") as f:   # only what was appended since
+                    f.seek(read)
+                    rows += f.read(size - read).count(b"\n")
+                read = size
+                ends.append({"step": rows, "rss_mb": rss})
             time.sleep(0.1)
         samples.append({**sample(proc, run, started), "rss_mb": None})
     if proc.returncode != 0:

@@ -178,7 +178,8 @@ def _read_lock(lock: Path) -> dict | None:
         return {}
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -204,7 +205,7 @@ def _is_stale(owner: dict) -> bool:
     pid = owner.get("pid")
     if owner.get("host") != socket.gethostname() or not isinstance(pid, int):
         return False
-    if not _alive(pid):
+    if not process_alive(pid):
         return True
     ticks = owner.get("start_ticks")
     return ticks is not None and _start_ticks(pid) not in (None, ticks)

@@ -29,6 +29,7 @@ import jax
 import ctopd_jax
 from ctopd_jax.common import cli
 from ctopd_jax.common.cli import Parser, at_least
+from ctopd_jax.common.metrics import read_metrics
 from ctopd_jax.common.run_guard import SignalGuard
 from ctopd_jax.config import load_config
 from ctopd_jax.data.eval_sets import load_dataset
@@ -70,7 +71,7 @@ def _count_compiles() -> list[float]:
 def compile_report(compiled: list[float], run_dir: Path, train_started: float) -> dict:
     """Programs compiled before training and in each iteration (metrics.jsonl's wall_time ends
     one), and compile seconds over wall seconds after the first iteration."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     ends = [row["wall_time"] for row in rows]
     per_step = [sum(1 for t in compiled if start < t <= end)
                 for start, end in zip([train_started, *ends], ends)]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from ctopd_jax.common.kill_points import kill_point
+from ctopd_jax.common.run_dir import process_alive
 from ctopd_jax.models.gguf_read import GGUFError, field, hf_config, hf_tensors, open_gguf
 from ctopd_jax.models.gguf_tokenizer import GGUFTokenizerError, build_tokenizer, tokenizer_config
 from ctopd_jax.models.weights import write_safetensors_shards
@@ -106,18 +107,8 @@ def _remove_left_by_kills(out: Path) -> None:
     prefix = f".{out.name}.partial-"
     for left in out.parent.glob(prefix + "*"):
         pid = left.name[len(prefix):].split("-")[0]
-        if pid.isdigit() and not _running(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(left, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # another user's process
-        return True
-    return True
 
 
 def convert_gguf(src, out_dir, sha256: str | None = None,

@@ -257,12 +257,12 @@ class ServedRolloutEngine(RolloutEngine):
             server = i % len(self.urls)
             try:
                 answer = self._post(server, "rollout", self.protocol.GENERATE_PATH, payload)
-                try:
-                    return self.protocol.parse_generation(answer, 1, params.n)
-                except ProtocolError as err:
-                    raise ServedRolloutError(mismatch_line(f"rollout.url {self.urls[server]}",
-                                                           "rollout", self.rollout.engine,
-                                                           err)) from None
+                return self.protocol.parse_generation(answer, 1, params.n)
+            except ProtocolError as err:
+                failed.set()
+                raise ServedRolloutError(mismatch_line(f"rollout.url {self.urls[server]}",
+                                                       "rollout", self.rollout.engine,
+                                                       err)) from None
             except BaseException:
                 failed.set()
                 raise
