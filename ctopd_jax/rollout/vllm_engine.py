@@ -56,7 +56,10 @@ Other decisions: vLLM's own EOS handling is off (`ignore_eos`); the student's EO
 as `stop_token_ids`, so stopping does not depend on a tokenizer or generation_config.json.
 Prompt i uses vLLM seed `seed * 1_000_003 + i` for its `n` samples (vLLM seeds per request);
 logprobs are vLLM's default "raw_logprobs" (unmodified distribution), the same quantity the JAX
-sampler returns. vLLM's Qwen2 needs head_dim == hidden / heads.
+sampler returns. vLLM's Qwen2 needs head_dim == hidden / heads. An embedding with more rows than
+the tokenizer has tokens (Qwen's 151,936 for 151,665): `vocab_limit` (the tokenizer's size, from
+`from_config`) becomes every request's `allowed_token_ids`, so vLLM never samples a row past it,
+as the JAX sampler never does.
 """
 from __future__ import annotations
 
@@ -109,7 +112,8 @@ class VllmEngine(RolloutEngine):
     def __init__(self, model, eos_ids, pad_id: int | None = None, max_model_len: int = 256,
                  dtype: str | None = None, seed: int = 0, workdir: str | None = None,
                  gpu_memory_utilization: float | None = None, llm_kwargs: dict | None = None,
-                 sleep_between_rollouts: bool = False, adapter_sync: bool | None = None):
+                 sleep_between_rollouts: bool = False, adapter_sync: bool | None = None,
+                 vocab_limit: int | None = None):
         cfg = model.cfg
         if cfg.family == "qwen2" and cfg.head_dim * cfg.num_heads != cfg.hidden_size:
             # vLLM's Qwen2 derives head_dim = hidden_size // num_heads and ignores config.json.
@@ -122,6 +126,8 @@ class VllmEngine(RolloutEngine):
         self.pad_id = int(pad_id if pad_id is not None else (self.eos_ids or (0,))[0])
         self.max_model_len = int(max_model_len)
         self._vocab = cfg.vocab_size
+        self._allowed = (list(range(vocab_limit))
+                         if vocab_limit is not None and vocab_limit < cfg.vocab_size else None)
         on_cpu = vllm_on_cpu()
         settings = platform_defaults(on_cpu, dtype, cfg.param_dtype)
         settings.update({k: v for k, v in (llm_kwargs or {}).items()
@@ -190,7 +196,7 @@ class VllmEngine(RolloutEngine):
                    max_model_len=rollout.max_prompt_len + rollout.generate_max_len,
                    gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
                    sleep_between_rollouts=rollout.vllm_sleep_between_rollouts,
-                   **kwargs)
+                   vocab_limit=tokenizer.vocab_size, **kwargs)
 
     # -- protocol ---------------------------------------------------------------------------
     def update_weights(self, model: Any) -> None:
@@ -269,7 +275,8 @@ class VllmEngine(RolloutEngine):
                 top_k=params.top_k if params.top_k > 0 else 0,
                 max_tokens=params.max_new_tokens, min_tokens=0,
                 seed=(params.seed * 1_000_003 + i) % (1 << 63), logprobs=0,
-                stop_token_ids=stop_ids, ignore_eos=True, detokenize=False))
+                stop_token_ids=stop_ids, ignore_eos=True, detokenize=False,
+                allowed_token_ids=self._allowed))
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], requests,
                                     use_tqdm=False, lora_request=self._lora_request)
         result = RolloutResult([], [], [], [], [])

@@ -5,6 +5,7 @@ Marked `vllm` (excluded by default; run in its own process with a vLLM install:
 """
 import numpy as np
 import pytest
+import torch
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment")
@@ -17,6 +18,7 @@ from _hf_tiny import hf_greedy, load_pair, random_prompts  # noqa: E402
 from ctopd_jax.models.weights import export_hf_checkpoint  # noqa: E402
 from ctopd_jax.rollout import SamplingParams, make_rollout_engine  # noqa: E402
 from ctopd_jax.rollout.logprob_gap import logprob_gap, response_logprobs  # noqa: E402
+from ctopd_jax.rollout.vllm_engine import VllmEngine  # noqa: E402
 
 MAX_NEW = 10
 # vLLM's Qwen2 needs head_dim == hidden / heads (32 here, the CPU minimum).
@@ -128,3 +130,29 @@ def test_bf16_weight_sync_tied_embeddings(tmp_path):
         assert sum(agree) >= 3, agree
     finally:
         engine.close()
+
+
+def test_rows_past_the_tokenizers_size_are_never_sampled(tmp_path):
+    """An embedding with more rows than the tokenizer has tokens (Qwen's 151,936 for 151,665):
+    with `vocab_limit` vLLM samples only below it, greedy picks the best row below it (HF's
+    logits cut at the limit), and the log-probs stay the unmodified distribution's."""
+    hf, model, cfg = load_pair("llama", tmp_path, **WIDE)
+    limit = 32   # of 256 rows: a random model's choice lands past it almost every time
+    engine = VllmEngine(model, eos_ids=[7], pad_id=0, max_model_len=128, vocab_limit=limit)
+    try:
+        prompts = random_prompts(np.random.default_rng(3), 4)
+        drawn = engine.generate(prompts, SamplingParams(temperature=2.0, max_new_tokens=8, n=4,
+                                                        seed=0))
+        assert max(max(t) for t in drawn.token_ids) < limit
+        greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4,
+                                                         stop_on_eos=False))
+    finally:
+        engine.close()
+    for prompt, tokens, logprobs in zip(prompts, greedy.token_ids, greedy.logprobs):
+        ids = list(prompt)
+        for token, logprob in zip(tokens, logprobs):
+            with torch.no_grad():
+                logits = hf(torch.tensor([ids])).logits[0, -1].double()
+            assert token == int(logits[:limit].argmax())
+            assert abs(logprob - float(torch.log_softmax(logits, -1)[token])) < 1e-4
+            ids.append(token)
