@@ -35,11 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from ctopd_jax.common.metrics import run_values
+
 ROOT = Path(__file__).resolve().parents[1]
 # a served teacher (the objectives that read its top-k), started by each run (teacher.launch)
 SERVED_TEACHER = ("teacher.engine=vllm_server", "teacher.launch=true", "teacher.model=demo-teacher",
                   "teacher.top_k=8", "teacher.timeout_s=120")
-CLOCK = ("time_", "wall_time", "elapsed_s", "tokens_per_s", "peak_device_memory_bytes")
 # the turn curriculum's metrics lost their objective prefix (issue 24): old name -> new name
 RENAMED = {"tcod_turn_limit": "turn_limit", "tcod_prefix_turns": "expert_prefix_turns",
            "tcod_teacher_expert": "teacher_expert_samples"}
@@ -86,7 +87,7 @@ def rows(run: Path) -> list[dict]:
     out = []
     for line in (run / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
-        out.append({RENAMED.get(k, k): v for k, v in row.items() if not k.startswith(CLOCK)})
+        out.append({RENAMED.get(k, k): v for k, v in run_values(row).items()})
     return out
 
 

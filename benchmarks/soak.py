@@ -8,9 +8,10 @@ samples every `--interval` seconds, from outside the process: its resident memor
 /proc/<pid>/status), the step reached, the sizes of metrics.jsonl, samples.jsonl and the
 TensorBoard folder, and the checkpoint folder (bytes and committed steps).
 
-Also, polling every 0.1 s, the resident memory the moment each metrics row appears: the same
-point of every step (its end), so that a step's own buffers, which come and go within it,
-do not make two samples differ.
+Also the resident memory at the same point of every step, its end, as the trainer itself reads
+it into the step's metrics row (`host_rss_bytes`): a step's own buffers, which come and go
+within it, do not make two such readings differ (a reading polled from outside as the row
+appears can land inside the next step's buffers).
 
 Reported (<out>/soak.json, <out>/soak.png, and printed):
 - RSS at each step's end after the warm-up: min, max and their spread (max - min) / min;
@@ -33,6 +34,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from ctopd_jax.common.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,8 +71,8 @@ def sample(proc, run: Path, started: float) -> dict | None:
 
 
 def step_ends(samples: list[dict], steps: int, warmup: float) -> dict | None:
-    """RSS at the end of each step after the warm-up (`samples`: {"step", "rss_mb"} read as
-    each metrics row appeared), and its least-squares drift per 1,000 steps."""
+    """RSS at the end of each step after the warm-up (`samples`: {"step", "rss_mb"} from the
+    metrics rows), and its least-squares drift per 1,000 steps."""
     after = [s for s in samples if s["step"] >= warmup * steps and s["rss_mb"]]
     if not after:
         return None
@@ -186,26 +189,15 @@ def main(argv=None) -> int:
     with open(out / "train.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "JAX_PLATFORMS": "cpu"})
-        samples, ends, rows, read, last_full = [], [], 0, 0, 0.0
+        samples = []
         while proc.poll() is None:
-            now = time.time()
-            if now - last_full >= args.interval:
-                samples.append(sample(proc, run, started))
-                last_full = now
-            metrics = run / "metrics.jsonl"
-            size = metrics.stat().st_size if metrics.is_file() else 0
-            if size > read:   # a row appeared: the RSS at this step's end
-                rss = rss_mb(proc.pid)
-                with open(metrics, "rb") as f:   # only what was appended since
-                    f.seek(read)
-                    rows += f.read(size - read).count(b"\n")
-                read = size
-                ends.append({"step": rows, "rss_mb": rss})
-            time.sleep(0.1)
+            samples.append(sample(proc, run, started))
+            time.sleep(args.interval)
         samples.append({**sample(proc, run, started), "rss_mb": None})
     if proc.returncode != 0:
         print(f"the run failed ({proc.returncode}): see {out / 'train.log'}", file=sys.stderr)
         return 1
+    ends = [{"step": r["step"], "rss_mb": r["host_rss_bytes"] / 2 ** 20} for r in read_metrics(run)]
     summary = {**summarize(samples, ends, args.steps, args.keep, args.warmup),
                "seconds": round(time.time() - started, 1)}
     (out / "soak.json").write_text(json.dumps({"summary": summary, "samples": samples,

@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from ctopd_jax.common.metrics import run_values
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny_cpu.yaml"
 # the named kills, in this order, then seeded: the first five are the moments (the
@@ -42,8 +44,6 @@ CONFIG = ROOT / "configs" / "tiny_cpu.yaml"
 POINTS = ("phase:rollout", "checkpoint_write", "device:student", "metrics_write", "hf_export",
           "phase:align", "phase:sync", "phase:checkpoint")
 PER_CHECKPOINT = ("phase:checkpoint", "checkpoint_write")
-CLOCK = ("wall_time", "elapsed_s", "tokens_per_s", "peak_device_memory_bytes")
-
 
 def overrides(steps: int, every: int, batch: int, keep: int, extra=()) -> list[str]:
     sets = [f"steps={steps}", f"checkpoint.every={every}", f"checkpoint.keep={keep}",
@@ -203,8 +203,7 @@ def compare(reference: Path, run: Path, steps: int) -> list[str]:
     if [r["step"] for r in got] != list(range(1, steps + 1)):
         problems.append(f"metrics.jsonl steps {[r['step'] for r in got]}, not 1..{steps} once each")
 
-    def values(row):
-        return {k: v for k, v in row.items() if not k.startswith("time_") and k not in CLOCK}
+    values = run_values
     for g, w in zip(got, want):
         diff = sorted(k for k in set(values(g)) | set(values(w)) if values(g).get(k) != values(w).get(k))
         if diff:

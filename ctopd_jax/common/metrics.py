@@ -7,8 +7,11 @@ Decisions:
   time_other and time_wall), tokens_per_s, ...).
   Non-scalar extras (e.g. a few byte-mismatch sample texts) go to `<run_dir>/samples.jsonl`.
 - Every row also gets `wall_time` (unix seconds), `elapsed_s` (seconds of training so far,
-  continued across resumes from the last kept row) and, where the device reports it,
-  `peak_device_memory_bytes` (the largest `peak_bytes_in_use` over this process's devices).
+  continued across resumes from the last kept row), `host_rss_bytes` (the process's resident
+  memory as the row is made, at the step's end, where /proc says it) and, where the device
+  reports it, `peak_device_memory_bytes` (the largest `peak_bytes_in_use` over this process's
+  devices). These and the time_* seconds are the row's readings of the clock and the machine
+  (`MACHINE_READINGS`); two runs of the same steps share every other value (`run_values`).
 - Nothing is ever truncated or overwritten, and a kill at any moment loses no row: a fresh
   start renames an existing log to metrics.1.jsonl, a resume from step N sets the rows after N
   aside in metrics.after_step_N.jsonl, and the row of a checkpointed step also rides in its
@@ -40,6 +43,7 @@ from typing import Any, Iterable, Mapping
 import jax
 from tqdm import tqdm
 
+from ctopd_jax.common import heap
 from ctopd_jax.common.kill_points import kill_point
 from ctopd_jax.common.metrics_files import (METRICS_FILE, SAMPLES_FILE, complete_step, last_elapsed,
                                             rotate_log, set_aside_after)
@@ -168,6 +172,18 @@ class StartupClock:
                   flush=True)
 
 
+# what a row reads off the clock or the machine (and every time_* key): a resumed run and one
+# never stopped differ there, and must not anywhere else
+MACHINE_READINGS = ("wall_time", "elapsed_s", "tokens_per_s", "host_rss_bytes",
+                    "peak_device_memory_bytes")
+
+
+def run_values(row: Mapping[str, Any]) -> dict:
+    """The row without its readings of the clock and the machine: what two runs of the same
+    steps share."""
+    return {k: v for k, v in row.items() if not k.startswith("time_") and k not in MACHINE_READINGS}
+
+
 def peak_device_memory() -> int | None:
     """The largest peak_bytes_in_use over this process's devices (None when not reported)."""
     jax = sys.modules.get("jax")
@@ -247,9 +263,10 @@ class MetricsLogger:
         now = time.time()
         record.setdefault("wall_time", now)
         record.setdefault("elapsed_s", self._elapsed_before + now - self._started)
-        peak = peak_device_memory()
-        if peak is not None:
-            record.setdefault("peak_device_memory_bytes", peak)
+        for key, reading in (("host_rss_bytes", heap.resident_bytes()),
+                             ("peak_device_memory_bytes", peak_device_memory())):
+            if reading is not None:
+                record.setdefault(key, reading)
         return record
 
     @staticmethod

@@ -10,7 +10,7 @@ import matplotlib.pyplot  # noqa: F401  (heavy imports at collection, not inside
 import tensorboardX  # noqa: F401
 import numpy as np
 
-from ctopd_jax.common.metrics import MetricsLogger, StepTimer, read_metrics
+from ctopd_jax.common.metrics import MetricsLogger, StepTimer, read_metrics, run_values
 from ctopd_jax.plot import plot_run
 
 
@@ -153,6 +153,21 @@ def test_resume_sets_later_rows_aside_and_keeps_elapsed_running(tmp_path):
     assert rows[2]["elapsed_s"] >= rows[1]["elapsed_s"]
     assert all(abs(r["wall_time"] - time.time()) < 3600 for r in rows)
 
+
+
+def test_a_row_records_the_resident_memory_at_its_step_and_run_values_leave_the_readings_out(tmp_path):
+    logger = MetricsLogger(tmp_path, total_steps=2, progress=False, tensorboard=False)
+    logger.log(1, {"loss": 1.0, "time_student": 0.5})
+    held = np.ones(64 * 2 ** 20 // 8)                  # 64 MiB more resident by step 2
+    logger.log(2, {"loss": 2.0, "time_student": 0.4})
+    logger.close()
+    first, second = read_metrics(tmp_path)
+    status = open("/proc/self/status").read()
+    now = int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) * 1024
+    assert second["host_rss_bytes"] - first["host_rss_bytes"] >= 60 * 2 ** 20
+    assert abs(now - second["host_rss_bytes"]) < 16 * 2 ** 20, (now, second)
+    assert run_values(second) == {"step": 2, "loss": 2.0}   # the clock's and the machine's out
+    del held
 
 def test_redirected_output_is_line_based_and_messages_get_their_own_lines(tmp_path):
     stream = io.StringIO()                            # not a TTY: no bar, one line per step

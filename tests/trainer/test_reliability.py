@@ -13,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.common.metrics import read_metrics, run_values
 from ctopd_jax.config import load_config
 from ctopd_jax.loop.checkpoint import Checkpointer, _leaf_key
 from ctopd_jax.loop.trainer import Trainer
@@ -53,9 +53,7 @@ def reference(tmp_path_factory):
 
 
 def comparable(records):
-    clock = ("tokens_per_s", "wall_time", "elapsed_s", "peak_device_memory_bytes")
-    return [{k: v for k, v in r.items() if not k.startswith("time_") and k not in clock}
-            for r in records]
+    return [run_values(r) for r in records]
 
 
 def test_damaged_optimizer_state_is_skipped_and_the_run_ends_exactly(write_config, reference):

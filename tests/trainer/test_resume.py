@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.common.metrics import read_metrics, run_values
 from ctopd_jax.config import load_config
 from ctopd_jax.loop.checkpoint import Checkpointer
 from ctopd_jax.loop.trainer import Trainer
@@ -33,8 +33,7 @@ def final_state(trainer):
 
 
 def comparable(records):
-    clock = ("tokens_per_s", "wall_time", "elapsed_s", "peak_device_memory_bytes")
-    return [{k: v for k, v in r.items() if not k.startswith("time_") and k not in clock} for r in records]
+    return [run_values(r) for r in records]
 
 
 def kill_and_resume(write_config, compile_cache, changes, **env):

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from ctopd_jax import train
-from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.common.metrics import read_metrics, run_values
 from ctopd_jax.common.run_guard import Stopped
 from ctopd_jax.config import load_config
 from ctopd_jax.loop.trainer import Trainer
@@ -98,7 +98,5 @@ def test_a_moved_run_folder_resumes_bit_exact(tmp_path):
                     jax.tree.leaves(jax.tree.map(np.asarray, restored.state)), strict=True):
         np.testing.assert_array_equal(a, b)
     assert [r["step"] for r in read_metrics(moved)] == [1, 2, 3, 4]
-    clock = ("tokens_per_s", "wall_time", "elapsed_s", "peak_device_memory_bytes")
-    same = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time_") and k not in clock}
-                         for r in rows]
+    same = lambda rows: [run_values(r) for r in rows]
     assert same(read_metrics(moved)) == same(read_metrics(tmp_path / "reference"))

@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from conftest import subprocess_env
+from ctopd_jax.common.metrics import run_values
 from test_served_teacher_training import (CHAR_TEACHER, SAME, LocalModelScores,
                                           LocalModelVllmServer)
 
@@ -49,7 +50,6 @@ STEPS = 3
 FAULT_STEP = 2
 STARTUP_PROBES = 2   # the start-up check's top-k probe and vocabulary probe, before step 1
 RETRIES = 4          # backoff 0.2, 0.4, 0.8, 1.6 s: 3 s in all, twice the restart's 1.5 s
-TIMING = ("elapsed_s", "wall_time", "tokens_per_s")   # and every time_*: differ between runs
 
 
 def run_overrides(out: Path) -> list[str]:
@@ -83,8 +83,7 @@ def train(out: Path, server: list[str], compile_cache: str, resume: bool = False
 def learning_rows(run_dir: Path) -> list[dict]:
     """metrics.jsonl without the timings."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if not k.startswith("time_") and k not in TIMING}
-            for row in rows]
+    return [run_values(row) for row in rows]
 
 
 def checkpoint_checksums(run_dir: Path) -> dict[int, dict]:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
-from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.common.metrics import read_metrics, run_values
 from ctopd_jax.common.run_dir import LOCK_NAME
 from ctopd_jax.config import load_config
 from ctopd_jax.loop.checkpoint import Checkpointer
@@ -44,9 +44,7 @@ MOMENTS = [("start-up", signal.SIGINT, RNG.uniform(0.2, 2.0)),
 
 
 def comparable(records):
-    clock = ("tokens_per_s", "wall_time", "elapsed_s", "peak_device_memory_bytes")
-    return [{k: v for k, v in r.items() if not k.startswith("time_") and k not in clock}
-            for r in records]
+    return [run_values(r) for r in records]
 
 
 @pytest.fixture(scope="module")
