@@ -110,6 +110,17 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------- blocks
+def project(x: jax.Array, w: jax.Array, dims: int = 1) -> jax.Array:
+    """x [..., *in] @ w [*in, *out] (`in`: the last `dims` axes of x) as ONE 2-D matmul over the
+    flattened tokens. Why not an einsum over [B, T, ...]: its weight gradient contracts two
+    token axes, and XLA CPU then writes the activation gradient transposed inside an
+    elementwise fusion, a cache-hostile copy that took a third of the student step
+    (benchmarks/cpu_passes.py); the 2-D form's gradients are plain matmuls."""
+    lead, inner = x.shape[:x.ndim - dims], math.prod(x.shape[x.ndim - dims:])
+    y = x.reshape(-1, inner) @ w.reshape(inner, -1)
+    return y.reshape(*lead, *w.shape[dims:])
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, size: int, eps: float, param_dtype, *, rngs: nnx.Rngs):
         self.scale = _param(rngs, (size,), (None,), param_dtype, init="ones")
@@ -142,12 +153,9 @@ class Attention(nnx.Module):
                  layer: int = 0, dropout=None):
         """`dropout`: the layer's LoRA dropout (lora.Dropout) in a training forward, else None."""
         dt, dr = self.dtype, dropout
-        q = add_lora_path(self, "q_proj", x,
-                          jnp.einsum("bth,hnd->btnd", x, lora_weight(self, "q_proj", dt, dr)), dr)
-        k = add_lora_path(self, "k_proj", x,
-                          jnp.einsum("bth,hnd->btnd", x, lora_weight(self, "k_proj", dt, dr)), dr)
-        v = add_lora_path(self, "v_proj", x,
-                          jnp.einsum("bth,hnd->btnd", x, lora_weight(self, "v_proj", dt, dr)), dr)
+        q = add_lora_path(self, "q_proj", x, project(x, lora_weight(self, "q_proj", dt, dr)), dr)
+        k = add_lora_path(self, "k_proj", x, project(x, lora_weight(self, "k_proj", dt, dr)), dr)
+        v = add_lora_path(self, "v_proj", x, project(x, lora_weight(self, "v_proj", dt, dr)), dr)
         if self.qkv_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -157,11 +165,11 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", None, "kv_heads", None))
         if isinstance(cache, PagedKVCache):
             out, cache = self._paged(q, k, v, mask, cache, layer)
-            o = jnp.einsum("btnd,ndh->bth", out, lora_weight(self, "o_proj", dt, dr))
+            o = project(out, lora_weight(self, "o_proj", dt, dr), 2)
             return add_lora_path(self, "o_proj", out, o, dr), cache
         implementation = resolve_implementation(self.implementation, dt, False)
         out = attend(q, k, v, mask, implementation, self.block, self.block, self.packed_block)
-        o = jnp.einsum("btnd,ndh->bth", out, lora_weight(self, "o_proj", dt, dr))
+        o = project(out, lora_weight(self, "o_proj", dt, dr), 2)
         return add_lora_path(self, "o_proj", out, o, dr), cache
 
     def _paged(self, q, k, v, mask: AttentionMask, cache: PagedKVCache, layer: int):
@@ -206,10 +214,10 @@ class MLP(nnx.Module):
         down_w = lora_weight(self, "down_proj", dt, dropout)
 
         def mlp(x, dr=dropout):
-            gate = add_lora_path(self, "gate_proj", x, x @ gate_w, dr)
-            up = add_lora_path(self, "up_proj", x, x @ up_w, dr)
+            gate = add_lora_path(self, "gate_proj", x, project(x, gate_w), dr)
+            up = add_lora_path(self, "up_proj", x, project(x, up_w), dr)
             hidden = constrain(jax.nn.silu(gate) * up, ("batch", None, "mlp"))
-            return add_lora_path(self, "down_proj", hidden, hidden @ down_w, dr)
+            return add_lora_path(self, "down_proj", hidden, project(hidden, down_w), dr)
 
         b, t, h = x.shape
         if not self.chunk or t <= self.chunk:
