@@ -72,15 +72,17 @@ test-vllm: $(VLLM_STAMP) assets
 	$(TEST_CACHE) CTOPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/trainer/test_served_vllm_training.py
 	$(TEST_CACHE) CTOPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/rollout/test_served_rollouts_vllm.py
 
-# The TRL GKDTrainer peer of benchmarks/trl_peer.py, from a venv of its own (torch CPU, pinned);
-# not part of `make test`.
+# The TRL peers of benchmarks/trl_peer.py (GKDTrainer) and benchmarks/trl_peer_gold.py
+# (GOLDTrainer), from a venv of their own (torch CPU, pinned); not part of `make test`.
+# requests: trl.experimental.gold imports it (trl/generation/vllm_client.py) even without vLLM.
 TRL_VENV := .venv-trl
 $(TRL_VENV)/.installed:
 	$(PYTHON) -m venv $(TRL_VENV)
 	echo '*' > $(TRL_VENV)/.gitignore
 	$(TRL_VENV)/bin/pip install -q -U pip
 	$(TRL_VENV)/bin/pip install -q torch==2.13.0 transformers==5.19.0 trl==1.13.0 \
-	    accelerate==1.16.0 datasets==5.2.0 "tokenizers>=0.23,<0.24" safetensors==0.8.0
+	    accelerate==1.16.0 datasets==5.2.0 "tokenizers>=0.23,<0.24" safetensors==0.8.0 \
+	    requests==2.34.2
 	touch $@
 trl-venv: $(TRL_VENV)/.installed
 

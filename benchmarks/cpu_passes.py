@@ -253,7 +253,7 @@ def gemm_shapes(result: dict) -> dict:
 
 def table(result: dict) -> str:
     square = result["matmul_gflops"]["square_2048"]
-    lines = [f"float32 matmul: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result["matmul_gflops"].items()),
+    lines = ["float32 matmul: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result["matmul_gflops"].items()),
              "", "| pass | best s | compile s | GFLOP (ours) | GFLOP (XLA) | GFLOP/s | of matmul |",
              "|---|---|---|---|---|---|---|"]
     for name, p in result["passes"].items():
@@ -265,7 +265,6 @@ def table(result: dict) -> str:
 
 
 def run_here(args) -> dict:
-    import jax  # noqa: F401  (imported after JAX_PLATFORMS is set)
     square = rates(args.repeats, {})   # before and after the passes: the best of both (a shared machine)
     with tempfile.TemporaryDirectory(prefix="cpu_passes_") as tmp:
         result = measure(args.objective, args.repeats, Path(tmp), args.set)
