@@ -4,6 +4,7 @@ time, each from the same untrained student, with the demo's config and recipe ot
 
     python benchmarks/real_objectives.py [--objectives strict topk_strict span simct mp_opd]
                                          [--seeds 0] [--steps 15] [--out runs/real_objectives]
+                                         [--set A.B=C ...]
 
 Each (objective, seed) is one `demo.real` process (`--set algorithm.name=... seed=... steps=...`);
 its demo_summary.json and metrics.jsonl give the row: held-out greedy accuracy of the teacher and
@@ -26,10 +27,11 @@ from ctopd_jax.common.metrics import read_metrics
 PHASES = ("rollout", "teacher", "student")
 
 
-def one_run(name: str, seed: int, steps: int, out: Path) -> dict:
+def one_run(name: str, seed: int, steps: int, out: Path, overrides=()) -> dict:
     started = time.perf_counter()
     cmd = [sys.executable, "-m", "ctopd_jax.demo.real", "--out", str(out), "--set",
-           f"algorithm.name={name}", "--set", f"seed={seed}", "--set", f"steps={steps}"]
+           f"algorithm.name={name}", "--set", f"seed={seed}", "--set", f"steps={steps}",
+           *[a for o in overrides for a in ("--set", o)]]
     with open(out.parent / f"{out.name}.log", "w") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
     if code != 0:
@@ -76,12 +78,14 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--out", type=Path, default=Path("runs/real_objectives"))
+    p.add_argument("--set", action="append", default=[], metavar="A.B=C",
+                   help="another config override for every run (a recipe: optimizer.lr=...)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in args.objectives:
         for seed in args.seeds:
-            results.append(one_run(name, seed, args.steps, args.out / f"{name}-seed{seed}"))
+            results.append(one_run(name, seed, args.steps, args.out / f"{name}-seed{seed}", args.set))
             print(json.dumps(results[-1]), flush=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))
