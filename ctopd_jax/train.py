@@ -33,13 +33,12 @@ import sys
 
 import jax
 
-from ctopd_jax.common.cli import EXIT_DIVERGED, Parser, one_line, run
+from ctopd_jax.common.cli import Parser, run
 from ctopd_jax.common.run_dir import RunLock, write_error
 from ctopd_jax.common.run_guard import SIGNAL_NAMES, SignalGuard
 from ctopd_jax.config import load_config
 from ctopd_jax.loop import trainer as trainer_module   # Trainer read at call time: tests stand it in
 from ctopd_jax.loop.checkpoint import CheckpointWriteError
-from ctopd_jax.loop.trainer import TrainingDiverged
 from ctopd_jax.mesh.device_mesh import initialize_distributed
 from ctopd_jax.plot import plot_after_training
 from ctopd_jax.preflight import preflight, start_served_teachers
@@ -100,17 +99,13 @@ def _train(config, pre, args, writer: bool) -> int:
                   f"logged to {path}", file=sys.stderr, flush=True)
 
     trainer = trainer_module.Trainer(config, preflight=pre)
-    try:
-        # a signal in the loop finishes the step, checkpoints it and stops (run_guard.Stopped:
-        # cli.run prints its line); one after it lets the export and the plots finish
-        # (nothing half-written), then the run exits
-        with SignalGuard() as stop:
-            result = trainer.train(resume=args.resume, stop=stop, on_resumed=log_config_changes)
-            if writer:
-                plot_after_training(result.run_dir)   # <run_dir>/plots/*.png; warns, never fails
-    except TrainingDiverged as err:
-        print(f"{PROG}: training stopped: {one_line(err)}", file=sys.stderr)
-        return EXIT_DIVERGED
+    # a signal in the loop finishes the step, checkpoints it and stops (run_guard.Stopped: cli.run
+    # prints its line, as it does the divergence guard's TrainingDiverged); one after it lets the
+    # export and the plots finish (nothing half-written), then the run exits
+    with SignalGuard() as stop:
+        result = trainer.train(resume=args.resume, stop=stop, on_resumed=log_config_changes)
+        if writer:
+            plot_after_training(result.run_dir)   # <run_dir>/plots/*.png; warns, never fails
     if stop.requested:
         print(f"{PROG}: {SIGNAL_NAMES[stop.signum]} received after the last step; the run is "
               f"complete and saved in {result.run_dir}", file=sys.stderr)

@@ -25,11 +25,10 @@ import sys
 from typing import Callable, NoReturn, Sequence
 
 from ctopd_jax.common.run_dir import disk_errno
-from ctopd_jax.common.run_guard import Interrupted, Stopped, raising, received
+from ctopd_jax.common.run_guard import Interrupted, Stopped, TrainingDiverged, raising, received
 
 EXIT_OK = 0
 EXIT_USAGE = 2
-EXIT_DIVERGED = 3
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 
@@ -210,6 +209,9 @@ def run(inner: Callable[[list[str]], int | None], argv: Sequence[str] | None, pr
             raise Interrupted(received())
     except (Interrupted, Stopped) as err:   # a signal, in the loop (Stopped) or outside it
         print(f"{prog}: {one_line(err)}", file=sys.stderr, flush=True)
+        return err.exit_code
+    except TrainingDiverged as err:   # the divergence guard: where it stopped, what to change
+        print(f"{prog}: training stopped: {one_line(err)}", file=sys.stderr, flush=True)
         return err.exit_code
     except SystemExit as exc:  # argparse (--help, usage errors) or an explicit exit
         if isinstance(exc.code, str):

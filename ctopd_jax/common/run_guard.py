@@ -11,7 +11,8 @@ The training loop uses both at step boundaries:
             if stop.requested_everywhere():
                 save a checkpoint of `step` (unless just saved), close the logs
                 raise Stopped(stop.signum, step, checkpoint_dir)
-    # cli.run prints Stopped's one line and exits with its exit_code (143 / 130)
+    # cli.run prints Stopped's (TrainingDiverged's) one line and exits with its exit_code
+    # (143 / 130; 3)
 
 A signal before or after the loop is answered too (`install_startup_handlers`, called by the
 package itself when it runs as a command, `python -m ctopd_jax.<command>`): while modules
@@ -101,6 +102,16 @@ class raising:
 
     def __exit__(self, *exc) -> None:
         _STARTUP["raising"] = self._before
+
+
+EXIT_DIVERGED = 3
+
+
+class TrainingDiverged(RuntimeError):
+    """The divergence guard stopped the run (a non-finite loss or gradient, a saturated or
+    jumping loss; the flagged update was not applied). cli.run prints `training stopped: ` and
+    `str(err)` as one line and exits with `exit_code` (3), from every command that trains."""
+    exit_code = EXIT_DIVERGED
 
 
 class Stopped(Exception):

@@ -43,7 +43,7 @@ from ctopd_jax.algorithms.packed_rows import (budget as packing_budget, host_mic
 from ctopd_jax.align import CoverageMeter
 from ctopd_jax.common import heap
 from ctopd_jax.common.metrics import MetricsLogger, StartupClock, StepTimer, compile_seconds
-from ctopd_jax.common.run_guard import DivergenceGuard, Stopped
+from ctopd_jax.common.run_guard import DivergenceGuard, Stopped, TrainingDiverged
 from ctopd_jax.common.setup_errors import TrainerSetupError  # (also re-exported for callers)
 from ctopd_jax.config import TrainConfig, default_teacher
 from ctopd_jax.loop import build, export, offload, teacher_batches
@@ -61,10 +61,6 @@ from ctopd_jax.step.teacher import add_teacher_base, teacher_hidden_rows
 from ctopd_jax.teacher_service import TeacherServiceError
 
 COVERAGE_FIELDS = ("pairs", "student_tokens", "teacher_tokens", "mismatched", "samples")
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or gradient became NaN/inf; the update was not applied."""
 
 
 @dataclass

@@ -8,11 +8,22 @@ import jax
 import numpy as np
 import pytest
 
+from ctopd_jax.common import cli
 from ctopd_jax.common.metrics import read_metrics
 from ctopd_jax.config import load_config
 from ctopd_jax.loop.checkpoint import Checkpointer
 from ctopd_jax.loop.trainer import Trainer, TrainerSetupError, TrainingDiverged
 
+
+def test_a_diverged_run_is_one_line_and_exit_3_from_every_command_that_trains(capsys):
+    """train, demo and demo.real all run under cli.run: the guard's stop is one line there."""
+    def diverging(argv):
+        raise TrainingDiverged("step 8: gradient norm 0.0 for 3 steps in a row. Last good "
+                               "checkpoint: none in /runs/x/checkpoints")
+    assert cli.run(diverging, [], "python -m ctopd_jax.demo.real") == 3
+    assert capsys.readouterr().err == (
+        "python -m ctopd_jax.demo.real: training stopped: step 8: gradient norm 0.0 for 3 steps "
+        "in a row. Last good checkpoint: none in /runs/x/checkpoints\n")
 
 def test_nan_loss_stops_with_message_and_keeps_last_good_checkpoint(write_config):
     # a constant lr of 1e30 blows the parameters up in the first update: step 2's loss is not finite
