@@ -34,6 +34,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from ctopd_jax.common.heap import resident_bytes
 from ctopd_jax.common.metrics import read_metrics
 from ctopd_jax.config import load_config
 from ctopd_jax.demo.sources import model_dir, prompt_file
@@ -73,9 +74,9 @@ def write_prompts(directory: Path, rows: int) -> tuple[Path, Path]:
     return ours, trl
 
 
-def vm_rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+def peak_rss() -> int:
+    """The most this process has held resident so far (ru_maxrss)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def tree_bytes(tree) -> int:
@@ -118,32 +119,44 @@ def ours_overrides(spec: dict) -> list[str]:
     ]
 
 
-def run_ours(spec: dict) -> dict:
-    """One training run of ours in this process; its step ends, phases and memory."""
-    rss = {"imports": vm_rss()}
+def timed_train(config) -> dict:
+    """Train with `config` in this process (ours' side of a peer benchmark): the trainer, its
+    TrainResult, each step's end (perf_counter, after the start), the resident memory after the
+    imports, the JAX runtime, the trainer and at each step's end, and the peak RSS by each
+    step's end."""
+    rss = {"imports": resident_bytes()}
     jax.devices()
-    rss["jax runtime"] = vm_rss()
-    ends, rss_steps = [], []
+    rss["jax runtime"] = resident_bytes()
+    ends, rss_steps, peaks = [], [], []
 
     class Timed(Trainer):
         def step(self, step, timer):
             out = super().step(step, timer)
             ends.append(time.perf_counter())
-            rss_steps.append(vm_rss())
+            rss_steps.append(resident_bytes())
+            peaks.append(peak_rss())
             return out
 
-    trainer = Timed(load_config(CONFIG, ours_overrides(spec)))
-    rss["trainer"] = vm_rss()
+    trainer = Timed(config)
+    rss["trainer"] = resident_bytes()
     start = time.perf_counter()
-    trainer.train()
+    result = trainer.train()
+    return {"trainer": trainer, "result": result, "step_ends": [start] + ends, "rss": rss,
+            "rss_steps": rss_steps, "peaks": peaks}
+
+
+def run_ours(spec: dict) -> dict:
+    """One training run of ours in this process; its step ends, phases and memory."""
+    run = timed_train(load_config(CONFIG, ours_overrides(spec)))
+    trainer = run["trainer"]
     rows = read_metrics(spec["output_dir"])
     known = {"student params": tree_bytes(trainer.params) + tree_bytes(trainer.rest),
              "optimizer state": tree_bytes(trainer.opt_state),
              "teacher params": sum(tree_bytes(t.scoring[1]) for t in trainer.teachers.values())}
     live = sum(x.nbytes for x in jax.live_arrays())
     return {
-        "step_ends": [start] + ends, "rss_steps": rss_steps, "rss": rss,
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "step_ends": run["step_ends"], "rss_steps": run["rss_steps"], "rss": run["rss"],
+        "peak_rss": peak_rss(),
         "bytes": {**known, "other live jax arrays": live - sum(known.values())},
         "phases": [{k: v for k, v in r.items() if k.startswith("time_")} for r in rows],
         "losses": [r["loss"] for r in rows],

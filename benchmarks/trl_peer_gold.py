@@ -54,7 +54,6 @@ import json
 import math
 import os
 import platform
-import resource
 import shutil
 import sys
 import time
@@ -62,7 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trl_peer import gib, spawn, steady, vm_rss   # benchmarks/trl_peer.py (the GKD peer)
+from trl_peer import gib, peak_rss, spawn, steady, timed_train   # benchmarks/trl_peer.py (the GKD peer)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "real_cpu.yaml"
@@ -127,30 +126,14 @@ def run_ours(spec: dict) -> dict:
     import jax
     from ctopd_jax.common.metrics import read_metrics
     from ctopd_jax.config import load_config
-    from ctopd_jax.loop.trainer import Trainer
 
-    rss = {"imports": vm_rss()}
-    jax.devices()
-    rss["jax runtime"] = vm_rss()
-    ends, rss_steps, peaks = [], [], []
-
-    class Timed(Trainer):
-        def step(self, step, timer):
-            out = super().step(step, timer)
-            ends.append(time.perf_counter())
-            rss_steps.append(vm_rss())
-            peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-            return out
-
-    trainer = Timed(load_config(CONFIG, ours_overrides(spec)))
-    rss["trainer"] = vm_rss()
-    start = time.perf_counter()
-    result = trainer.train()
+    run = timed_train(load_config(CONFIG, ours_overrides(spec)))
+    result = run["result"]
     rows = read_metrics(result.run_dir)
     return {
-        "step_ends": [start] + ends, "rss_steps": rss_steps, "rss": rss,
+        "step_ends": run["step_ends"], "rss_steps": run["rss_steps"], "rss": run["rss"],
         "tokens": [int(r["student_response_tokens"]) for r in rows],
-        "peak_rss": peaks[-1], "peak_rss_with_save": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": run["peaks"][-1], "peak_rss_with_save": peak_rss(),
         "compiled": [r.get("time_compile", 0.0) > 0 for r in rows],
         "losses": [r["loss"] for r in rows], "lrs": [r["lr"] for r in rows],
         "saved": str(result.hf_dir), "cpus": len(os.sched_getaffinity(0)), "versions": {"jax": jax.__version__},

@@ -45,6 +45,7 @@ POINTS = ("phase:rollout", "checkpoint_write", "device:student", "metrics_write"
           "phase:align", "phase:sync", "phase:checkpoint")
 PER_CHECKPOINT = ("phase:checkpoint", "checkpoint_write")
 
+
 def overrides(steps: int, every: int, batch: int, keep: int, extra=()) -> list[str]:
     sets = [f"steps={steps}", f"checkpoint.every={every}", f"checkpoint.keep={keep}",
             f"rollout.rollout_batch_size={batch}", f"optimizer.train_batch_size={batch}",
@@ -203,9 +204,8 @@ def compare(reference: Path, run: Path, steps: int) -> list[str]:
     if [r["step"] for r in got] != list(range(1, steps + 1)):
         problems.append(f"metrics.jsonl steps {[r['step'] for r in got]}, not 1..{steps} once each")
 
-    values = run_values
-    for g, w in zip(got, want):
-        diff = sorted(k for k in set(values(g)) | set(values(w)) if values(g).get(k) != values(w).get(k))
+    for g, w in zip(map(run_values, got), map(run_values, want)):
+        diff = sorted(k for k in set(g) | set(w) if g.get(k) != w.get(k))
         if diff:
             problems.append(f"metrics.jsonl step {g['step']}: {diff} differ")
     if rows(run, "samples.jsonl") != rows(reference, "samples.jsonl"):
