@@ -1,10 +1,19 @@
-"""The cross-tokenizer objectives on the real pair: Qwen2.5-Coder-0.5B-Instruct teaches
-SmolLM2-135M-Instruct the real demo's task (`python -m ctopd_jax.demo.real`), one objective at a
-time, each from the same untrained student, with the demo's config and recipe otherwise.
+"""The objectives on a real pair: by default Qwen2.5-Coder-0.5B-Instruct teaches
+SmolLM2-135M-Instruct across tokenizers the real demo's task (`python -m ctopd_jax.demo.real`),
+one objective at a time, each from the same untrained student, with the demo's config and recipe
+otherwise.
 
     python benchmarks/real_objectives.py [--objectives strict topk_strict span simct mp_opd]
                                          [--seeds 0] [--steps 15] [--out runs/real_objectives]
-                                         [--set A.B=C ...]
+                                         [--set A.B=C ...] [--teacher NAME] [--student NAME]
+
+The same-tokenizer family on the packaged same-tokenizer pair (1.5B teaches 0.5B):
+
+    python benchmarks/real_objectives.py --teacher qwen2.5-coder-1.5b --student qwen2.5-coder-0.5b \
+        --objectives gkd opd opd_full vopd opd2 --steps 8
+
+opd2 needs a base model for its teacher; none is packaged, so it gets the starting student (the
+demo recipe's choice, configs/demo_recipes.yaml) unless `--set model.teacher_base=...` names one.
 
 Each (objective, seed) is one `demo.real` process (`--set algorithm.name=... seed=... steps=...`);
 its demo_summary.json and metrics.jsonl give the row: held-out greedy accuracy of the teacher and
@@ -23,13 +32,15 @@ import time
 from pathlib import Path
 
 from ctopd_jax.common.metrics import read_metrics
+from ctopd_jax.models.packaged import model_dir
 
 PHASES = ("rollout", "teacher", "student")
 
 
-def one_run(name: str, seed: int, steps: int, out: Path, overrides=()) -> dict:
+def one_run(name: str, seed: int, steps: int, out: Path, overrides=(), pair=()) -> dict:
+    """`pair`: demo.real's --teacher / --student arguments."""
     started = time.perf_counter()
-    cmd = [sys.executable, "-m", "ctopd_jax.demo.real", "--out", str(out), "--set",
+    cmd = [sys.executable, "-m", "ctopd_jax.demo.real", "--out", str(out), *pair, "--set",
            f"algorithm.name={name}", "--set", f"seed={seed}", "--set", f"steps={steps}",
            *[a for o in overrides for a in ("--set", o)]]
     with open(out.parent / f"{out.name}.log", "w") as log:
@@ -80,12 +91,19 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/real_objectives"))
     p.add_argument("--set", action="append", default=[], metavar="A.B=C",
                    help="another config override for every run (a recipe: optimizer.lr=...)")
+    p.add_argument("--teacher", default="qwen2.5-coder-0.5b", help="a packaged model")
+    p.add_argument("--student", default="smollm2-135m", help="a packaged model")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    pair = ("--teacher", args.teacher, "--student", args.student)
     results = []
     for name in args.objectives:
+        sets = list(args.set)
+        if name == "opd2" and not any(s.startswith("model.teacher_base=") for s in sets):
+            sets.append(f"model.teacher_base={model_dir(args.student)}")
         for seed in args.seeds:
-            results.append(one_run(name, seed, args.steps, args.out / f"{name}-seed{seed}", args.set))
+            results.append(one_run(name, seed, args.steps, args.out / f"{name}-seed{seed}", sets,
+                                   pair))
             print(json.dumps(results[-1]), flush=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))

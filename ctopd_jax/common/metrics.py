@@ -220,6 +220,7 @@ class MetricsLogger:
         self._lines = False
         self._started = time.time()
         self._elapsed_before = 0.0
+        self._rss_level = None         # the last row's host_rss_bytes (heap.settled_resident_bytes)
         if not is_writer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -263,7 +264,8 @@ class MetricsLogger:
         now = time.time()
         record.setdefault("wall_time", now)
         record.setdefault("elapsed_s", self._elapsed_before + now - self._started)
-        for key, reading in (("host_rss_bytes", heap.resident_bytes()),
+        self._rss_level = heap.settled_resident_bytes(self._rss_level)
+        for key, reading in (("host_rss_bytes", self._rss_level),
                              ("peak_device_memory_bytes", peak_device_memory())):
             if reading is not None:
                 record.setdefault(key, reading)

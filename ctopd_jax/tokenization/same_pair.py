@@ -1,6 +1,23 @@
 """One tokenizer on both sides: the check a same-tokenizer objective (it reuses the sampled ids)
-makes of its teacher and student tokenizers before any model loads."""
+makes of its teacher and student tokenizers before any model loads.
+
+Two chat templates need not be the same text, only render the same conversations: the
+conversations a run renders (system, user and assistant turns; no tool definitions, which no
+run passes). Qwen2.5-Coder-0.5B's and 1.5B's packaged templates differ in their tool-call
+instructions only (`{"name": ...}` against `{{"name": ...}}`) and render every run's prompt
+alike."""
 from __future__ import annotations
+
+# What a run renders (data/prompts.py, the turn-based objectives' episodes), each with and
+# without the assistant's opening.
+PROBES = (
+    [{"role": "user", "content": "What is 2 + 3?"}],
+    [{"role": "system", "content": "Answer with a number."},
+     {"role": "user", "content": "What is 2 + 3?"}],
+    [{"role": "system", "content": "Answer with a number."},
+     {"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"},
+     {"role": "user", "content": "And 5 * 4?"}],
+)
 
 
 def same_tokenizer_mismatch(teacher, student) -> str | None:
@@ -20,9 +37,22 @@ def same_tokenizer_mismatch(teacher, student) -> str | None:
         if getattr(teacher, name) != getattr(student, name):
             return f"{name} is {getattr(teacher, name)} for the teacher but {getattr(student, name)} for the student"
     if (teacher.chat_template or "") != (student.chat_template or ""):
-        t, s = teacher.chat_template or "", student.chat_template or ""
-        at = next((i for i, (a, b) in enumerate(zip(t, s)) if a != b), min(len(t), len(s)))
-        return f"the chat templates differ at character {at} ({t[at:at + 20]!r} vs {s[at:at + 20]!r})"
+        return _rendering_mismatch(teacher, student)
+    return None
+
+
+def _rendering_mismatch(teacher, student) -> str | None:
+    """Where two different chat templates render one of the PROBES differently, as one line."""
+    if not (teacher.chat_template and student.chat_template):
+        return f"only the {'teacher' if teacher.chat_template else 'student'} has a chat template"
+    for messages in PROBES:
+        for opening in (True, False):
+            t = teacher.render_chat(messages, add_generation_prompt=opening)
+            s = student.render_chat(messages, add_generation_prompt=opening)
+            if t != s:
+                at = next((i for i, (a, b) in enumerate(zip(t, s)) if a != b), min(len(t), len(s)))
+                return (f"the chat templates render a {len(messages)}-message conversation "
+                        f"differently at character {at} ({t[at:at + 20]!r} vs {s[at:at + 20]!r})")
     return None
 
 

@@ -61,9 +61,31 @@ def test_pair_check_names_the_first_difference(char, tmp_path):
     cfg["chat_template"] = cfg["chat_template"].replace("<|end|>' }}", "<|end|>\n' }}")
     (other / "tokenizer_config.json").write_text(json.dumps(cfg))
     msg = same_pair.same_tokenizer_mismatch(load_tokenizer_side(str(other)), char)
-    assert msg.startswith("the chat templates differ at character ") and "\n" not in msg.replace("\\n", "")
+    assert msg.startswith("the chat templates render a 1-message conversation differently at "
+                          "character 36 ") and "\n" not in msg.replace("\\n", ""), msg
     with pytest.raises(ValueError, match=r"^model\.teacher / model\.student: algorithm\.name=opd reuses"):
         same_pair.check_same_tokenizer(bpe, char, "opd")
+
+
+def test_templates_that_differ_only_where_no_run_renders_are_one_template(char, tmp_path):
+    """Text in a branch no probe conversation takes (Qwen2.5-Coder-0.5B's and 1.5B's templates
+    differ in their tool-call instructions) is no difference; a change to what a user turn
+    renders is."""
+    def variant(name, edit):
+        folder = tmp_path / name
+        shutil.copytree(char_vocab.tokenizer_dir(), folder)
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = edit(cfg["chat_template"])
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+        return load_tokenizer_side(str(folder))
+
+    tools = variant("tools", lambda t: "{%- if tools %}{{ '<|tools|>' }}{%- endif %}" + t)
+    assert tools.chat_template != char.chat_template
+    assert same_pair.same_tokenizer_mismatch(tools, char) is None
+    user = variant("user", lambda t: t.replace("'|>' + message", "'|> ' + message"))
+    assert user.render_prompt("x") == "<|bos|><|user|> x<|end|><|assistant|>"
+    assert "render a 1-message conversation differently at character 15" in \
+        same_pair.same_tokenizer_mismatch(user, char)
 
 
 def test_sampled_ids_are_reused_first_eos_trained_rest_masked(char):
