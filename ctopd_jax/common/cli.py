@@ -24,7 +24,6 @@ import os
 import sys
 from typing import Callable, NoReturn, Sequence
 
-from ctopd_jax.common import heap
 from ctopd_jax.common.run_dir import disk_errno
 from ctopd_jax.common.run_guard import Interrupted, Stopped, TrainingDiverged, raising, received
 
@@ -203,7 +202,6 @@ def run(inner: Callable[[list[str]], int | None], argv: Sequence[str] | None, pr
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_requested(argv)
     try:
-        heap.hold_level()
         with raising():   # a signal raises Interrupted here: the `with` blocks release, one line
             check_xla_flags()
             code = inner(argv)

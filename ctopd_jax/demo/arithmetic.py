@@ -55,12 +55,14 @@ def split(held_out: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
 
 
 def write_files(folder: Path, held_out: int) -> tuple[Path, Path]:
-    """train.jsonl ({"prompt"}) and held_out.jsonl ({"prompt", "answer"}) in `folder`: the
-    layouts `python -m ctopd_jax.train` (data.path) and `python -m ctopd_jax.evaluate
-    --dataset ... --system-prompt ...` read."""
+    """train.jsonl ({"prompt", "response"}) and held_out.jsonl ({"prompt", "answer"}) in
+    `folder`: the layouts `python -m ctopd_jax.train` (data.path) and `python -m
+    ctopd_jax.evaluate --dataset ... --system-prompt ...` read. The response, the bare answer,
+    is what gkd's off-policy share (1 - gkd_lambda) trains on; on-policy objectives sample
+    their own."""
     train, test = split(held_out)
     folder.mkdir(parents=True, exist_ok=True)
     train_file, test_file = folder / "train.jsonl", folder / "held_out.jsonl"
-    train_file.write_text("".join(json.dumps({"prompt": q}) + "\n" for q, _ in train))
+    train_file.write_text("".join(json.dumps({"prompt": q, "response": a}) + "\n" for q, a in train))
     test_file.write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in test))
     return train_file, test_file
