@@ -63,9 +63,12 @@ def test_ten_sigkills_at_seeded_moments_end_as_the_uninterrupted_run(tmp_path, m
 def test_a_kill_after_a_committed_checkpoint_in_its_row_loses_no_row(write_config, compile_cache):
     changes = {"checkpoint__async_save": False, "checkpoint__export_hf": True}
 
+    # one device, as the ten-kill test's runs: `compare` restores the checkpoints in THIS process,
+    # whose device count is whatever the first test to start jax here gave it (the ten-kill test
+    # gives 1), and Orbax refuses a checkpoint saved on devices this process lacks
     def train(cfg, *extra, **env):
         return subprocess.run([sys.executable, "-m", "ctopd_jax.train", "--config", str(cfg), *extra],
-                              env=subprocess_env(compile_cache, **env), capture_output=True,
+                              env=subprocess_env(compile_cache, devices=1, **env), capture_output=True,
                               text=True, timeout=600)
     ref_cfg, ref_dir = write_config("reference", **changes)
     assert train(ref_cfg).returncode == 0
