@@ -51,16 +51,21 @@ def test_char_vocabulary_ids_are_the_documented_ones(char):
     assert char.encode(rendered)[:2] == [1, 4] and char.encode(rendered)[-2:] == [2, 5]
 
 
+def char_with_template(folder, edit):
+    """The character tokenizer copied to `folder` with `edit` applied to its chat template."""
+    shutil.copytree(char_vocab.tokenizer_dir(), folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = edit(cfg["chat_template"])
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return load_tokenizer_side(str(folder))
+
+
 def test_pair_check_names_the_first_difference(char, tmp_path):
     assert same_pair.same_tokenizer_mismatch(char, char) is None
     bpe = load_tokenizer_side("tiny_bpe")
     assert "teacher vocabulary has 800 tokens, the student's 104" in same_pair.same_tokenizer_mismatch(bpe, char)
-    other = tmp_path / "other"
-    shutil.copytree(char_vocab.tokenizer_dir(), other)
-    cfg = json.loads((other / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = cfg["chat_template"].replace("<|end|>' }}", "<|end|>\n' }}")
-    (other / "tokenizer_config.json").write_text(json.dumps(cfg))
-    msg = same_pair.same_tokenizer_mismatch(load_tokenizer_side(str(other)), char)
+    other = char_with_template(tmp_path / "other", lambda t: t.replace("<|end|>' }}", "<|end|>\n' }}"))
+    msg = same_pair.same_tokenizer_mismatch(other, char)
     assert msg.startswith("the chat templates render a 1-message conversation differently at "
                           "character 36 ") and "\n" not in msg.replace("\\n", ""), msg
     with pytest.raises(ValueError, match=r"^model\.teacher / model\.student: algorithm\.name=opd reuses"):
@@ -71,18 +76,11 @@ def test_templates_that_differ_only_where_no_run_renders_are_one_template(char, 
     """Text in a branch no probe conversation takes (Qwen2.5-Coder-0.5B's and 1.5B's templates
     differ in their tool-call instructions) is no difference; a change to what a user turn
     renders is."""
-    def variant(name, edit):
-        folder = tmp_path / name
-        shutil.copytree(char_vocab.tokenizer_dir(), folder)
-        cfg = json.loads((folder / "tokenizer_config.json").read_text())
-        cfg["chat_template"] = edit(cfg["chat_template"])
-        (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
-        return load_tokenizer_side(str(folder))
-
-    tools = variant("tools", lambda t: "{%- if tools %}{{ '<|tools|>' }}{%- endif %}" + t)
+    tools = char_with_template(tmp_path / "tools",
+                               lambda t: "{%- if tools %}{{ '<|tools|>' }}{%- endif %}" + t)
     assert tools.chat_template != char.chat_template
     assert same_pair.same_tokenizer_mismatch(tools, char) is None
-    user = variant("user", lambda t: t.replace("'|>' + message", "'|> ' + message"))
+    user = char_with_template(tmp_path / "user", lambda t: t.replace("'|>' + message", "'|> ' + message"))
     assert user.render_prompt("x") == "<|bos|><|user|> x<|end|><|assistant|>"
     assert "render a 1-message conversation differently at character 15" in \
         same_pair.same_tokenizer_mismatch(user, char)

@@ -25,6 +25,7 @@ def test_a_diverged_run_is_one_line_and_exit_3_from_every_command_that_trains(ca
         "python -m ctopd_jax.demo.real: training stopped: step 8: gradient norm 0.0 for 3 steps "
         "in a row. Last good checkpoint: none in /runs/x/checkpoints\n")
 
+
 def test_nan_loss_stops_with_message_and_keeps_last_good_checkpoint(write_config):
     # a constant lr of 1e30 blows the parameters up in the first update: step 2's loss is not finite
     cfg, run_dir = write_config("nan", steps=3, optimizer__lr=1e30, optimizer__min_lr=0.0,
