@@ -5,7 +5,8 @@ otherwise.
 
     python benchmarks/real_objectives.py [--objectives strict topk_strict span simct mp_opd]
                                          [--seeds 0] [--steps 15] [--out runs/real_objectives]
-                                         [--set A.B=C ...] [--teacher NAME] [--student NAME]
+                                         [--set A.B=C ...] [--teacher NAME [--teacher NAME]]
+                                         [--student NAME] [--task one-digit]
 
 The same-tokenizer family on the packaged same-tokenizer pair (1.5B teaches 0.5B):
 
@@ -91,11 +92,19 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/real_objectives"))
     p.add_argument("--set", action="append", default=[], metavar="A.B=C",
                    help="another config override for every run (a recipe: optimizer.lr=...)")
-    p.add_argument("--teacher", default="qwen2.5-coder-0.5b", help="a packaged model")
+    p.add_argument("--teacher", action="append", help="a packaged model (default "
+                   "qwen2.5-coder-0.5b); twice: two teachers at once")
     p.add_argument("--student", default="smollm2-135m", help="a packaged model")
+    p.add_argument("--task", default="one-digit", help="demo.real's --task")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    pair = ("--teacher", args.teacher, "--student", args.student)
+    teachers = args.teacher or ["qwen2.5-coder-0.5b"]
+    pair = (*[a for t in teachers for a in ("--teacher", t)], "--student", args.student,
+            "--task", args.task)
+    taken = [str(args.out / f"{n}-seed{s}") for n in args.objectives for s in args.seeds
+             if (args.out / f"{n}-seed{s}").exists()]
+    if taken:   # demo.real would pick a sibling folder, and its summary would not be found
+        p.error(f"--out {args.out}: already holds {', '.join(taken)}; pass a new --out")
     results = []
     for name in args.objectives:
         sets = list(args.set)

@@ -63,6 +63,13 @@ Stages (results keys):
                   the student step and the paged sampler's decode loop at the reference shapes,
                   against bytes_limit, with the planner's estimate beside the student step
   pallas_tests    the Pallas kernel tests compiled for the GPU (PALLAS_GPU_TESTS, CTOPD_PALLAS_INTERPRET=0)
+
+Run only when named (`--only same_tokenizer`; not within the default 8 minutes, and it needs
+the packaged models, which a machine with no network cannot fetch):
+  same_tokenizer  benchmarks/real_objectives.py on the packaged same-tokenizer pair
+                  (Qwen2.5-Coder-1.5B teaches 0.5B, the three-digit task): gkd, opd, opd_full,
+                  vopd and opd2 at GPU batch sizes, each objective's row (held-out accuracy
+                  before and after, gap closed, iteration time and its phases) as it ends
 """
 from __future__ import annotations
 
@@ -89,6 +96,16 @@ STAGES = {
     "env": 10, "e2e": 115, "e2e_pallas": 60, "strict_kernels": 45, "attention": 55,
     "train_step": 40, "sampler": 40, "compile_memory": 35, "pallas_tests": 80,
 }
+# Stages that run only when --only names them, with their timeouts.
+ON_REQUEST = {"same_tokenizer": TOTAL_BUDGET_S}
+SAME_TOKENIZER_PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+SAME_TOKENIZER_OBJECTIVES = ("gkd", "opd", "opd_full", "vopd", "opd2")
+# The real demo's config (configs/real_cpu.yaml) at a GPU's batch, 64 rollouts an iteration;
+# in a dry run, the CPU table's 8 (benchmarks/RESULTS.md, the same-tokenizer pair).
+SAME_TOKENIZER_SETS = ("rollout.rollout_batch_size=64", "optimizer.train_batch_size=64",
+                       "optimizer.micro_batch_size=32", "rollout.jax_kv_cache_budget_gb=8")
+SAME_TOKENIZER_DRY_SETS = ("rollout.rollout_batch_size=8", "optimizer.train_batch_size=8",
+                           "optimizer.micro_batch_size=8")
 # The kernel tests run on the GPU within pallas_tests' budget. Mosaic compiled each full kernel
 # in 4 s on the H200 (strict_kernels' first_call_s, second cold run; the top-k kernel then took
 # 12 s with its radix selection, and is now the same passes over k columns): the GPU runs every
@@ -717,11 +734,45 @@ def stage_pallas_tests(report: Report) -> None:
         raise RuntimeError(report.results["pytest"]["error"])
 
 
+def stage_same_tokenizer(report: Report) -> None:
+    from ctopd_jax.models.packaged import fetch
+    for name in SAME_TOKENIZER_PAIR:
+        report.part(f"fetch {name}", lambda name=name: str(fetch(name, report.say)))
+    if _failed(*report.results.values()):
+        raise RuntimeError("the packaged models are not in the cache and could not be fetched "
+                           "(python -m ctopd_jax.fetch NAME where there is a network, then carry "
+                           "$CTOPD_JAX_CACHE/models)")
+    out = Path(tempfile.mkdtemp(prefix="ctopd_gpu_check_same_")) / "runs"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "real_objectives.py"),
+           "--teacher", SAME_TOKENIZER_PAIR[0], "--student", SAME_TOKENIZER_PAIR[1],
+           "--task", "three-digit-differences", "--out", str(out),
+           "--objectives", *SAME_TOKENIZER_OBJECTIVES[:1 if report.dry else None],
+           "--steps", "1" if report.dry else "20",
+           *[x for s in (SAME_TOKENIZER_DRY_SETS if report.dry else SAME_TOKENIZER_SETS) for x in ("--set", s)]]
+    rows = report.results["objectives"] = []
+
+    def compare():
+        report.say("$ " + " ".join(cmd[1:]))
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:     # one JSON line per objective as it ends, then the table
+            print(line, end="", file=sys.stderr, flush=True)
+            if line.startswith("{"):
+                rows.append(json.loads(line))
+                report.write()
+        if proc.wait() != 0 or any("failed" in r for r in rows):
+            raise RuntimeError(f"real_objectives exited {proc.returncode}; runs in {out}")
+        return {"runs": str(out)}
+
+    report.part("compare", compare)
+    if _failed(report.results["compare"]):
+        raise RuntimeError(report.results["compare"]["error"])
+
+
 STAGE_FUNCTIONS = {"env": stage_env, "e2e": stage_e2e, "e2e_pallas": stage_e2e_pallas,
                    "strict_kernels": stage_strict_kernels,
                    "attention": stage_attention, "train_step": stage_train_step,
                    "sampler": stage_sampler, "compile_memory": stage_compile_memory,
-                   "pallas_tests": stage_pallas_tests}
+                   "pallas_tests": stage_pallas_tests, "same_tokenizer": stage_same_tokenizer}
 
 
 # ----------------------------------------------------------------------------- running
@@ -769,7 +820,7 @@ def drive(stages, dry: bool, out: Path, cache_dir: Path) -> int:
     if dry:
         env["JAX_PLATFORMS"] = "cpu"
     for stage in stages:
-        budget = DRY_TIMEOUT_S if dry else STAGES[stage]
+        budget = DRY_TIMEOUT_S if dry else {**STAGES, **ON_REQUEST}[stage]
         left = (DRY_TOTAL_S if dry else TOTAL_BUDGET_S) - (time.perf_counter() - start)
         timeout = max(1, min(budget, int(left)))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", stage, "--out", str(out)]
@@ -843,11 +894,12 @@ def main(argv=None) -> int:
     if args.stage:
         out.mkdir(parents=True, exist_ok=True)
         return run_stage(args.stage, args.dry_run, out)
-    stages = [s for s in STAGES if not args.only or s in args.only.split(",")]
-    unknown = set(filter(None, args.only.split(","))) - set(STAGES)
+    named = args.only.split(",")
+    stages = [s for s in STAGES if not args.only or s in named] + [s for s in ON_REQUEST if s in named]
+    unknown = set(filter(None, named)) - set(STAGES) - set(ON_REQUEST)
     if unknown:
         print(f"gpu_check: error: --only {','.join(sorted(unknown))}: unknown stage(s); use "
-              f"{', '.join(STAGES)}", file=sys.stderr)
+              f"{', '.join([*STAGES, *ON_REQUEST])}", file=sys.stderr)
         return 2
     return drive(stages, args.dry_run, out, Path(args.cache_dir))
 

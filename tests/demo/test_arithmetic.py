@@ -39,3 +39,25 @@ def test_files_read_as_a_prompt_set_and_an_evaluation_set(tmp_path):
     dataset = load_dataset(test_file)
     assert dataset.answer_fallbacks   # bare numbers are graded
     assert {p.problem for p in dataset.problems} == {q for q, _ in arithmetic.split(60)[1]}
+
+
+def test_with_two_teachers_the_training_rows_name_them_in_turn(tmp_path):
+    from ctopd_jax.common.routing import route_rows
+
+    train_file, _ = arithmetic.write_files(tmp_path, 60, ("small", "large"))
+    rows = [json.loads(line) for line in train_file.read_text().splitlines()]
+    routed = route_rows(rows, ["small", "large"])      # the trainer's routing, no default teacher
+    assert routed == {"small": list(range(0, len(rows), 2)), "large": list(range(1, len(rows), 2))}
+    one, _ = arithmetic.write_files(tmp_path / "one", 60, ("only",))
+    assert all("teacher" not in json.loads(line) for line in one.read_text().splitlines())
+
+
+def test_the_three_digit_task_answers_by_hand_and_splits_apart():
+    answers = dict(arithmetic.problems("three-digit-differences"))
+    assert len(answers) == 1200
+    for question, answer in answers.items():        # every problem by hand: a - b, 100 <= b <= a <= 999
+        _, _, a, op, b = question.rstrip("?").split(" ")
+        assert op == "-" and 100 <= int(b) <= int(a) <= 999 and answer == str(int(a) - int(b))
+    train, test = arithmetic.split(60, "three-digit-differences")
+    assert len(test) == 60 and not {q for q, _ in train} & {q for q, _ in test}
+    assert arithmetic.problems("three-digit-differences")[:5] == list(answers.items())[:5]   # seeded
