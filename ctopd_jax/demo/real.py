@@ -153,12 +153,15 @@ def run(argv=None) -> dict:
     else:
         after = accuracy(trainer.student, trainer.s_tok, "student_after", engine=trainer.engine)
     plots = plot_run(result.run_dir)
-    last = result.last_metrics
+    last, first = result.last_metrics, trainer.default_teacher
     summary = {
         "teacher_accuracy": teacher_acc, "student_accuracy_before": before,
         "student_accuracy_after": after, "gap_closed": gap_closed(before, after, teacher_acc),
-        "coverage_student": last.get("coverage_student_cum"),
-        "coverage_teacher": last.get("coverage_teacher_cum"),
+        # with several teachers, the default (first) teacher's pair; each one's beside it
+        "coverage_student": last.get("coverage_student_cum", last.get(f"{first}/coverage_student_cum")),
+        "coverage_teacher": last.get("coverage_teacher_cum", last.get(f"{first}/coverage_teacher_cum")),
+        "coverage_per_teacher": {name: {side: last.get(f"{name}/coverage_{side}_cum") for side in ("student", "teacher")}
+                                 for name in trainer.teachers} if len(names) > 1 else None,
         "teacher_accuracies": teacher_accs,
         "shared_vocab": {name: t.overlap.shared for name, t in trainer.teachers.items()}
         if len(names) > 1 else trainer.default_parts.overlap.shared, "steps": config.steps,
