@@ -234,7 +234,7 @@ def print_summary(s: dict) -> None:
         f"checkpoints               {s['checkpoints']}",
         f"exported student (HF)     {s['hf_student']}",
         f"plots                     {Path(s['plots'][0]).parent if s['plots'] else 'none'}",
-        f"graded samples            {Path(s['eval_dirs']['student_before']).parent}/*/samples.jsonl",
+        f"graded samples            {Path(next(iter(s['eval_dirs'].values()))).parent}/*/samples.jsonl",
         f"summary                   {Path(s['run_dir']) / 'demo_summary.json'}",
     ]), flush=True)
 

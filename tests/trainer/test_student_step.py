@@ -151,8 +151,10 @@ def test_accumulated_loss_and_grad_match_hand_computation(name, kd_ratio, topk):
     two_loss, two_grads = run(2)
     host_loss, host_grads = run(2, in_jit=False)  # in-jit accumulation equals the host loop
     assert host_loss == two_loss  # (XLA may fuse the in-step add: equal up to float rounding)
+    # the donated step fuses the add into the gradient's own computation, which then rounds
+    # differently: 2.7e-6 relative on one entry of 6,144 on an AMD EPYC host
     for a, b in zip(jax.tree.leaves(two_grads), jax.tree.leaves(host_grads)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-9)
     np.testing.assert_allclose(two_loss, float(expected_loss), rtol=2e-5)
     for a, b in zip(jax.tree.leaves(two_grads), jax.tree.leaves(nnx.state(expected_grads, nnx.Param))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-7)
