@@ -131,5 +131,5 @@ test: $(STAMP) assets
 	rm -rf $(XLA_CACHE)
 	$(MAKE) -j2 --output-sync=target TEST_XLA_CACHE=$(XLA_CACHE) $(addprefix timed-,$(TEST_JOBS))
 timed-%:
-	@start=$$(date +%s); $(MAKE) --no-print-directory $*; \
-	echo "make test: $* took $$(( $$(date +%s) - start )) s"
+	@start=$$(date +%s); $(MAKE) --no-print-directory $*; status=$$?; \
+	echo "make test: $* took $$(( $$(date +%s) - start )) s (exit $$status)"; exit $$status

@@ -2,8 +2,8 @@
 
 Implementations: "pallas" (GPU kernel, pallas.py; interpret mode on CPU), "xla" (xla.py, the
 CPU path), "reference" (numpy, reference.py; tests only, not jit-able). "auto" takes the
-choice of the table in measured.json for this device (pallas on a GPU, xla elsewhere). All
-follow reference.py's contract.
+choice of the table in measured.json for this device (pallas on a GPU, xla elsewhere; xla
+where the installed jax lacks the op pallas.py wraps). All follow reference.py's contract.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def resolve(implementation: str) -> str:
         raise ValueError(f"paged attention must be one of {IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
     if implementation == "auto":
-        return choose("paged_attention")
+        return choose("paged_attention") if pallas.AVAILABLE else "xla"
     return implementation
 
 

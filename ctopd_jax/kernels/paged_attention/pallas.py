@@ -17,9 +17,15 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.gpu import paged_attention as _jax_paged
 
 from ctopd_jax.kernels.choices import sizes
+
+try:   # jax 0.12.1 removed this op from jax.experimental.pallas.ops.gpu
+    from jax.experimental.pallas.ops.gpu import paged_attention as _jax_paged
+except ImportError:
+    _jax_paged = None
+AVAILABLE = _jax_paged is not None
+MISSING = "this jax has no jax.experimental.pallas.ops.gpu.paged_attention (removed in jax 0.12.1)"
 
 K_SPLITS = sizes("paged_attention")["k_splits"]
 BLOCK_TOKENS = sizes("paged_attention")["block_tokens"]
@@ -27,6 +33,8 @@ BLOCK_TOKENS = sizes("paged_attention")["block_tokens"]
 
 def decode_attention(q, k_pages, v_pages, page_table, lengths, *, interpret: bool = False):
     """Same contract as xla.decode_attention (zeros, up to eps, for a row of length 0)."""
+    if not AVAILABLE:
+        raise NotImplementedError(f"paged attention 'pallas': {MISSING}; use 'xla' or 'auto'")
     page, head_dim = k_pages.shape[2], k_pages.shape[3]
     q = (q.astype(jnp.float32) / math.sqrt(head_dim)).astype(q.dtype)
     pages_per_block = max(1, -(-BLOCK_TOKENS // page))
