@@ -50,7 +50,7 @@ def one_run(name: str, seed: int, steps: int, out: Path, overrides=(), pair=()) 
         return {"objective": name, "seed": seed, "failed": f"exit {code}, see {out}.log"}
     summary = json.loads((out / "demo_summary.json").read_text())
     rows = read_metrics(out)
-    quiet = [r for r in rows[1:] if r.get("time_compile", 0) == 0] or rows[1:]
+    quiet = [r for r in rows[1:] if r.get("time_compile", 0) == 0] or rows[1:] or rows
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in quiet)   # noqa: E731
     return {"objective": name, "seed": seed, "teacher": summary["teacher_accuracy"],
             "before": summary["student_accuracy_before"],
