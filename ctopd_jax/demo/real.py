@@ -84,9 +84,8 @@ def exported_student(hf_dir: Path, student_dir: Path, config):
     the starting student with the adapter folder the run wrote loaded onto it."""
     if config.lora.rank == 0:
         return load_hf_checkpoint(hf_dir)[0]
-    model = lora.attach(load_hf_checkpoint(student_dir)[0], config.lora.rank, config.lora.alpha,
-                        config.lora.target_modules)
-    return lora.load_adapter(model, hf_dir, expect=config.lora)
+    adapter = dataclasses.replace(config, lora=dataclasses.replace(config.lora, init_adapter=str(hf_dir)))
+    return lora.prepare(load_hf_checkpoint(student_dir)[0], adapter)
 
 
 def _count_compiles() -> list[float]:
@@ -121,15 +120,16 @@ def run(argv=None) -> dict:
                                 "root or pass --config configs/real_cpu.yaml")
     say = lambda line: print(f"[demo-real] {line}", flush=True)
     names = tuple(dict.fromkeys(args.teachers or [TEACHER]))
+    several = len(names) > 1
     teacher_dirs, student_dir = {n: fetch(n, say) for n in names}, fetch(args.student, say)
     fetched = time.perf_counter()
     out = fresh_output_dir(args.out)
     train_file, test_file = arithmetic.write_files(out / "data", args.problems,
                                                    tuple(map(run_name, names)), args.task)
     entries = [{"name": run_name(n), "checkpoint": str(d)} for n, d in teacher_dirs.items()]
-    several = [f"teachers={json.dumps(entries)}"] if len(names) > 1 else []
+    teachers_set = [f"teachers={json.dumps(entries)}"] if several else []
     config = load_config(args.config, [
-        f"model.teacher={teacher_dirs[names[0]]}", *several, f"model.student={student_dir}",
+        f"model.teacher={teacher_dirs[names[0]]}", *teachers_set, f"model.student={student_dir}",
         f"data.path={train_file}", f"data.system_prompt={arithmetic.SYSTEM_PROMPT}",
         *args.overrides, f"output_dir={out}", "evaluation.dataset=''"])
     dataset = dataclasses.replace(load_dataset(test_file), system_prompt=arithmetic.SYSTEM_PROMPT)
@@ -149,7 +149,7 @@ def run(argv=None) -> dict:
     with preflight(config, device_count=jax.device_count()) as pre:
         start_served_teachers(pre)
         trainer = Trainer(config, preflight=pre)
-        who = {name: "teacher" if len(names) == 1 else f"teacher_{name}" for name in trainer.teachers}
+        who = {name: f"teacher_{name}" if several else "teacher" for name in trainer.teachers}
         teacher_accs = {}
         for name, parts in trainer.teachers.items():
             say(f"{who[name]}: |V∩| = {parts.overlap.shared} shared tokens of "
@@ -176,10 +176,10 @@ def run(argv=None) -> dict:
         "coverage_teacher": last.get("coverage_teacher_cum", last.get(f"{first}/coverage_teacher_cum")),
         "coverage_per_teacher": {name: {side: last.get(f"{name}/coverage_{side}_cum")
                                         for side in ("student", "teacher")}
-                                 for name in trainer.teachers} if len(names) > 1 else None,
+                                 for name in trainer.teachers} if several else None,
         "teacher_accuracies": teacher_accs,
         "shared_vocab": {name: t.overlap.shared for name, t in trainer.teachers.items()}
-        if len(names) > 1 else trainer.default_parts.overlap.shared, "steps": config.steps,
+        if several else trainer.default_parts.overlap.shared, "steps": config.steps,
         "train_seconds": round(train_s, 1), "algorithm": config.algorithm.name,
         "model_teacher": " + ".join(names), "model_student": args.student,
         "held_out_problems": len(dataset), "task": args.task,

@@ -2,6 +2,7 @@
 unordered pair on both sides, and files the plain commands read."""
 import json
 
+from ctopd_jax.common.routing import route_rows
 from ctopd_jax.data.eval_sets import load_dataset
 from ctopd_jax.demo import arithmetic
 
@@ -42,8 +43,6 @@ def test_files_read_as_a_prompt_set_and_an_evaluation_set(tmp_path):
 
 
 def test_with_two_teachers_the_training_rows_name_them_in_turn(tmp_path):
-    from ctopd_jax.common.routing import route_rows
-
     train_file, _ = arithmetic.write_files(tmp_path, 60, ("small", "large"))
     rows = [json.loads(line) for line in train_file.read_text().splitlines()]
     routed = route_rows(rows, ["small", "large"])      # the trainer's routing, no default teacher
