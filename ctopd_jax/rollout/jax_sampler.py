@@ -314,8 +314,10 @@ class JaxSampler(RolloutEngine):
             stats["decode_steps"] += int((steps - before).max(initial=0))
             finished = np.nonzero(done & (sample_ids >= 0))[0]
             if len(finished):
-                got_t, got_lp = jax.device_get(take_rows(tokens, logprobs,
-                                                          jnp.asarray(finished, jnp.int32)))
+                # the index padded to a power of two (repeating a row): one program per
+                # bucket, not one per count of samples that finished together
+                bucket = np.resize(finished, 1 << (len(finished) - 1).bit_length()).astype(np.int32)
+                got_t, got_lp = jax.device_get(take_rows(tokens, logprobs, jnp.asarray(bucket)))
                 for r, t, lp in zip(finished, got_t, got_lp):
                     s, n = int(sample_ids[r]), int(steps[r])
                     out_tokens[s], out_lps[s] = t[:n], lp[:n]

@@ -89,10 +89,12 @@ def micro_grad(*args, **kwargs):
 micro_grad.lower = _micro_grad_jit.lower
 
 
-@jax.jit
 def zero_grads(params):
-    """A zero gradient tree shaped (and sharded) like params: the start of an accumulation."""
-    return jax.tree.map(jnp.zeros_like, params)
+    """A zero gradient tree shaped and sharded like params: the start of an accumulation. Each
+    leaf takes its parameter's own sharding, the one the step's summed gradients come back with:
+    a jitted zeros_like came back single-device on one device, and the step then compiled twice
+    for every shape, once for an update's first micro-batch and once for the others."""
+    return jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype, device=p.sharding), params)
 
 
 def global_norm(tree):

@@ -158,3 +158,28 @@ def test_accumulated_loss_and_grad_match_hand_computation(name, kd_ratio, topk):
     np.testing.assert_allclose(two_loss, float(expected_loss), rtol=2e-5)
     for a, b in zip(jax.tree.leaves(two_grads), jax.tree.leaves(nnx.state(expected_grads, nnx.Param))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-7)
+
+
+def test_an_update_compiles_the_step_once_for_its_first_and_later_micro_batches():
+    """The running gradient starts (zero_grads) with the sharding the step returns it with, so
+    a micro-batch after the first, of the same shapes, reuses the first one's program."""
+    from ctopd_jax.step.grad import _micro_grad_jit
+
+    rng = np.random.default_rng(1)
+    student = tiny(tiny_llama(vocab_size=VS, num_layers=1), 0)
+    teacher = tiny(tiny_qwen2(vocab_size=VT, num_layers=1), 1)
+    ids = rng.choice(30, 30, replace=False).astype(np.int32)
+    overlap = {"s_ids": jnp.asarray(ids), "t_ids": jnp.asarray(ids)}
+    objective = get_objective(from_dict({"algorithm": {"name": "strict", "kd_loss_fn": "rkl"}}).algorithm)
+    graphdef, params, rest = nnx.split(student, nnx.Param, ...)
+    # placed on a mesh, as the trainer places them (one device here)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    tgraph, tstate = nnx.split(teacher)
+    batch = jax.tree.map(jnp.asarray, objective.prepare(host_batch(samples(rng, 2)), 0, 2))
+    hidden = teacher_hidden_rows(tgraph, tstate, batch.teacher_ids, batch.teacher_mask, batch.teacher_rows)
+    grads, before = zero_grads(params), _micro_grad_jit._cache_size()
+    for _ in range(2):
+        *_, grads = micro_grad(params, rest, batch, hidden, lm_head_of(tgraph, tstate), overlap,
+                               jnp.float32(10), grads, graphdef=graphdef, accumulation=2, objective=objective)
+    assert _micro_grad_jit._cache_size() == before + 1
