@@ -105,7 +105,9 @@ SAME_TOKENIZER_OBJECTIVES = ("gkd", "opd", "opd_full", "vopd", "opd2")
 # RESULTS.md, the same-tokenizer pair: 8 rollouts, a LoRA student, as 23 GiB allow).
 SAME_TOKENIZER_SETS = ("rollout.rollout_batch_size=64", "optimizer.train_batch_size=64",
                        "optimizer.micro_batch_size=32", "rollout.jax_kv_cache_budget_gb=8",
-                       "optimizer.lr=1e-5", "optimizer.min_lr=1e-6")
+                       "optimizer.lr=1e-5", "optimizer.min_lr=1e-6",
+                       # the CPU config's recomputed layers save a CPU's memory; a GPU has room
+                       "model.scan_layers=false", "model.remat_policy=none")
 SAME_TOKENIZER_DRY_SETS = ("rollout.rollout_batch_size=8", "optimizer.train_batch_size=8",
                            "optimizer.micro_batch_size=8", "lora.rank=16", "lora.alpha=32",
                            "optimizer.lr=1e-4", "optimizer.min_lr=1e-5")
