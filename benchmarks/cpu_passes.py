@@ -193,11 +193,16 @@ def measure(objective: str, repeats: int, out: Path, overrides=()) -> dict:
                                   np.float32(total), grads[0], graphdef=trainer.graphdef,
                                   accumulation=accumulation, objective=trainer.step_objective, dropout=dropout)
                 loss, grads[0] = loss + out_[0], out_[3]
-            return trainer.apply_update(trainer.params, trainer.opt_state, grads[0], loss, np.int32(0))
+            return update(loss)
+
+        def update(loss):
+            """The AdamW update, which donates the parameters and moments: the trainer takes the new ones."""
+            trainer.params, trainer.opt_state, info = trainer.apply_update(
+                trainer.params, trainer.opt_state, grads[0], loss, np.int32(0))
+            return info
 
         s_first, s_best = best_of(lambda: jax.block_until_ready(student_step()), repeats)
-        u_first, u_best = best_of(lambda: jax.block_until_ready(
-            trainer.apply_update(trainer.params, trainer.opt_state, grads[0], 0.0, np.int32(0))), repeats)
+        u_first, u_best = best_of(lambda: jax.block_until_ready(update(0.0)), repeats)
         b0, d0 = batches[0]
         xla_t = xla_flops(teacher_hidden_rows.lower(t_graphdef, t_state, b0.teacher_ids, b0.teacher_mask,
                                                     b0.teacher_rows))
