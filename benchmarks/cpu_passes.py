@@ -220,8 +220,8 @@ def measure(objective: str, repeats: int, out: Path, overrides=()) -> dict:
         s_flops += 3 * forward_flops(s_cfg, b.student_ids.size, causal_pairs(s_len))
         rows = int(b.terms.strict_student_rows.shape[0])
         loss_rows += rows
-        # the loss: student head on V∩ forward + both backward matmuls, teacher head on V∩
-        s_flops += rows * (6 * s_cfg.hidden_size + 2 * t_cfg.hidden_size) * shared
+        s_flops += rows * loss_flops_per_row(objective, trainer.config.algorithm.ctkd_topk, shared,
+                                             s_cfg.hidden_size, t_cfg.hidden_size)
         t_tokens, s_tokens = t_tokens + b.teacher_ids.size, s_tokens + b.student_ids.size
         t_real, s_real = t_real + sum(t_len), s_real + sum(s_len)
     result["passes"]["teacher"] = dict(first_s=t_first, best_s=t_best, flops=t_flops,
@@ -233,6 +233,18 @@ def measure(objective: str, repeats: int, out: Path, overrides=()) -> dict:
                                        update_s=u_best, micro_batches=len(batches),
                                        response_tokens=float(total))
     return result
+
+
+def loss_flops_per_row(objective: str, k: int, shared: int, h_s: int, h_t: int) -> int:
+    """The loss of one row: the student head on V∩ forward and both backward matmuls, and the
+    teacher head on V∩; where the tree's top-k path works at each row's k columns only
+    (kernels/strict/row_chunks.py: `_hidden_topk_loss_and_grad`), the forward's V∩ head and then
+    the k columns of both heads and of the backward."""
+    from ctopd_jax.kernels.strict_topk import xla as topk_xla
+
+    if objective == "topk_strict" and hasattr(topk_xla.make_chunk_fn("rkl", k, 1.0, ()), "on_k_columns"):
+        return 2 * h_s * shared + k * (4 * h_s + 2 * h_t)
+    return (6 * h_s + 2 * h_t) * shared
 
 
 def nnx_cfg(graphdef, state):

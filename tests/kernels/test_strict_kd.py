@@ -269,6 +269,40 @@ def test_teacher_from_hidden_rows_and_per_row_values_match_torch(topk, implement
     assert_close(total, grad, float(per_row.sum().detach()), zs.grad.numpy(), rtol=2e-5)
 
 
+@pytest.mark.parametrize("divergence", ["rkl", "jsd"])
+@pytest.mark.parametrize("implementation", IMPLS)
+def test_both_sides_from_hidden_states_match_torch(divergence, implementation):
+    """The training path: student and teacher both as (hidden rows, lm_head), strict top-k; the xla
+    path computes the teacher and the gradient at each row's k columns only. Chunks of 4 over 9
+    rows (a tail), a zero-weight row, ties in no row."""
+    rng = np.random.default_rng(31)
+    case = make_case(seed=31)
+    rows, h_s, h_t = case.zs.shape[0], 16, 12
+    hidden = rng.normal(size=(rows, h_s)).astype(np.float32)
+    lm_head = (rng.normal(size=(h_s, case.zs.shape[1])) * 0.5).astype(np.float32)
+    t_hidden = rng.normal(size=(rows, h_t)).astype(np.float32)
+    t_head = (rng.normal(size=(h_t, case.zt.shape[1])) * 0.7).astype(np.float32)
+    weight = case.w.copy()
+    weight[1] = 0.0
+    h_ref, w_ref = torch.tensor(hidden, requires_grad=True), torch.tensor(lm_head, requires_grad=True)
+    per_row = torch_strict.strict_rows(divergence, h_ref @ w_ref, torch.tensor(t_hidden @ t_head),
+                                       case.s_ids, case.t_ids, topk=5) * torch.tensor(weight)
+    per_row.sum().backward()
+
+    def loss(h, w):
+        return api.strict_kd_rows((h, w), (jnp.asarray(t_hidden), jnp.asarray(t_head)),
+                                  jnp.asarray(case.s_ids), jnp.asarray(weight), divergence=divergence,
+                                  topk=5, chunk_rows=4, implementation=implementation,
+                                  t_ids=jnp.asarray(case.t_ids))
+
+    (total, rows_out), (g_h, g_w) = jax.jit(lambda h, w: (
+        loss(h, w), jax.grad(lambda a, b: loss(a, b)[0], argnums=(0, 1))(h, w)))(hidden, lm_head)
+    np.testing.assert_allclose(np.asarray(rows_out), per_row.detach().numpy(), rtol=2e-5, atol=1e-6)
+    assert_close(total, g_h, float(per_row.sum().detach()), h_ref.grad.numpy(), rtol=2e-5)
+    assert_close(total, g_w, float(per_row.sum().detach()), w_ref.grad.numpy(), rtol=2e-5)
+    assert not np.any(np.asarray(g_h)[1])   # the zero-weight row gets no gradient
+
+
 @pytest.mark.parametrize("implementation", ("reference", "xla", "pallas"))
 def test_zero_weight_row_with_infinite_divergence_has_zero_gradient(implementation):
     """p_S > 0 where p_T = 0 makes a row's rkl +inf; with weight 0 it adds exactly nothing."""

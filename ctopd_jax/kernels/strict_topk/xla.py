@@ -2,7 +2,9 @@
 
 Per chunk: lax.top_k on the student's projected rows (lower column first among ties), teacher
 gathered at the same columns, divergence on the k entries, gradient into the k selected student
-logits only (placed back into the chunk's [c, V∩] layout with one small scatter).
+logits only (placed back into the chunk's [c, V∩] layout with one small scatter). From hidden
+states the driver uses the function's `topk` and `on_k_columns` directly and never forms the
+teacher's [c, V∩] logits or that dense gradient (row_chunks.py).
 """
 from __future__ import annotations
 
@@ -27,4 +29,7 @@ def make_chunk_fn(divergence: str, topk: int, temperature: float, div_items: tup
         grad = jnp.zeros_like(zs_bar).at[rows, idx].set(g_k, unique_indices=True)
         return loss, grad
 
+    # what the hidden-state driver reads instead of calling chunk_fn (row_chunks: the teacher's
+    # logits and the gradient at the k selected columns only)
+    chunk_fn.topk, chunk_fn.on_k_columns = topk, on_k_columns
     return chunk_fn
