@@ -269,14 +269,19 @@ def test_teacher_from_hidden_rows_and_per_row_values_match_torch(topk, implement
     assert_close(total, grad, float(per_row.sum().detach()), zs.grad.numpy(), rtol=2e-5)
 
 
-@pytest.mark.parametrize("divergence", ["rkl", "jsd"])
+@pytest.mark.parametrize("divergence, shared, k_columns", [("rkl", 160, True), ("jsd", 160, True),
+                                                        ("rkl", 40, False)])
 @pytest.mark.parametrize("implementation", IMPLS)
-def test_both_sides_from_hidden_states_match_torch(divergence, implementation):
-    """The training path: student and teacher both as (hidden rows, lm_head), strict top-k; the xla
-    path computes the teacher and the gradient at each row's k columns only. Chunks of 4 over 9
-    rows (a tail), a zero-weight row, ties in no row."""
+def test_both_sides_from_hidden_states_match_torch(divergence, shared, k_columns, implementation):
+    """The training path: student and teacher both as (hidden rows, lm_head), strict top-5; with
+    160 shared columns the xla path computes the teacher and the gradient at each row's 5 columns
+    only, with 40 (5 columns of 16 outweigh a row's 40 logits) it runs dense. Chunks of 4 over 9
+    rows (a tail), a zero-weight row."""
+    from ctopd_jax.kernels.strict.row_chunks import at_k_columns
+    from ctopd_jax.kernels.strict_topk import xla as topk_xla
+
     rng = np.random.default_rng(31)
-    case = make_case(seed=31)
+    case = make_case(vs=200, vt=220, shared=shared, seed=31)
     rows, h_s, h_t = case.zs.shape[0], 16, 12
     hidden = rng.normal(size=(rows, h_s)).astype(np.float32)
     lm_head = (rng.normal(size=(h_s, case.zs.shape[1])) * 0.5).astype(np.float32)
@@ -301,6 +306,8 @@ def test_both_sides_from_hidden_states_match_torch(divergence, implementation):
     assert_close(total, g_h, float(per_row.sum().detach()), h_ref.grad.numpy(), rtol=2e-5)
     assert_close(total, g_w, float(per_row.sum().detach()), w_ref.grad.numpy(), rtol=2e-5)
     assert not np.any(np.asarray(g_h)[1])   # the zero-weight row gets no gradient
+    assert at_k_columns(topk_xla.make_chunk_fn(divergence, 5, 1.0, ()), (hidden, lm_head),
+                        (t_hidden, t_head), case.s_ids) == k_columns
 
 
 @pytest.mark.parametrize("implementation", ("reference", "xla", "pallas"))

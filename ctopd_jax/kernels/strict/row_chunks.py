@@ -45,7 +45,8 @@ float32 accumulation, so full student logits for all rows never exist. Gradients
 and lm_head (returned in their dtypes). With a top-k chunk function (strict_topk/xla.py) only the
 k selected columns of each row go on from there: the teacher's logits are computed at those
 columns and the gradient returns through them (`_hidden_topk_loss_and_grad`), since the rest of
-the [c, V∩] gradient is zero.
+the [c, V∩] gradient is zero; where k columns of a head outweigh a row's V∩ logits the dense path
+runs (`at_k_columns`).
 """
 from __future__ import annotations
 
@@ -231,6 +232,17 @@ def _hidden_topk_loss_and_grad(chunk_fn, chunk_rows, hidden, lm_head, teacher, s
     return loss, per_row, g_hidden, g_lm_head.astype(lm_head.dtype)
 
 
+def at_k_columns(chunk_fn, student, teacher, s_ids) -> bool:
+    """Whether the hidden-state path runs at each row's k columns (`_hidden_topk_loss_and_grad`):
+    for a top-k chunk function, when the k gathered lm_head columns of a row, [k, H] of either
+    model, are no larger than the dense path's [V∩] logits of that row (a large k over a wide
+    teacher, 128 columns of 3,584 against 109,567, would hold more than the dense path)."""
+    if not (isinstance(student, tuple) and hasattr(chunk_fn, "on_k_columns")):
+        return False
+    widths = [student[0].shape[1]] + ([teacher[0].shape[1]] if isinstance(teacher, tuple) else [])
+    return chunk_fn.topk * max(widths) <= s_ids.shape[0]
+
+
 @functools.lru_cache(maxsize=None)
 def make_chunked_loss(chunk_fn: ChunkFn, chunk_rows: int, from_hidden: bool):
     """f(student, teacher, s_ids, t_ids, weight, s_rows, t_rows) -> (loss sum, per-row values).
@@ -245,10 +257,9 @@ def make_chunked_loss(chunk_fn: ChunkFn, chunk_rows: int, from_hidden: bool):
     by SPEC §4; weights are masks).
     """
 
-    sparse = from_hidden and hasattr(chunk_fn, "on_k_columns")   # a top-k chunk function
-
     def run(student, teacher, s_ids, t_ids, weight, s_rows, t_rows):
         if from_hidden:
+            sparse = at_k_columns(chunk_fn, student, teacher, s_ids)
             driver = _hidden_topk_loss_and_grad if sparse else _hidden_loss_and_grad
             loss, per_row, gh, gw = driver(chunk_fn, chunk_rows, *student, teacher, s_ids, t_ids,
                                            weight, t_rows)
@@ -272,7 +283,7 @@ def make_chunked_loss(chunk_fn: ChunkFn, chunk_rows: int, from_hidden: bool):
     sum_and_rows.defvjp(fwd, bwd)
 
     def loss_fn(student, teacher, s_ids, t_ids, weight, s_rows=None, t_rows=None):
-        if not sparse:   # the sparse path reads the teacher's k columns per row instead
+        if not at_k_columns(chunk_fn, student, teacher, s_ids):   # else read per row's k columns
             teacher, t_ids = teacher_columns(teacher, t_ids)
         total, per_row = sum_and_rows(student, teacher, s_ids, t_ids, weight, s_rows, t_rows)
         return total, jax.lax.stop_gradient(per_row)
