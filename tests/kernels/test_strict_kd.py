@@ -11,6 +11,8 @@ import torch
 from _strict_case import Case, assert_close, make_case, torch_strict, torch_value_and_grad
 from ctopd_jax.kernels.losses import DIVERGENCES
 from ctopd_jax.kernels.strict import api
+from ctopd_jax.kernels.strict.row_chunks import at_k_columns
+from ctopd_jax.kernels.strict_topk import xla as topk_xla
 
 IMPLS = ("reference", "xla")
 
@@ -277,9 +279,6 @@ def test_both_sides_from_hidden_states_match_torch(divergence, shared, k_columns
     160 shared columns the xla path computes the teacher and the gradient at each row's 5 columns
     only, with 40 (5 columns of 16 outweigh a row's 40 logits) it runs dense. Chunks of 4 over 9
     rows (a tail), a zero-weight row."""
-    from ctopd_jax.kernels.strict.row_chunks import at_k_columns
-    from ctopd_jax.kernels.strict_topk import xla as topk_xla
-
     rng = np.random.default_rng(31)
     case = make_case(vs=200, vt=220, shared=shared, seed=31)
     rows, h_s, h_t = case.zs.shape[0], 16, 12

@@ -19,7 +19,7 @@ from ctopd_jax.algorithms import get_objective
 from ctopd_jax.collect.collector import HostBatch
 from ctopd_jax.config import from_dict
 from ctopd_jax.models import Decoder, tiny_llama, tiny_qwen2
-from ctopd_jax.step.grad import micro_grad, zero_grads
+from ctopd_jax.step.grad import _micro_grad_jit, micro_grad, zero_grads
 from ctopd_jax.step.teacher import lm_head_of, teacher_hidden_rows
 
 VS, VT = 48, 56
@@ -163,8 +163,6 @@ def test_accumulated_loss_and_grad_match_hand_computation(name, kd_ratio, topk):
 def test_an_update_compiles_the_step_once_for_its_first_and_later_micro_batches():
     """The running gradient starts (zero_grads) with the sharding the step returns it with, so
     a micro-batch after the first, of the same shapes, reuses the first one's program."""
-    from ctopd_jax.step.grad import _micro_grad_jit
-
     rng = np.random.default_rng(1)
     student = tiny(tiny_llama(vocab_size=VS, num_layers=1), 0)
     teacher = tiny(tiny_qwen2(vocab_size=VT, num_layers=1), 1)
