@@ -17,8 +17,9 @@
     reported as GFLOP/s and as a fraction of the large-square matmul rate. The compile time
     of each pass is its first call less its best.
 
---baseline REV runs this same measurement on git revision REV (a temporary worktree, removed
-after) and then on this tree, in one invocation, and prints both tables and the ratios.
+--baseline REV runs this same measurement on git revision REV, with REV's own config (a
+temporary worktree, removed after), and then on this tree, in one invocation, and prints both
+tables and the ratios.
 Prints markdown; writes passes.json (and baseline.json) under --out.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "configs" / "real_cpu.yaml"
+CONFIG = Path("configs") / "real_cpu.yaml"   # of the tree measured: the package's own (config_of)
 
 
 def best_of(fn, repeats: int) -> tuple[float, float]:
@@ -101,6 +102,14 @@ def xla_flops(lowered) -> float | None:
 
 
 # ---------------------------------------------------------------- the passes
+def config_of() -> Path:
+    """The real demo's config in the tree whose package is imported: a --baseline revision is
+    measured with its own config, not this tree's."""
+    import ctopd_jax
+
+    return Path(ctopd_jax.__file__).resolve().parent.parent / CONFIG
+
+
 def build_trainer(objective: str, out: Path, overrides=()):
     from ctopd_jax.config import load_config
     from ctopd_jax.demo import arithmetic
@@ -109,7 +118,7 @@ def build_trainer(objective: str, out: Path, overrides=()):
 
     say = lambda line: print(f"[cpu_passes] {line}", file=sys.stderr, flush=True)  # noqa: E731
     train_file, _ = arithmetic.write_files(out / "data", 60)
-    config = load_config(CONFIG, [
+    config = load_config(config_of(), [
         f"model.teacher={fetch('qwen2.5-coder-0.5b', say)}", f"model.student={fetch('smollm2-135m', say)}",
         f"data.path={train_file}", f"data.system_prompt={arithmetic.SYSTEM_PROMPT}",
         f"algorithm.name={objective}", f"output_dir={out / 'run'}", "steps=1", "evaluation.dataset=''",
