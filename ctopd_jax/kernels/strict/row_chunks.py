@@ -44,7 +44,7 @@ shared columns of the lm_head are gathered once ([H, V∩]); each chunk computes
 float32 accumulation, so full student logits for all rows never exist. Gradients flow to hidden
 and lm_head (returned in their dtypes). With a top-k chunk function (strict_topk/xla.py) only the
 k selected columns of each row go on from there: the teacher's logits are computed at those
-columns and the gradient returns through them (`_hidden_topk_loss_and_grad`), since the rest of
+columns and the gradient returns through them (`_k_columns`), since the rest of
 the [c, V∩] gradient is zero; where k columns of a head outweigh a row's V∩ logits the dense path
 runs (`at_k_columns`).
 """
@@ -144,38 +144,17 @@ def _logits_loss_and_grad(chunk_fn, chunk_rows, student, teacher, s_ids, t_ids, 
     return loss, per_row, grad
 
 
-def _hidden_loss_and_grad(chunk_fn, chunk_rows, hidden, lm_head, teacher, s_ids, t_ids, weight,
-                          t_rows=None):
-    num_rows, hid = hidden.shape
-    vocab = lm_head.shape[1]
-    w_bar = jnp.take(lm_head, s_ids, axis=1)  # [H, V∩], gathered once
-    size, n_full, tail = _chunks(num_rows, chunk_rows)
-
-    def one(start, rows, carry):
-        loss, per_row, g_hidden, g_wbar = carry
-        h = jax.lax.dynamic_slice_in_dim(hidden, start, rows, axis=0)
-        # matmuls in the compute dtype of the hidden states, accumulated in float32
-        zs_bar = jnp.dot(h, w_bar.astype(h.dtype), preferred_element_type=jnp.float32)
+def _all_columns(chunk_fn, w_bar, teacher, t_ids, t_rows):
+    """A chunk's loss and gradients through every V∩ column: the teacher's [c, V∩] logits, the
+    chunk function's dense gradient, two [c, V∩] matmuls back. Accumulates d/d w_bar as [H, V∩]."""
+    def back(h, zs_bar, w, start, rows, g_cols):
         zt_bar = _teacher_chunk(teacher, t_ids, start, rows, t_rows)
-        w = jax.lax.dynamic_slice_in_dim(weight, start, rows).astype(jnp.float32)
         chunk_rows_out, g_bar = chunk_fn(zs_bar, zt_bar, w)
         g_bar = g_bar.astype(h.dtype)
         gh = jnp.dot(g_bar, w_bar.T.astype(h.dtype), preferred_element_type=jnp.float32)
-        g_wbar = g_wbar + jnp.dot(h.T, g_bar, preferred_element_type=jnp.float32)
-        g_hidden = jax.lax.dynamic_update_slice_in_dim(g_hidden, gh.astype(g_hidden.dtype),
-                                                       start, axis=0)
-        per_row = jax.lax.dynamic_update_slice_in_dim(per_row, chunk_rows_out, start, axis=0)
-        return loss + jnp.sum(chunk_rows_out), per_row, g_hidden, g_wbar
+        return chunk_rows_out, gh, g_cols + jnp.dot(h.T, g_bar, preferred_element_type=jnp.float32)
 
-    carry = (jnp.zeros((), jnp.float32), jnp.zeros((num_rows,), jnp.float32),
-             jnp.zeros_like(hidden), jnp.zeros((hid, s_ids.shape[0]), jnp.float32))
-    if n_full:
-        carry = jax.lax.fori_loop(0, n_full, lambda i, c: one(i * size, size, c), carry)
-    if tail:
-        carry = one(n_full * size, tail, carry)
-    loss, per_row, g_hidden, g_wbar = carry
-    g_lm_head = _to_student_layout(g_wbar, inverse_ids(s_ids, vocab))
-    return loss, per_row, g_hidden, g_lm_head.astype(lm_head.dtype)
+    return back, w_bar.shape
 
 
 def _teacher_k_columns(teacher, t_ids, idx, start, size, t_rows=None):
@@ -190,50 +169,62 @@ def _teacher_k_columns(teacher, t_ids, idx, start, size, t_rows=None):
     return jnp.take_along_axis(_rows_chunk(teacher, t_rows, start, size), cols, axis=1).astype(jnp.float32)
 
 
-def _hidden_topk_loss_and_grad(chunk_fn, chunk_rows, hidden, lm_head, teacher, s_ids, t_ids, weight,
-                               t_rows=None):
-    """The hidden-state path for a top-k chunk function (`chunk_fn.topk`, `.on_k_columns`): the
-    student's V∩ logits of a chunk are computed to select each row's k columns, and only those
-    reach the teacher and the gradient. The teacher's logits are a dot with its k gathered columns
-    (not its [c, V∩] logits), and the gradient returns through the k columns of the lm_head (a
-    gather and a scatter-add, not two [c, V∩] matmuls with a mostly-zero gradient): the same
-    numbers as the dense path up to float summation order, ~3 · c · H · |V∩| FLOPs fewer a chunk."""
-    num_rows, hid = hidden.shape
-    w_bar = jnp.take(lm_head, s_ids, axis=1)  # [H, V∩], gathered once
-    w_rows = w_bar.T                          # [V∩, H]: each selected column one row to gather
-    size, n_full, tail = _chunks(num_rows, chunk_rows)
+def _k_columns(chunk_fn, w_bar, teacher, t_ids, t_rows):
+    """A chunk's loss and gradients through each row's k selected columns only (a top-k chunk
+    function's `topk` and `on_k_columns`): the teacher's logits are a dot with its k gathered
+    columns, and the gradient returns through the k columns of the lm_head (a gather and a
+    scatter-add, not two [c, V∩] matmuls with a mostly-zero gradient): the same numbers as
+    `_all_columns` up to float summation order, ~3 · c · H · |V∩| FLOPs fewer a chunk.
+    Accumulates d/d w_bar as [V∩, H], each selected column one row."""
+    w_rows = w_bar.T   # [V∩, H]: each selected column one row to gather
 
-    def one(start, rows, carry):
-        loss, per_row, g_hidden, g_rows = carry
-        h = jax.lax.dynamic_slice_in_dim(hidden, start, rows, axis=0)
-        zs_bar = jnp.dot(h, w_bar.astype(h.dtype), preferred_element_type=jnp.float32)
+    def back(h, zs_bar, w, start, rows, g_cols):
         vals, idx = select_topk(zs_bar, chunk_fn.topk)
         zt_k = _teacher_k_columns(teacher, t_ids, idx, start, rows, t_rows)
-        w = jax.lax.dynamic_slice_in_dim(weight, start, rows).astype(jnp.float32)
         chunk_rows_out, g_k = chunk_fn.on_k_columns(vals, zt_k, w)
         g_k = g_k.astype(h.dtype)
         gh = jnp.einsum("rk,rkh->rh", g_k, jnp.take(w_rows, idx, axis=0).astype(h.dtype),
                         preferred_element_type=jnp.float32)
-        outer = (g_k[:, :, None] * h[:, None, :]).astype(jnp.float32).reshape(-1, hid)
-        g_rows = g_rows.at[idx.reshape(-1)].add(outer)
+        outer = (g_k[:, :, None] * h[:, None, :]).astype(jnp.float32).reshape(-1, h.shape[1])
+        return chunk_rows_out, gh, g_cols.at[idx.reshape(-1)].add(outer)
+
+    return back, (w_bar.shape[1], w_bar.shape[0])
+
+
+def _hidden_loss_and_grad(chunk_fn, chunk_rows, hidden, lm_head, teacher, s_ids, t_ids, weight,
+                          t_rows=None):
+    num_rows = hidden.shape[0]
+    w_bar = jnp.take(lm_head, s_ids, axis=1)  # [H, V∩], gathered once
+    k_columns = at_k_columns(chunk_fn, (hidden, lm_head), teacher, s_ids)
+    back, g_shape = (_k_columns if k_columns else _all_columns)(chunk_fn, w_bar, teacher, t_ids, t_rows)
+    size, n_full, tail = _chunks(num_rows, chunk_rows)
+
+    def one(start, rows, carry):
+        loss, per_row, g_hidden, g_cols = carry
+        h = jax.lax.dynamic_slice_in_dim(hidden, start, rows, axis=0)
+        # matmuls in the compute dtype of the hidden states, accumulated in float32
+        zs_bar = jnp.dot(h, w_bar.astype(h.dtype), preferred_element_type=jnp.float32)
+        w = jax.lax.dynamic_slice_in_dim(weight, start, rows).astype(jnp.float32)
+        chunk_rows_out, gh, g_cols = back(h, zs_bar, w, start, rows, g_cols)
         g_hidden = jax.lax.dynamic_update_slice_in_dim(g_hidden, gh.astype(g_hidden.dtype),
                                                        start, axis=0)
         per_row = jax.lax.dynamic_update_slice_in_dim(per_row, chunk_rows_out, start, axis=0)
-        return loss + jnp.sum(chunk_rows_out), per_row, g_hidden, g_rows
+        return loss + jnp.sum(chunk_rows_out), per_row, g_hidden, g_cols
 
     carry = (jnp.zeros((), jnp.float32), jnp.zeros((num_rows,), jnp.float32),
-             jnp.zeros_like(hidden), jnp.zeros((s_ids.shape[0], hid), jnp.float32))
+             jnp.zeros_like(hidden), jnp.zeros(g_shape, jnp.float32))
     if n_full:
         carry = jax.lax.fori_loop(0, n_full, lambda i, c: one(i * size, size, c), carry)
     if tail:
         carry = one(n_full * size, tail, carry)
-    loss, per_row, g_hidden, g_rows = carry
-    g_lm_head = _to_student_layout(g_rows.T, inverse_ids(s_ids, lm_head.shape[1]))
+    loss, per_row, g_hidden, g_cols = carry
+    g_wbar = g_cols.T if k_columns else g_cols
+    g_lm_head = _to_student_layout(g_wbar, inverse_ids(s_ids, lm_head.shape[1]))
     return loss, per_row, g_hidden, g_lm_head.astype(lm_head.dtype)
 
 
 def at_k_columns(chunk_fn, student, teacher, s_ids) -> bool:
-    """Whether the hidden-state path runs at each row's k columns (`_hidden_topk_loss_and_grad`):
+    """Whether the hidden-state path runs at each row's k columns (`_k_columns`):
     for a top-k chunk function, when the k gathered lm_head columns of a row, [k, H] of either
     model, are no larger than the dense path's [V∩] logits of that row (a large k over a wide
     teacher, 128 columns of 3,584 against 109,567, would hold more than the dense path)."""
@@ -259,10 +250,8 @@ def make_chunked_loss(chunk_fn: ChunkFn, chunk_rows: int, from_hidden: bool):
 
     def run(student, teacher, s_ids, t_ids, weight, s_rows, t_rows):
         if from_hidden:
-            sparse = at_k_columns(chunk_fn, student, teacher, s_ids)
-            driver = _hidden_topk_loss_and_grad if sparse else _hidden_loss_and_grad
-            loss, per_row, gh, gw = driver(chunk_fn, chunk_rows, *student, teacher, s_ids, t_ids,
-                                           weight, t_rows)
+            loss, per_row, gh, gw = _hidden_loss_and_grad(chunk_fn, chunk_rows, *student, teacher,
+                                                          s_ids, t_ids, weight, t_rows)
             return (loss, per_row), (gh, gw)
         loss, per_row, grad = _logits_loss_and_grad(chunk_fn, chunk_rows, student, teacher, s_ids,
                                                     t_ids, weight, s_rows, t_rows)
