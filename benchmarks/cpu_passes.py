@@ -246,13 +246,19 @@ def measure(objective: str, repeats: int, out: Path, overrides=()) -> dict:
 
 def loss_flops_per_row(objective: str, k: int, shared: int, h_s: int, h_t: int) -> int:
     """The loss of one row: the student head on V∩ forward and both backward matmuls, and the
-    teacher head on V∩; where the tree's top-k path works at each row's k columns only
-    (kernels/strict/row_chunks.py: `_hidden_topk_loss_and_grad`, where `at_k_columns` holds), the
-    forward's V∩ head and then the k columns of both heads and of the backward."""
+    teacher head on V∩; where the tree's top-k path works at each row's k columns only (its
+    kernels/strict/row_chunks.py `at_k_columns` says so for these widths), the forward's V∩ head
+    and then the k columns of both heads and of the backward."""
+    import jax
+
+    from ctopd_jax.kernels.strict import row_chunks
     from ctopd_jax.kernels.strict_topk import xla as topk_xla
 
-    k_columns = hasattr(topk_xla.make_chunk_fn("rkl", k, 1.0, ()), "on_k_columns") and k * max(h_s, h_t) <= shared
-    if objective == "topk_strict" and k_columns:
+    rule = getattr(row_chunks, "at_k_columns", None)   # absent in a tree before that path
+    shape = lambda *dims: jax.ShapeDtypeStruct(dims, "float32")   # noqa: E731
+    if objective == "topk_strict" and rule is not None and rule(
+            topk_xla.make_chunk_fn("rkl", k, 1.0, ()), (shape(1, h_s), shape(h_s, shared)),
+            (shape(1, h_t), shape(h_t, shared)), shape(shared)):
         return 2 * h_s * shared + k * (4 * h_s + 2 * h_t)
     return (6 * h_s + 2 * h_t) * shared
 
