@@ -169,22 +169,20 @@ _WORD = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
 @jax.jit
-def _leaf_checksums(leaves):
-    out = []
-    for x in leaves:
-        x = jnp.asarray(x)
-        x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
-        words = jax.lax.bitcast_convert_type(x, _WORD[x.dtype.itemsize]).astype(jnp.uint32).reshape(-1)
-        weights = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
-        out.append(jnp.stack([jnp.sum(words, dtype=jnp.uint32),
-                              jnp.sum(words * weights, dtype=jnp.uint32)]))
-    return out
+def _leaf_checksum(x):
+    """[plain, position-weighted] sums of one leaf's words. One program per leaf shape and dtype,
+    not one over the whole tree: a model's leaves share a handful of shapes, and the program of
+    a whole tree (hundreds of leaves) took seconds to compile at a run's first checkpoint."""
+    x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+    words = jax.lax.bitcast_convert_type(x, _WORD[x.dtype.itemsize]).astype(jnp.uint32).reshape(-1)
+    weights = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+    return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * weights, dtype=jnp.uint32)])
 
 
 def checksums(tree: Any) -> list[list[int]]:
     """Per leaf [plain, position-weighted] sums of its bits as uint32 words, modulo 2**32: exact
     (any changed word changes the plain sum) and the same for any sharding (module doc)."""
-    sums = _leaf_checksums(jax.tree.leaves(tree))
+    sums = [_leaf_checksum(jnp.asarray(x)) for x in jax.tree.leaves(tree)]
     return [[int(v) for v in np.asarray(s.addressable_data(0) if isinstance(s, jax.Array) else s)]
             for s in sums]
 
