@@ -22,7 +22,7 @@ from ctopd_jax.config import from_dict
 from ctopd_jax.mesh.arrays import to_global
 from ctopd_jax.mesh.device_mesh import make_mesh, shard_module
 from ctopd_jax.models import tiny_llama, tiny_qwen2
-from ctopd_jax.step.grad import micro_grad, zero_grads
+from ctopd_jax.step.grad import _micro_grad_jit, micro_grad, zero_grads
 from ctopd_jax.step.shards import stack_shards
 from ctopd_jax.step.teacher import lm_head_of, teacher_hidden_rows
 
@@ -41,17 +41,52 @@ def gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
     return shapes
 
 
+def on_eight_devices(call: str) -> None:
+    """`call` (a function of this module) in a process of its own on 8 host devices, without the
+    persistent compilation cache: inside the whole slow suite's process, jaxlib has crashed on
+    this 8-device program (SIGSEGV / abort, in compiling it or in serializing it for the cache)
+    in four suite runs; alone it never did."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", f"import test_sharded_step as t; t.{call}"],
+                          cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 @pytest.mark.slow  # compiles the step twice for 8 devices (~15 s-1 min on 2 cores)
 @pytest.mark.parametrize("name", ["span"])  # span = strict top-k rows + mismatch-group rows
 def test_per_shard_loss_equals_one_unit_and_gathers_no_rows(name):
-    """In a process of its own, without the persistent compilation cache: inside the whole slow
-    suite's process, jaxlib has crashed on this 8-device program (SIGSEGV / abort, in compiling it
-    or in serializing it for the cache) in four suite runs; alone it never did."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", f"import test_sharded_step as t; t.per_shard_check({name!r})"],
-                          cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    on_eight_devices(f"per_shard_check({name!r})")
+
+
+@pytest.mark.slow  # compiles the step for 8 devices
+@pytest.mark.parametrize("scan", [False, True])
+def test_an_fsdp_update_compiles_the_step_once(scan):
+    on_eight_devices(f"compiles_once_check({scan})")
+
+
+def compiles_once_check(scan):
+    """On data=4 x fsdp=2, two micro-batches of one update run one program: the running
+    gradient starts (zero_grads) on the shardings the step returns it with, spelled as jit
+    spells them (P('fsdp') for P('fsdp', None): the other spelling compiled the step twice)."""
+    mesh = make_mesh({"data": 4, "fsdp": 2, "tensor": 1})
+    student = shard_module(tiny(tiny_llama(vocab_size=VS, num_layers=2, scan_layers=scan), 0), mesh)
+    teacher = shard_module(tiny(tiny_qwen2(vocab_size=VT, num_layers=1), 1), mesh)
+    host = host_batch(samples(np.random.default_rng(5), M))
+    objective = get_objective(from_dict({"algorithm": {"name": "strict", "chunked_loss_size": 8}}).algorithm)
+    overlap = {"s_ids": jnp.arange(30, dtype=jnp.int32), "t_ids": jnp.arange(30, dtype=jnp.int32)}
+    graphdef, params, rest = nnx.split(student, nnx.Param, ...)
+    t_graph, t_state = nnx.split(teacher)
+    batch = to_global(stack_shards([objective.prepare(host, i, i + 1) for i in range(M)]), mesh)
+    with jax.set_mesh(mesh):
+        t_hidden = teacher_hidden_rows(t_graph, t_state, batch.teacher_ids, batch.teacher_mask,
+                                       batch.teacher_rows, mesh=mesh)
+        grads, before = zero_grads(params), _micro_grad_jit._cache_size()
+        for _ in range(2):
+            *_, grads = micro_grad(params, rest, batch, t_hidden, lm_head_of(t_graph, t_state), overlap,
+                                   jnp.float32(host.tokens(0, M)), grads, graphdef=graphdef,
+                                   accumulation=2, objective=objective, mesh=mesh)
+    assert _micro_grad_jit._cache_size() == before + 1
 
 
 def per_shard_check(name):
