@@ -55,6 +55,7 @@ from ctopd_jax.models import lora
 from ctopd_jax.rollout.async_rollouts import Drawn, Rollouts
 from ctopd_jax.rollout.staleness import step_objective
 from ctopd_jax.step.diagnostics import Diagnostics
+from ctopd_jax.step import optimizer
 from ctopd_jax.step.grad import micro_grad, zero_grads
 from ctopd_jax.step.shards import stack_shards
 from ctopd_jax.step.teacher import add_teacher_base, teacher_hidden_rows
@@ -95,9 +96,7 @@ class Trainer:
         self.tx, self.schedule, self.apply_update = build.update_fns(
             c.optimizer, c.steps * self.updates_per_iteration)
         self.graphdef, self.params, self.rest = nnx.split(self.student, lora.trainable_filter(c), ...)
-        # scalars of the optimizer state (step counts) come out of init on one device: put them
-        # on the mesh too, so saved and restored states carry mesh shardings throughout
-        self.opt_state = jax.tree.map(lambda x: on_mesh(x, self.mesh), jax.jit(self.tx.init)(self.params))
+        self.opt_state = optimizer.init_state(self.tx, self.params, self.mesh)
         self.rng = jax.random.key(c.seed)
         self.coverage = {name: CoverageMeter() for name in self.teachers}
         self.guard = DivergenceGuard.from_config(c.guard)

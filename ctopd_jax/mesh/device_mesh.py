@@ -96,7 +96,11 @@ def make_mesh(shape: Mapping[str, int] | None = None,
 
 def logical_spec(mesh: Mesh, logical_axes: Sequence[str | None],
                  shape: Sequence[int] | None = None) -> PartitionSpec:
-    """PartitionSpec for logical axes; mesh axes that do not divide `shape` are dropped."""
+    """PartitionSpec for logical axes; mesh axes that do not divide `shape` are dropped. Spelled
+    as jit spells its outputs, without trailing unsharded axes (P('fsdp') for P('fsdp', None)):
+    an array placed on the other spelling is another jit cache key than the same array returned
+    by a step, so every program taking parameters compiled twice, before and after the first
+    update."""
     used: set[str] = set()
     spec = []
     for dim, name in enumerate(logical_axes):
@@ -116,6 +120,8 @@ def logical_spec(mesh: Mesh, logical_axes: Sequence[str | None],
             axes.append(axis)
         used.update(axes)
         spec.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
+    while spec and spec[-1] is None:
+        spec.pop()
     return PartitionSpec(*spec)
 
 

@@ -90,23 +90,11 @@ micro_grad.lower = _micro_grad_jit.lower
 
 
 def zero_grads(params):
-    """A zero gradient tree shaped like params: the start of an accumulation. Each leaf takes
-    the sharding the step's summed gradients come back with (`step_sharding`): a jitted
-    zeros_like came back single-device on one device, and the step then compiled twice for
-    every shape, once for an update's first micro-batch and once for the others."""
-    return jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype, device=step_sharding(p.sharding)), params)
-
-
-def step_sharding(sharding):
-    """A parameter's sharding as jit spells the step's outputs: without trailing unsharded axes
-    (P('fsdp', None) comes back as P('fsdp'); a running gradient started on the other spelling
-    compiled the step twice on an FSDP mesh)."""
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-        return sharding   # one device: the same device
-    spec = tuple(sharding.spec)
-    while spec and spec[-1] is None:
-        spec = spec[:-1]
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    """A zero gradient tree shaped and sharded like params: the start of an accumulation. Each
+    leaf takes its parameter's own sharding, the one the step's summed gradients come back with:
+    a jitted zeros_like came back single-device on one device, and the step then compiled twice
+    for every shape, once for an update's first micro-batch and once for the others."""
+    return jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype, device=p.sharding), params)
 
 
 def global_norm(tree):

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from ctopd_jax.config import OptimizerSection
+from ctopd_jax.mesh.arrays import on_mesh
 
 _NO_DECAY_NAMES = ("bias", "scale", "norm")
 
@@ -86,3 +87,12 @@ def make_optimizer(section: OptimizerSection, total_steps: int
         optax.clip_by_global_norm(section.max_grad_norm),
         optax.adamw(schedule, b1=b1, b2=b2, eps=section.eps, mu_dtype=section.mu_dtype,
                     weight_decay=section.weight_decay, mask=decay_mask)), schedule
+
+
+def init_state(tx: optax.GradientTransformation, params, mesh) -> Any:
+    """The optimizer state of `params`, every leaf on the mesh. Not jitted: a jitted init returned
+    the AdamW moments replicated on every device (their zeros read nothing of the parameters),
+    FSDP-sharded only after the first update, which then compiled twice. The scalars (step
+    counts) come out on one device: on the mesh too, so saved and restored states carry mesh
+    shardings throughout."""
+    return jax.tree.map(lambda x: on_mesh(x, mesh), tx.init(params))

@@ -179,7 +179,7 @@ def test_adapters_on_a_sharded_model_follow_the_base_sharding_and_match_peft(tmp
     lora.attach(model, rank, alpha, targets)
     lora.load_adapter(model, tmp_path / "peft")
     mlp = model.layers[0].mlp
-    assert mlp.gate_proj_lora_a[...].sharding == NamedSharding(mesh, P("fsdp", None))
+    assert mlp.gate_proj_lora_a[...].sharding == NamedSharding(mesh, P("fsdp"))
     assert mlp.gate_proj_lora_b[...].sharding == NamedSharding(mesh, P(None, "tensor"))
     graphdef, state = nnx.split(model)
     ids = jnp.asarray(IDS, jnp.int32)

@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -22,7 +23,8 @@ from ctopd_jax.config import from_dict
 from ctopd_jax.mesh.arrays import to_global
 from ctopd_jax.mesh.device_mesh import make_mesh, shard_module
 from ctopd_jax.models import tiny_llama, tiny_qwen2
-from ctopd_jax.step.grad import _micro_grad_jit, micro_grad, zero_grads
+from ctopd_jax.step import optimizer
+from ctopd_jax.step.grad import _micro_grad_jit, make_apply_update, micro_grad, zero_grads
 from ctopd_jax.step.shards import stack_shards
 from ctopd_jax.step.teacher import lm_head_of, teacher_hidden_rows
 
@@ -59,16 +61,17 @@ def test_per_shard_loss_equals_one_unit_and_gathers_no_rows(name):
     on_eight_devices(f"per_shard_check({name!r})")
 
 
-@pytest.mark.slow  # compiles the step for 8 devices
+@pytest.mark.slow  # compiles the step and the update for 8 devices
 @pytest.mark.parametrize("scan", [False, True])
-def test_an_fsdp_update_compiles_the_step_once(scan):
+def test_fsdp_updates_compile_the_step_and_the_update_once(scan):
     on_eight_devices(f"compiles_once_check({scan})")
 
 
 def compiles_once_check(scan):
-    """On data=4 x fsdp=2, two micro-batches of one update run one program: the running
-    gradient starts (zero_grads) on the shardings the step returns it with, spelled as jit
-    spells them (P('fsdp') for P('fsdp', None): the other spelling compiled the step twice)."""
+    """On data=4 x fsdp=2, the step and the update each compile one program for two updates of
+    two micro-batches: the parameters are placed (logical_spec), and the running gradient
+    started (zero_grads), on the shardings the programs return them with, spelled as jit
+    spells them (P('fsdp') for P('fsdp', None): the other spelling compiled each twice)."""
     mesh = make_mesh({"data": 4, "fsdp": 2, "tensor": 1})
     student = shard_module(tiny(tiny_llama(vocab_size=VS, num_layers=2, scan_layers=scan), 0), mesh)
     teacher = shard_module(tiny(tiny_qwen2(vocab_size=VT, num_layers=1), 1), mesh)
@@ -77,16 +80,26 @@ def compiles_once_check(scan):
     overlap = {"s_ids": jnp.arange(30, dtype=jnp.int32), "t_ids": jnp.arange(30, dtype=jnp.int32)}
     graphdef, params, rest = nnx.split(student, nnx.Param, ...)
     t_graph, t_state = nnx.split(teacher)
+    tx = optax.adamw(1e-3)
+    update = make_apply_update(tx, optax.constant_schedule(1e-3))
+    opt_state = optimizer.init_state(tx, params, mesh)
+    moments = [x.sharding for x in jax.tree.leaves(opt_state) if x.ndim]   # AdamW's mu, nu
+    assert moments == [x.sharding for x in jax.tree.leaves(params)] * 2
     batch = to_global(stack_shards([objective.prepare(host, i, i + 1) for i in range(M)]), mesh)
     with jax.set_mesh(mesh):
         t_hidden = teacher_hidden_rows(t_graph, t_state, batch.teacher_ids, batch.teacher_mask,
                                        batch.teacher_rows, mesh=mesh)
-        grads, before = zero_grads(params), _micro_grad_jit._cache_size()
-        for _ in range(2):
-            *_, grads = micro_grad(params, rest, batch, t_hidden, lm_head_of(t_graph, t_state), overlap,
-                                   jnp.float32(host.tokens(0, M)), grads, graphdef=graphdef,
-                                   accumulation=2, objective=objective, mesh=mesh)
+        before = _micro_grad_jit._cache_size()
+        for count in range(2):
+            grads = zero_grads(params)
+            for _ in range(2):
+                loss, _, _, grads = micro_grad(params, rest, batch, t_hidden, lm_head_of(t_graph, t_state),
+                                               overlap, jnp.float32(host.tokens(0, M)), grads,
+                                               graphdef=graphdef, accumulation=2, objective=objective, mesh=mesh)
+            params, opt_state, info = update(params, opt_state, grads, loss, np.int32(count))
+            assert bool(info["update_applied"])
     assert _micro_grad_jit._cache_size() == before + 1
+    assert update._cache_size() == 1
 
 
 def per_shard_check(name):
