@@ -181,10 +181,16 @@ def _leaf_checksum(x):
 
 def checksums(tree: Any) -> list[list[int]]:
     """Per leaf [plain, position-weighted] sums of its bits as uint32 words, modulo 2**32: exact
-    (any changed word changes the plain sum) and the same for any sharding (module doc)."""
-    sums = [_leaf_checksum(jnp.asarray(x)) for x in jax.tree.leaves(tree)]
-    return [[int(v) for v in np.asarray(s.addressable_data(0) if isinstance(s, jax.Array) else s)]
-            for s in sums]
+    (any changed word changes the plain sum) and the same for any sharding (module doc).
+
+    One leaf at a time, each fetched before the next is dispatched: with several processes a
+    leaf's sums are a collective, and collectives must run in the same order in every process;
+    leaf programs dispatched back to back ran concurrently on the CPU runtime and deadlocked
+    two processes at their first checkpoint."""
+    def fetched(s):
+        return [int(v) for v in np.asarray(s.addressable_data(0) if isinstance(s, jax.Array) else s)]
+
+    return [fetched(_leaf_checksum(jnp.asarray(x))) for x in jax.tree.leaves(tree)]
 
 
 def meta_checksum(meta: dict[str, Any]) -> str:
