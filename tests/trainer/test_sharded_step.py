@@ -3,7 +3,7 @@ computation, and the compiled program never all-gathers hidden rows, logits or t
 
 Each shard's samples are prepared on their own (shard-local rows), stacked, and the objective
 runs under shard_map over data x fsdp; only the lm_heads and the parameters (FSDP) may be
-gathered."""
+gathered. And on that mesh, updates after the first compile nothing new (compiles_once_check)."""
 import os
 import re
 import subprocess
