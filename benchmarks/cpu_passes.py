@@ -9,10 +9,10 @@
     SmolLM2-135M, 32 rollouts, prompts <= 64 tokens, answers <= 16): one rollout is collected
     through the Trainer, then the functions the trainer calls are timed on it, compiled, best
     of --repeats: the rollout (JaxSampler.generate: prefill + decode), the teacher pass
-    (step.teacher.teacher_hidden_rows), the student step (step.grad.micro_grad per micro-batch
-    plus the optax update). Each pass's FLOPs are counted from the model configs at the rows
-    the code computes (padded rows included; the body 2·params·tokens forward, ×3 with the
-    backward; attention; the vocabulary heads at the rows where they run), cross-checked with
+    (step.teacher.teacher_hidden_rows), the student step (step.grad.micro_grad per micro-batch,
+    its three programs where the tree splits it, plus the optax update). Each pass's FLOPs are
+    counted from the model configs at the rows the code computes (padded rows included; the
+    body 2·params·tokens forward, ×3 with the backward; attention; the vocabulary heads at the rows where they run), cross-checked with
     XLA's cost_analysis where it counts a whole program (not the decode's while loop), and
     reported as GFLOP/s and as a fraction of the large-square matmul rate. The compile time
     of each pass is its first call less its best.
@@ -135,6 +135,7 @@ def measure(objective: str, repeats: int, out: Path, overrides=()) -> dict:
     from ctopd_jax.mesh.arrays import to_global
     from ctopd_jax.models import lora
     from ctopd_jax.rollout import jax_sampler
+    from ctopd_jax.step import grad
     from ctopd_jax.step.grad import micro_grad, zero_grads
     from ctopd_jax.step.shards import stack_shards
     from ctopd_jax.step.teacher import teacher_hidden_rows
@@ -215,10 +216,14 @@ def measure(objective: str, repeats: int, out: Path, overrides=()) -> dict:
         b0, d0 = batches[0]
         xla_t = xla_flops(teacher_hidden_rows.lower(t_graphdef, t_state, b0.teacher_ids, b0.teacher_mask,
                                                     b0.teacher_rows))
-        xla_s = xla_flops(micro_grad.lower(trainer.params, trainer.rest, b0, hidden[0], t_lm_head,
-                                           teacher.overlap_arrays, np.float32(total), grads[0],
-                                           graphdef=trainer.graphdef, accumulation=accumulation,
-                                           objective=trainer.step_objective, dropout=d0))
+        step_args = (trainer.params, trainer.rest, b0, hidden[0], t_lm_head, teacher.overlap_arrays,
+                     np.float32(total), grads[0])
+        step_kw = dict(graphdef=trainer.graphdef, accumulation=accumulation, objective=trainer.step_objective,
+                       dropout=d0)
+        lowered = (grad.lower_micro_grad(*step_args, **step_kw) if hasattr(grad, "lower_micro_grad")
+                   else [micro_grad.lower(*step_args, **step_kw)])   # a --baseline tree of one step program
+        counts = [xla_flops(program) for program in lowered]
+        xla_s = None if None in counts else sum(counts)
 
     shared = int(teacher.overlap_arrays["s_ids"].shape[0])
     t_flops = s_flops = 0

@@ -19,7 +19,7 @@ from ctopd_jax.algorithms import get_objective
 from ctopd_jax.collect.collector import HostBatch
 from ctopd_jax.config import from_dict
 from ctopd_jax.models import Decoder, tiny_llama, tiny_qwen2
-from ctopd_jax.step.grad import _micro_grad_jit, micro_grad, zero_grads
+from ctopd_jax.step.grad import STEP_PROGRAMS, micro_grad, zero_grads
 from ctopd_jax.step.teacher import lm_head_of, teacher_hidden_rows
 
 VS, VT = 48, 56
@@ -176,8 +176,8 @@ def test_an_update_compiles_the_step_once_for_its_first_and_later_micro_batches(
     tgraph, tstate = nnx.split(teacher)
     batch = jax.tree.map(jnp.asarray, objective.prepare(host_batch(samples(rng, 2)), 0, 2))
     hidden = teacher_hidden_rows(tgraph, tstate, batch.teacher_ids, batch.teacher_mask, batch.teacher_rows)
-    grads, before = zero_grads(params), _micro_grad_jit._cache_size()
+    grads, before = zero_grads(params), [f._cache_size() for f in STEP_PROGRAMS]
     for _ in range(2):
         *_, grads = micro_grad(params, rest, batch, hidden, lm_head_of(tgraph, tstate), overlap,
                                jnp.float32(10), grads, graphdef=graphdef, accumulation=2, objective=objective)
-    assert _micro_grad_jit._cache_size() == before + 1
+    assert [f._cache_size() for f in STEP_PROGRAMS] == [n + 1 for n in before]
