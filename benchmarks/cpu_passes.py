@@ -138,6 +138,7 @@ def measure(objective: str, repeats: int, out: Path, overrides=()) -> dict:
     from ctopd_jax.step import grad
     from ctopd_jax.step.grad import micro_grad, zero_grads
     from ctopd_jax.step.shards import stack_shards
+    from ctopd_jax.step import teacher as teacher_module
     from ctopd_jax.step.teacher import teacher_hidden_rows
     from ctopd_jax.algorithms.packed_rows import budget as packing_budget, pack_rows
 
@@ -214,8 +215,10 @@ def measure(objective: str, repeats: int, out: Path, overrides=()) -> dict:
         s_first, s_best = best_of(lambda: jax.block_until_ready(student_step()), repeats)
         u_first, u_best = best_of(lambda: jax.block_until_ready(update(0.0)), repeats)
         b0, d0 = batches[0]
-        xla_t = xla_flops(teacher_hidden_rows.lower(t_graphdef, t_state, b0.teacher_ids, b0.teacher_mask,
-                                                    b0.teacher_rows))
+        teacher_step = getattr(teacher_module, "teacher_hidden", None)   # None: a --baseline tree of one program
+        xla_t = xla_flops(teacher_step.lower(t_graphdef, t_state, b0.teacher_ids, b0.teacher_mask) if teacher_step
+                          else teacher_hidden_rows.lower(t_graphdef, t_state, b0.teacher_ids, b0.teacher_mask,
+                                                         b0.teacher_rows))
         step_args = (trainer.params, trainer.rest, b0, hidden[0], t_lm_head, teacher.overlap_arrays,
                      np.float32(total), grads[0])
         step_kw = dict(graphdef=trainer.graphdef, accumulation=accumulation, objective=trainer.step_objective,

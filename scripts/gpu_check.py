@@ -553,9 +553,9 @@ def stage_compile_memory(report: Report) -> None:
                                 "sampler_slots": slots, "sampler_prompt": prompt}
 
     def teacher():
-        from ctopd_jax.step.teacher import teacher_hidden_rows
+        from ctopd_jax.step.teacher import teacher_hidden   # its row gather is a program of its own
         graphdef, state = _abstract_model(t_cfg)
-        return _compile_only(teacher_hidden_rows.lower(graphdef, state, ids, mask, rows), limit)
+        return _compile_only(teacher_hidden.lower(graphdef, state, ids, mask), limit)
 
     def student():
         graphdef, state = _abstract_model(s_cfg)
