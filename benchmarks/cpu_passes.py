@@ -12,10 +12,10 @@
     (step.teacher.teacher_hidden_rows), the student step (step.grad.micro_grad per micro-batch,
     its three programs where the tree splits it, plus the optax update). Each pass's FLOPs are
     counted from the model configs at the rows the code computes (padded rows included; the
-    body 2·params·tokens forward, ×3 with the backward; attention; the vocabulary heads at the rows where they run), cross-checked with
-    XLA's cost_analysis where it counts a whole program (not the decode's while loop), and
-    reported as GFLOP/s and as a fraction of the large-square matmul rate. The compile time
-    of each pass is its first call less its best.
+    body 2·params·tokens forward, ×3 with the backward; attention; the vocabulary heads at the
+    rows where they run), cross-checked with XLA's cost_analysis where it counts a whole
+    program (not the decode's while loop), and reported as GFLOP/s and as a fraction of the
+    large-square matmul rate. The compile time of each pass is its first call less its best.
 
 --baseline REV runs this same measurement on git revision REV, with REV's own config (a
 temporary worktree, removed after), and then on this tree, in one invocation, and prints both

@@ -94,9 +94,10 @@ def objective_grad(hidden, lm_head, batch, teacher_hidden, teacher_lm_head, over
 
 
 @functools.partial(jax.jit, donate_argnames=("grads_sum",))
-def student_backward(params, rest, ids, mask, dropout, back, cotangent, grads_sum):
-    """grads_sum + d loss / d params, from the forward's pullback and the objective's cotangent."""
-    grads, = back((params, rest, ids, mask, dropout), cotangent)
+def student_backward(forward_args, back, cotangent, grads_sum):
+    """grads_sum + d loss / d params, from the forward's pullback and the objective's cotangent
+    (`forward_args`: the forward's arguments, which the pullback reads again)."""
+    grads, = back(forward_args, cotangent)
     return jax.tree.map(jnp.add, grads_sum, grads)
 
 
@@ -120,7 +121,7 @@ def micro_grad(params, rest, batch, teacher_hidden, teacher_lm_head, overlap, to
     loss, sums, metrics, cotangent = objective_grad(hidden, lm_head, batch, teacher_hidden, teacher_lm_head,
                                                     overlap, total_tokens, accumulation=accumulation,
                                                     objective=objective, mesh=mesh)
-    grads = student_backward(*forward_args, back, cotangent, grads_sum)
+    grads = student_backward(forward_args, back, cotangent, grads_sum)
     return loss, sums, objective.after_micro_batch(metrics), grads
 
 
@@ -138,7 +139,7 @@ def lower_micro_grad(params, rest, batch, teacher_hidden, teacher_lm_head, overl
                                                           objective=objective, mesh=mesh), *objective_args)
     return [student_forward.lower(*forward_args, graphdef=graphdef),
             objective_grad.lower(*objective_args, accumulation=accumulation, objective=objective, mesh=mesh),
-            student_backward.lower(*forward_args, back, cotangent, grads_sum)]
+            student_backward.lower(forward_args, back, cotangent, grads_sum)]
 
 
 def zero_grads(params):
