@@ -9,6 +9,13 @@ Order: a grain `MapDataset` shuffled by `seed` and repeated forever; grain draws
 permutation per epoch. Batch k is rows [k*B, (k+1)*B) of that infinite sequence, so the
 iterator state is one integer (the next batch index): saving it and restoring it gives exactly
 the same batches as an uninterrupted run (step-indexed data).
+
+Groups (a run with several teachers: the teacher each prompt is routed to): each group is
+shuffled and repeated on its own, and the epoch interleaves them evenly, row k of a group of n
+at (k + 1/2) / n of the way through it. Every batch then holds each group's share of the data
+to within two prompts (exactly, for G equal groups and a batch that G divides), not a random share:
+a teacher's programs see the same batch shape every iteration, not a new one to compile, and
+its share of each update does not swing from batch to batch.
 """
 from __future__ import annotations
 
@@ -78,23 +85,45 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt", system_prompt: st
     return prompts
 
 
-class PromptStream:
-    """Batches of prompts by index; `state()` / `restore()` carry the next batch index."""
+def _repeated(items: list, seed: int, shuffle: bool):
+    """`items` forever, a fresh permutation per epoch when shuffled."""
+    dataset = grain.MapDataset.source(items)
+    return (dataset.shuffle(seed=seed) if shuffle else dataset).repeat(None)
 
-    def __init__(self, prompts: Sequence[Prompt], batch_size: int, seed: int = 0, shuffle: bool = True):
+
+def interleaved(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """(group, rank) in the order that spreads each group evenly over one epoch: rank k of a
+    group of n sits at (k + 1/2) / n, ties in group order."""
+    places = [((2 * k + 1) / (2 * n), g, k) for g, n in enumerate(sizes) for k in range(n)]
+    return [(g, k) for _, g, k in sorted(places)]
+
+
+class PromptStream:
+    """Batches of prompts by index; `state()` / `restore()` carry the next batch index.
+    `groups` (one label per prompt) spreads every group evenly over each batch (module doc)."""
+
+    def __init__(self, prompts: Sequence[Prompt], batch_size: int, seed: int = 0, shuffle: bool = True,
+                 groups: Sequence[Any] | None = None):
         if batch_size < 1:
             raise DataError(f"batch size must be >= 1, got {batch_size}")
         self.prompts = list(prompts)
         self.batch_size = batch_size
-        dataset = grain.MapDataset.source(self.prompts)
-        if shuffle:
-            dataset = dataset.shuffle(seed=seed)
-        self._dataset = dataset.repeat(None)
+        labels = list(groups) if groups is not None else [None] * len(self.prompts)
+        members = [[p for p, label in zip(self.prompts, labels) if label == name]
+                   for name in dict.fromkeys(labels)]
+        self._groups = [_repeated(m, seed + g, shuffle) for g, m in enumerate(members)]
+        self._sizes = [len(m) for m in members]
+        self._epoch = interleaved(self._sizes)
         self.position = 0
+
+    def _row(self, index: int) -> Prompt:
+        epoch, place = divmod(index, len(self._epoch))
+        group, rank = self._epoch[place]
+        return self._groups[group][epoch * self._sizes[group] + rank]
 
     def batch(self, index: int) -> list[Prompt]:
         start = index * self.batch_size
-        return [self._dataset[start + j] for j in range(self.batch_size)]
+        return [self._row(start + j) for j in range(self.batch_size)]
 
     def next_batch(self) -> list[Prompt]:
         batch = self.batch(self.position)

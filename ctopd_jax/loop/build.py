@@ -25,8 +25,9 @@ from ctopd_jax.algorithms.base import TurnJudge
 from ctopd_jax.collect.collector import Collector, SameTokenizerCollector, render
 from ctopd_jax.collect.episode_collector import EpisodeCollector
 from ctopd_jax.common import sources
+from ctopd_jax.common.routing import route_rows
 from ctopd_jax.common.setup_errors import TrainerSetupError
-from ctopd_jax.config import teacher_views
+from ctopd_jax.config import default_teacher, teacher_views
 from ctopd_jax.data.prompts import PromptStream, load_prompts, resolve_named_source, response_prompts
 from ctopd_jax.envs import make_environment
 from ctopd_jax.loop.model_sources import model_dir, served_teacher_model_config, tokenizer_side
@@ -201,7 +202,8 @@ def make_engine(student, s_tok, rollout, mesh, extra_context: int = 0, log_as=No
 
 def prompt_stream(config, s_tok, objective, prompts=None):
     """The training prompts (data.path, or `prompts` already read; with their dataset responses
-    when the objective trains on them) that fit rollout.max_prompt_len, as a resumable stream."""
+    when the objective trains on them) that fit rollout.max_prompt_len, as a resumable stream;
+    with several teachers, each batch holds each teacher's share of the prompts."""
     d, r = config.data, config.rollout
     path = resolve_named_source(d.path) if sources.is_named(d.path) else d.path
     if prompts is None:
@@ -217,7 +219,15 @@ def prompt_stream(config, s_tok, objective, prompts=None):
                       RuntimeWarning, stacklevel=2)
     if not kept:
         raise TrainerSetupError(f"data.path {path}: no prompt fits rollout.max_prompt_len={r.max_prompt_len}")
-    return PromptStream(kept, r.rollout_batch_size, seed=d.seed, shuffle=d.shuffle)
+    groups = None
+    if config.teachers:
+        routed = route_rows([p.extra for p in kept], list(teacher_views(config)),
+                            default_teacher(config), d.teacher_key)
+        groups = [None] * len(kept)
+        for name, rows in routed.items():
+            for i in rows:
+                groups[i] = name
+    return PromptStream(kept, r.rollout_batch_size, seed=d.seed, shuffle=d.shuffle, groups=groups)
 
 
 @functools.lru_cache(maxsize=8)

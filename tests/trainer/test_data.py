@@ -1,6 +1,7 @@
 """Prompt files: jsonl / parquet parsing, bad rows with file:line, deterministic resumable order."""
 import json
 
+import grain
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -91,3 +92,55 @@ def test_restored_stream_continues_exactly(tmp_path):
     resumed = PromptStream(prompts, batch_size=3, seed=5)
     resumed.restore(state)
     assert [[p.text for p in resumed.next_batch()] for _ in range(4)] == reference[2:]
+
+
+def _labelled(tmp_path, sizes):
+    rows = [{"prompt": f"{g}{k}"} for g, n in enumerate(sizes) for k in range(n)]
+    prompts = load_prompts(write_jsonl(tmp_path / "g.jsonl", rows))
+    return prompts, [p.text[0] for p in prompts]
+
+
+def test_equal_groups_fill_every_batch_equally_and_each_epoch_once(tmp_path):
+    prompts, groups = _labelled(tmp_path, [9, 9])
+    stream = PromptStream(prompts, batch_size=4, seed=3, groups=groups)
+    rows = [p.text for _ in range(9) for p in stream.next_batch()]   # two epochs of 18
+    for b in range(9):
+        assert sorted(t[0] for t in rows[4 * b:4 * b + 4]) == ["0", "0", "1", "1"]
+    assert sorted(rows[:18]) == sorted(rows[18:]) == sorted(p.text for p in prompts)
+    assert rows[:18] != rows[18:]   # each group reshuffled per epoch
+
+
+def test_unequal_groups_keep_their_share_of_every_batch(tmp_path):
+    sizes = [3, 32, 1, 5]
+    prompts, groups = _labelled(tmp_path, sizes)
+    n = sum(sizes)
+    for batch_size in (1, 7, 30, 41):
+        stream = PromptStream(prompts, batch_size=batch_size, seed=0, groups=groups)
+        batches = [[p.text for p in stream.next_batch()] for _ in range(3 * n // batch_size)]
+        for batch in batches:
+            labels = [t[0] for t in batch]
+            for g, size in enumerate(sizes):   # a random share of 30 from 32/41 strays by ~3
+                assert abs(labels.count(str(g)) - batch_size * size / n) < 2
+        rows = [t for b in batches for t in b]
+        assert sorted(rows[:n]) == sorted(p.text for p in prompts)   # an epoch: each row once
+
+
+def test_grouped_stream_resumes_exactly(tmp_path):
+    prompts, groups = _labelled(tmp_path, [5, 8])
+    full = PromptStream(prompts, batch_size=3, seed=5, groups=groups)
+    reference = [[p.text for p in full.next_batch()] for _ in range(9)]
+    first = PromptStream(prompts, batch_size=3, seed=5, groups=groups)
+    for _ in range(4):
+        first.next_batch()
+    resumed = PromptStream(prompts, batch_size=3, seed=5, groups=groups)
+    resumed.restore(json.loads(json.dumps(first.state())))
+    assert [[p.text for p in resumed.next_batch()] for _ in range(5)] == reference[4:]
+
+
+def test_one_group_is_grains_shuffled_repeat_as_before(tmp_path):
+    prompts = _prompts(tmp_path)
+    order = grain.MapDataset.source(prompts).shuffle(seed=2).repeat(None)
+    expected = [order[i].text for i in range(15)]
+    for groups in (None, ["t"] * len(prompts)):
+        stream = PromptStream(prompts, batch_size=3, seed=2, groups=groups)
+        assert [p.text for _ in range(5) for p in stream.next_batch()] == expected
