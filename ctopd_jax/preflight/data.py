@@ -25,10 +25,14 @@ def check_data(config: TrainConfig):
         raise fail(text) from None
     if config.teachers:   # every row's teacher is one of them (one line naming the row)
         try:
-            route_rows([p.extra for p in prompts], list(teacher_views(config)),
-                       default_teacher(config), d.teacher_key, row_names=[p.source for p in prompts])
+            routed = route_rows([p.extra for p in prompts], list(teacher_views(config)),
+                                default_teacher(config), d.teacher_key, row_names=[p.source for p in prompts])
         except ValueError as err:
             raise fail(str(err)) from None
+        named = sum(1 for rows in routed.values() if rows)   # each batch takes some of each
+        if config.rollout.rollout_batch_size < named:
+            raise fail(f"rollout.rollout_batch_size: {config.rollout.rollout_batch_size} is smaller than "
+                       f"the {named} teachers the prompts name; raise it to at least {named}")
     e = config.evaluation
     eval_set = None
     if e.dataset:

@@ -95,34 +95,39 @@ def test_restored_stream_continues_exactly(tmp_path):
 
 
 def _labelled(tmp_path, sizes):
-    rows = [{"prompt": f"{g}{k}"} for g, n in enumerate(sizes) for k in range(n)]
+    rows = [{"prompt": f"{g}-{k}"} for g, n in enumerate(sizes) for k in range(n)]
     prompts = load_prompts(write_jsonl(tmp_path / "g.jsonl", rows))
-    return prompts, [p.text[0] for p in prompts]
+    return prompts, [p.text.split("-")[0] for p in prompts]
 
 
-def test_equal_groups_fill_every_batch_equally_and_each_epoch_once(tmp_path):
-    prompts, groups = _labelled(tmp_path, [9, 9])
-    stream = PromptStream(prompts, batch_size=4, seed=3, groups=groups)
-    rows = [p.text for _ in range(9) for p in stream.next_batch()]   # two epochs of 18
-    for b in range(9):
-        assert sorted(t[0] for t in rows[4 * b:4 * b + 4]) == ["0", "0", "1", "1"]
-    assert sorted(rows[:18]) == sorted(rows[18:]) == sorted(p.text for p in prompts)
-    assert rows[:18] != rows[18:]   # each group reshuffled per epoch
-
-
-def test_unequal_groups_keep_their_share_of_every_batch(tmp_path):
-    sizes = [3, 32, 1, 5]
+@pytest.mark.parametrize("sizes,batch_size,shares", [
+    ([9, 9], 4, [2, 2]),
+    ([73, 72], 32, [16, 16]),        # 16.11 and 15.89
+    ([3, 32, 1, 5], 30, [2, 23, 1, 4]),   # 2.20, 23.41, 0.73, 3.66
+    ([3, 32, 1, 5], 7, [1, 4, 1, 1]),     # each group at least one
+    ([10], 3, [3]),
+])
+def test_every_batch_takes_a_fixed_share_of_each_group_and_each_group_turns_over_whole(
+        tmp_path, sizes, batch_size, shares):
     prompts, groups = _labelled(tmp_path, sizes)
-    n = sum(sizes)
-    for batch_size in (1, 7, 30, 41):
-        stream = PromptStream(prompts, batch_size=batch_size, seed=0, groups=groups)
-        batches = [[p.text for p in stream.next_batch()] for _ in range(3 * n // batch_size)]
-        for batch in batches:
-            labels = [t[0] for t in batch]
-            for g, size in enumerate(sizes):   # a random share of 30 from 32/41 strays by ~3
-                assert abs(labels.count(str(g)) - batch_size * size / n) < 2
-        rows = [t for b in batches for t in b]
-        assert sorted(rows[:n]) == sorted(p.text for p in prompts)   # an epoch: each row once
+    stream = PromptStream(prompts, batch_size=batch_size, seed=3, groups=groups)
+    batches = [[p.text for p in stream.next_batch()] for _ in range(2 * max(sizes))]
+    drawn = {str(g): [] for g in range(len(sizes))}
+    for batch in batches:
+        labels = [t.split("-")[0] for t in batch]
+        assert [labels.count(str(g)) for g in range(len(sizes))] == shares
+        for t in batch:
+            drawn[t.split("-")[0]].append(t)
+    for g, n in enumerate(sizes):   # each group's epoch: each of its rows once, then a new order
+        first, second = drawn[str(g)][:n], drawn[str(g)][n:2 * n]
+        assert sorted(first) == sorted(second) == sorted(f"{g}-{k}" for k in range(n))
+        assert n < 4 or first != second
+
+
+def test_a_batch_smaller_than_the_groups_is_refused(tmp_path):
+    prompts, groups = _labelled(tmp_path, [2, 2, 2])
+    with pytest.raises(DataError, match="batch size 2 is smaller than the 3 groups"):
+        PromptStream(prompts, batch_size=2, groups=groups)
 
 
 def test_grouped_stream_resumes_exactly(tmp_path):

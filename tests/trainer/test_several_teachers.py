@@ -139,6 +139,18 @@ def test_bad_teachers_settings_are_one_line(tmp_path, teachers, extra, message):
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_batch_smaller_than_the_teachers_named_is_one_line(tmp_path):
+    from ctopd_jax.preflight import PreflightError, preflight
+
+    path = config_file(tmp_path, "bad", prompts_file(tmp_path, ["a", "b"]),
+                       [{"name": "a", "checkpoint": "demo:teacher"}, {"name": "b", "checkpoint": "demo:teacher"}])
+    with pytest.raises(PreflightError) as info:
+        preflight(load_config(path, ["rollout.rollout_batch_size=1", "optimizer.train_batch_size=1",
+                                     "optimizer.micro_batch_size=1"]))
+    assert str(info.value) == ("rollout.rollout_batch_size: 1 is smaller than the 2 teachers the "
+                               "prompts name; raise it to at least 2")
+
+
 def test_several_teachers_refuse_an_objective_built_for_one(tmp_path):
     from ctopd_jax.preflight import PreflightError, check_objective
 
