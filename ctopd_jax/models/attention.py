@@ -338,9 +338,14 @@ def attend_cudnn(q, k, v, mask: AttentionMask):
         implementation="cudnn")
 
 
-def resolve_implementation(name: str, dtype, with_cache: bool) -> str:
+def resolve_implementation(name: str, dtype, with_cache: bool, keys: int = 0, einsum_keys: int = 0) -> str:
     """The concrete path for a configured name. ``auto``: cuDNN for no-cache bf16/fp16 calls
-    on GPU (the only case its kernel and its right-padding contract cover), else blockwise."""
+    on GPU (the only case its kernel and its right-padding contract cover); the einsum for a
+    call over at most ``einsum_keys`` keys (the caller's bound: the decoder's keeps the
+    einsum's probabilities, a differentiated forward's residual, no larger than its MLP's
+    activation); else blockwise. Over short keys the blockwise path is one tile holding the
+    same scores, and on a CPU its custom-VJP loops ran 14 % slower than the einsum's plain
+    autodiff (SmolLM2's student step over 48-token rows: benchmarks/RESULTS.md)."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got {name!r}")
     if name == "cudnn" and with_cache:
@@ -351,7 +356,7 @@ def resolve_implementation(name: str, dtype, with_cache: bool) -> str:
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if not with_cache and half and jax.default_backend() == "gpu":
         return "cudnn"
-    return "blockwise"
+    return "einsum" if 0 < keys <= einsum_keys else "blockwise"
 
 
 def attend(q, k, v, mask, implementation: str = "blockwise",

@@ -148,6 +148,9 @@ class Attention(nnx.Module):
         self.dtype = cfg.compute_dtype
         self.implementation = cfg.attention
         self.block, self.packed_block = cfg.attention_block, cfg.packed_attention_block
+        # keys over which `auto` attends by einsum: its [B, heads, T, keys] probabilities no
+        # larger than this layer's MLP activation [B, T, intermediate]
+        self.einsum_keys = cfg.intermediate_size // nq
 
     def __call__(self, x, cos, sin, mask: AttentionMask, cache: PagedKVCache | None = None,
                  layer: int = 0, dropout=None):
@@ -167,7 +170,7 @@ class Attention(nnx.Module):
             out, cache = self._paged(q, k, v, mask, cache, layer)
             o = project(out, lora_weight(self, "o_proj", dt, dr), 2)
             return add_lora_path(self, "o_proj", out, o, dr), cache
-        implementation = resolve_implementation(self.implementation, dt, False)
+        implementation = resolve_implementation(self.implementation, dt, False, k.shape[1], self.einsum_keys)
         out = attend(q, k, v, mask, implementation, self.block, self.block, self.packed_block)
         o = project(out, lora_weight(self, "o_proj", dt, dr), 2)
         return add_lora_path(self, "o_proj", out, o, dr), cache
@@ -189,7 +192,8 @@ class Attention(nnx.Module):
         swap = lambda pools, new: pools[:layer] + (new,) + pools[layer + 1:]  # noqa: E731
         cache = cache._replace(k=swap(cache.k, k_pool), v=swap(cache.v, v_pool))
         if t > 1:
-            implementation = resolve_implementation(self.implementation, self.dtype, False)
+            implementation = resolve_implementation(self.implementation, self.dtype, False, k.shape[1],
+                                                    self.einsum_keys)
             return attend(q, k, v, mask, implementation, self.block, self.block), cache
         out = paged_attention.decode_attention(q[:, 0], k_pool.astype(self.dtype),
                                                v_pool.astype(self.dtype),

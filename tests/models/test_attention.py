@@ -105,6 +105,10 @@ def test_dense_mask_still_accepted_by_the_reference():
 
 def test_resolve_implementation_and_config_validation():
     assert resolve_implementation("auto", jnp.float32, False) == "blockwise"   # no GPU here
+    # the caller's bound on the keys an einsum may attend over (the decoder's: Attention)
+    assert resolve_implementation("auto", jnp.float32, False, 48, 170) == "einsum"
+    assert resolve_implementation("auto", jnp.float32, False, 171, 170) == "blockwise"
+    assert resolve_implementation("blockwise", jnp.float32, False, 48, 170) == "blockwise"
     assert resolve_implementation("auto", jnp.bfloat16, True) == "blockwise"
     assert resolve_implementation("einsum", jnp.float32, True) == "einsum"
     with pytest.raises(ValueError, match="KV cache"):
