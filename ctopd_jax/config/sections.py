@@ -45,7 +45,8 @@ class ModelSection:
     remat_policy: str = ""
     scan_layers: bool = False     # layers under lax.scan: where XLA honours remat (decoder.py)
     mlp_chunk: int = 0            # tokens per rematerialised MLP chunk; 0 = the whole sequence
-    # auto (cuDNN for bf16 on a GPU without a KV cache, else blockwise) | einsum (reference)
+    # auto (cuDNN for bf16 on a GPU without a KV cache; einsum over at most intermediate /
+    # heads keys; else blockwise) | einsum (reference)
     # | blockwise | cudnn (bf16 and rollout.engine=vllm only: it cannot decode with a KV cache)
     attention: str = "auto"
 

@@ -74,8 +74,9 @@ def train(path: Path, *overrides: str):
 
 @pytest.mark.slow
 def test_two_names_for_one_teacher_train_as_the_single_teacher_run(tmp_path):
-    # None: the default teacher (a). Each teacher gets half the rows, so its batches interleave
-    # them (a, b, a, b: data/prompts.py) and the two-teacher run reads the file in order too.
+    # None: the default teacher (a). Each teacher has half the rows and takes 4 of each batch
+    # of 8 (data/prompts.py): unshuffled, batch k holds the file's rows 8k..8k+7, as in the
+    # single-teacher run (a's four first, then b's).
     data = prompts_file(tmp_path, ["a", "b", None, "b"])
     greedy = {"rollout": {**SMALL["rollout"], "temperature": 0.0}}
     one = train(config_file(tmp_path, "one", data, **greedy))
