@@ -2,7 +2,7 @@
 line naming the entry or the row."""
 import pytest
 
-from ctopd_jax.common.routing import check_teacher_names, route_rows
+from ctopd_jax.common.routing import check_teacher_names, route_rows, row_teachers
 
 
 def test_rows_route_by_field_or_default():
@@ -10,6 +10,7 @@ def test_rows_route_by_field_or_default():
             {"prompt": "d", "teacher": "code"}]
     assert route_rows(rows, ("math", "code", "chem"), default="math") == {
         "math": [1, 2], "code": [0, 3], "chem": []}
+    assert row_teachers(rows, ("math", "code", "chem"), default="math") == ["code", "math", "math", "code"]
 
 
 @pytest.mark.parametrize("rows, default, message", [

@@ -7,6 +7,7 @@ config with two teachers of one name, or a default that is not among them, is re
 
     names = check_teacher_names(["math", "code"], default="math")
     by_teacher = route_rows(rows, names, default="math")  # {"math": [0, 2], "code": [1]}
+    row_teachers(rows, names, default="math")             # ["math", "code", "math"]
 
 The batch then splits by teacher (each with its own tokenizer, overlap map and alignment) and
 metrics are reported per name; that wiring belongs to the loop, not to this module.
@@ -38,12 +39,12 @@ def check_teacher_names(names, default: str | None = None, field: str = "teacher
     return names
 
 
-def route_rows(rows, names, default: str | None = None, key: str = "teacher",
-               source: str = "data", row_names=None) -> dict[str, list[int]]:
-    """Row indices per teacher name (every name present, in `names` order). `row_names`
-    (e.g. each prompt's "file:line") name a bad row instead of `source row <index>`."""
+def row_teachers(rows, names, default: str | None = None, key: str = "teacher",
+                 source: str = "data", row_names=None) -> list[str]:
+    """Each row's teacher name. `row_names` (e.g. each prompt's "file:line") name a bad row
+    instead of `source row <index>`."""
     known = set(names)
-    by_teacher = {name: [] for name in names}
+    chosen_names = []
     for index, row in enumerate(rows):
         where = row_names[index] if row_names is not None else f"{source} row {index}"
         chosen = row.get(key) if isinstance(row, dict) else None
@@ -55,5 +56,15 @@ def route_rows(rows, names, default: str | None = None, key: str = "teacher",
         if chosen not in known:
             raise ValueError(f"{where}: {key} {chosen!r} is not one of the teachers "
                              f"({', '.join(names)}); add it under teachers: or fix the row")
-        by_teacher[chosen].append(index)
+        chosen_names.append(chosen)
+    return chosen_names
+
+
+def route_rows(rows, names, default: str | None = None, key: str = "teacher",
+               source: str = "data", row_names=None) -> dict[str, list[int]]:
+    """Row indices per teacher name (every name present, in `names` order); `row_teachers`
+    picks each row's."""
+    by_teacher = {name: [] for name in names}
+    for index, name in enumerate(row_teachers(rows, names, default, key, source, row_names)):
+        by_teacher[name].append(index)
     return by_teacher

@@ -25,7 +25,7 @@ from ctopd_jax.algorithms.base import TurnJudge
 from ctopd_jax.collect.collector import Collector, SameTokenizerCollector, render
 from ctopd_jax.collect.episode_collector import EpisodeCollector
 from ctopd_jax.common import sources
-from ctopd_jax.common.routing import route_rows
+from ctopd_jax.common.routing import row_teachers
 from ctopd_jax.common.setup_errors import TrainerSetupError
 from ctopd_jax.config import default_teacher, teacher_views
 from ctopd_jax.data.prompts import PromptStream, load_prompts, resolve_named_source, response_prompts
@@ -219,14 +219,8 @@ def prompt_stream(config, s_tok, objective, prompts=None):
                       RuntimeWarning, stacklevel=2)
     if not kept:
         raise TrainerSetupError(f"data.path {path}: no prompt fits rollout.max_prompt_len={r.max_prompt_len}")
-    groups = None
-    if config.teachers:
-        routed = route_rows([p.extra for p in kept], list(teacher_views(config)),
-                            default_teacher(config), d.teacher_key)
-        groups = [None] * len(kept)
-        for name, rows in routed.items():
-            for i in rows:
-                groups[i] = name
+    groups = (row_teachers([p.extra for p in kept], list(teacher_views(config)), default_teacher(config),
+                           d.teacher_key) if config.teachers else None)
     return PromptStream(kept, r.rollout_batch_size, seed=d.seed, shuffle=d.shuffle, groups=groups)
 
 
