@@ -1,5 +1,6 @@
 """Decoder vs HF transformers (PyTorch CPU) on tiny random configs, loaded by our loader."""
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hf_fixtures import VARIANTS, hf_logits, hf_model, jax_logits, save_hf, with_options
 from ctopd_jax.models import weights
-from ctopd_jax.models.decoder import rope_inv_freq
+from ctopd_jax.models.decoder import apply_rope, rope_cos_sin, rope_inv_freq
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -72,6 +73,24 @@ def test_llama3_inv_freq_matches_transformers():
     ratio = ours / plain
     assert np.isclose(ratio, 1.0).any() and np.isclose(ratio, 1 / 8).any()
     assert ((ratio < 0.99) & (ratio > 0.13)).any()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_matches_transformers_rotate_half(head_dim):
+    """apply_rope (halves swapped by a flip, the sign in sin) against transformers' own
+    apply_rotary_pos_emb (rotate_half by concatenation) at SmolLM2's and Qwen2.5-1.5B's head_dim."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    cfg = dataclasses.replace(VARIANTS["qwen2_tied_bias"](), head_dim=head_dim)
+    rng = np.random.default_rng(head_dim)
+    x = rng.standard_normal((2, 7, 3, head_dim)).astype(np.float32)
+    positions = rng.integers(0, 5000, (2, 7)).astype(np.int32)
+    ours = apply_rope(jnp.asarray(x), *rope_cos_sin(cfg, jnp.asarray(positions)))
+    angles = positions[..., None].astype(np.float32) * rope_inv_freq(cfg).astype(np.float32)   # as ours
+    angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)
+    q = torch.from_numpy(x).transpose(1, 2)   # [B, heads, T, D], transformers' layout
+    ref, _ = apply_rotary_pos_emb(q, q, torch.from_numpy(np.cos(angles)).float(),
+                                  torch.from_numpy(np.sin(angles)).float())
+    np.testing.assert_allclose(np.asarray(ours), ref.transpose(1, 2).numpy(), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name,scan", [("llama_untied_llama3rope", False),
