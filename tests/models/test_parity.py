@@ -9,6 +9,7 @@ import pytest
 import torch
 from flax import nnx
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hf_fixtures import VARIANTS, hf_logits, hf_model, jax_logits, save_hf, with_options
 from ctopd_jax.models import weights
@@ -79,7 +80,6 @@ def test_llama3_inv_freq_matches_transformers():
 def test_rope_matches_transformers_rotate_half(head_dim):
     """apply_rope (halves swapped by a flip, the sign in sin) against transformers' own
     apply_rotary_pos_emb (rotate_half by concatenation) at SmolLM2's and Qwen2.5-1.5B's head_dim."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     cfg = dataclasses.replace(VARIANTS["qwen2_tied_bias"](), head_dim=head_dim)
     rng = np.random.default_rng(head_dim)
     x = rng.standard_normal((2, 7, 3, head_dim)).astype(np.float32)
