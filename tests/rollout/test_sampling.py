@@ -142,6 +142,39 @@ def test_sampled_frequencies_follow_filtered_distribution():
     np.testing.assert_allclose(np.asarray(logprobs), raw[np.asarray(tokens)], atol=1e-5)
 
 
+def test_draws_over_many_blocks_follow_the_softmax_and_the_filters():
+    """Over more columns than one block (1,000 = 3 blocks of 256 and a padded fourth; and
+    blocks of 16 on the same row): frequencies of the columns the mass sits on, in different
+    blocks, and of the rest together, against the exact softmax (float64), plain and with top-k
+    (the filtered-out columns never drawn)."""
+    rng = np.random.default_rng(11)
+    vocab, draws = 1000, 40_000
+    logits = rng.normal(size=vocab) - 2.0
+    heavy = np.array([5, 255, 256, 511, 777, 999])          # first/last columns of blocks, the pad
+    logits[heavy] = [2.0, 1.5, 1.0, 2.5, 0.5, 1.8]
+    logits = logits.astype(np.float32)
+    keys = sampling.sample_keys(3, jnp.arange(draws), 0)
+    rows = jnp.tile(jnp.asarray(logits)[None], (draws, 1))
+
+    def frequencies(tokens):
+        counts = np.bincount(np.asarray(tokens), minlength=vocab) / draws
+        return np.append(counts[heavy], 1.0 - counts[heavy].sum())
+
+    exact = np.exp(logits.astype(np.float64) - logits.max())
+    exact /= exact.sum()
+    want = np.append(exact[heavy], 1.0 - exact[heavy].sum())
+    for block in (256, 16):
+        tokens = jax.jit(sampling.categorical, static_argnums=2)(keys, rows, block)
+        assert 0 <= int(tokens.min()) and int(tokens.max()) < vocab
+        np.testing.assert_allclose(frequencies(tokens), want, atol=0.01)
+    tokens, _ = jax.jit(sampling.sample_tokens)(keys, rows, 1.0, 4, 1.0)
+    top4 = np.argsort(-logits)[:4]
+    assert set(np.unique(np.asarray(tokens))) <= set(top4)
+    kept = exact[top4] / exact[top4].sum()
+    freq = np.bincount(np.asarray(tokens), minlength=vocab)[top4] / draws
+    np.testing.assert_allclose(freq, kept, atol=0.01)
+
+
 def test_temperature_definition():
     """Frequencies at temperature T follow softmax(logits / T)."""
     logits = np.array([1.0, 0.0, -1.0, 0.5], np.float32)
