@@ -157,6 +157,8 @@ def test_mp_opd_on_the_real_pair(write_config, prompt_file, qwen, llama, mode):
     if mode == "grass_chunk":
         assert 0 < metrics["mp_opd_grass_alpha"] <= 1
         assert trainer.objective.state_dict()["grass_noise_updates"] > 0
-        # the reported noise variance sums (value, None) over the two micro-batches
-        assert 0 < trainer.objective.noise.sigma2 <= metrics["mp_opd_grass_noise_var"]
+        # the σ² the samples used (the EMA before each update) and the EMA after the last
+        # update: both positive, in no fixed order (a last sample's large s² lifts the EMA
+        # past every value used before it)
+        assert trainer.objective.noise.sigma2 > 0 and metrics["mp_opd_grass_noise_var"] > 0
     common_checks(metrics, host, before, after, "mp_opd")
