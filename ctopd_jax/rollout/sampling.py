@@ -115,8 +115,8 @@ def categorical(keys: jax.Array, logits: jax.Array, block: int = 256) -> jax.Arr
     by its logit. P(block) · P(column | block) is the column's softmax probability, so the
     distribution is the one-stage draw's, at V / block + block random numbers a row instead of
     V: jax.random.categorical's Gumbel-max spends a threefry draw and two logs on every column,
-    13 ms of a 32-slot decode step over SmolLM2's 49,152 columns on a 2-core CPU, against
-    0.5 ms for this (benchmarks/RESULTS.md, "rollout")."""
+    ~14 ms of a 32-slot decode step over SmolLM2's 49,152 columns on a 2-core CPU, against
+    ~0.5 ms for this (benchmarks/RESULTS.md, "The rollout's draw")."""
     rows, vocab = logits.shape
     if vocab <= block:
         return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
