@@ -8,7 +8,8 @@
 (b) The passes at the real demo's shapes (configs/real_cpu.yaml: Qwen2.5-Coder-0.5B teaches
     SmolLM2-135M, 32 rollouts, prompts <= 64 tokens, answers <= 16): one rollout is collected
     through the Trainer, then the functions the trainer calls are timed on it, compiled, best
-    of --repeats: the rollout (JaxSampler.generate: prefill + decode), the teacher pass
+    of --repeats: the rollout (JaxSampler.generate: prefill + decode, and each of its two
+    programs alone, timed inside the same calls), the teacher pass
     (step.teacher.teacher_hidden_rows), the student step (step.grad.micro_grad per micro-batch,
     its three programs where the tree splits it, plus the optax update). Each pass's FLOPs are
     counted from the model configs at the rows the code computes (padded rows included; the
@@ -61,6 +62,34 @@ def matmul_rate(m: int, k: int, n: int, repeats: int) -> float:
     f = jax.jit(jnp.matmul)
     _, best = best_of(lambda: f(a, b).block_until_ready(), repeats)
     return 2 * m * k * n / best / 1e9
+
+
+def program_seconds(module, names, call, repeats: int) -> dict:
+    """{name: best of `repeats` of the seconds `call()` spends in each jitted function `name`
+    of `module`}, each wrapped to block until its result is ready (put back after)."""
+    import jax
+    spent, originals = {}, {name: getattr(module, name) for name in names}
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn(*args, **kwargs))
+            spent[name] += time.perf_counter() - t0
+            return out
+        return run
+
+    best = {name: float("inf") for name in names}
+    try:
+        for name, fn in originals.items():
+            setattr(module, name, timed(name, fn))
+        for _ in range(repeats):
+            spent.update({name: 0.0 for name in names})
+            call()
+            best = {name: min(best[name], spent[name]) for name in names}
+    finally:
+        for name, fn in originals.items():
+            setattr(module, name, fn)
+    return best
 
 
 # ---------------------------------------------------------------- FLOP counts from the configs
@@ -173,6 +202,12 @@ def measure(objective: str, repeats: int, out: Path, overrides=()) -> dict:
                                        prefill_flops=prefill, decode_flops=decode, slots=slots,
                                        prompt_len=prompt_len, decode_steps=steps,
                                        new_tokens=sum(len(t) for t in generate(prompts, params).token_ids))
+    # its two programs alone, timed inside the same calls: the prefill's GEMMs have a row per
+    # prompt token, the decode's one per slot
+    split = program_seconds(jax_sampler, ("prefill_pages", "decode_until_refill"),
+                            lambda: generate(prompts, params), repeats)
+    for label, program, flops in (("prefill", "prefill_pages", prefill), ("decode", "decode_until_refill", decode)):
+        result["passes"][f"rollout: {label}"] = dict(first_s=split[program], best_s=split[program], flops=flops)
 
     # teacher and student: the micro-batches Trainer.iteration runs, built as Trainer.micro_batch does
     o = trainer.config.optimizer
