@@ -9,7 +9,7 @@
     SmolLM2-135M, 32 rollouts, prompts <= 64 tokens, answers <= 16): one rollout is collected
     through the Trainer, then the functions the trainer calls are timed on it, compiled, best
     of --repeats: the rollout (JaxSampler.generate: prefill + decode, and each of its two
-    programs alone, timed inside the same calls), the teacher pass
+    programs alone, timed inside further generate calls), the teacher pass
     (step.teacher.teacher_hidden_rows), the student step (step.grad.micro_grad per micro-batch,
     its three programs where the tree splits it, plus the optax update). Each pass's FLOPs are
     counted from the model configs at the rows the code computes (padded rows included; the
@@ -202,8 +202,9 @@ def measure(objective: str, repeats: int, out: Path, overrides=()) -> dict:
                                        prefill_flops=prefill, decode_flops=decode, slots=slots,
                                        prompt_len=prompt_len, decode_steps=steps,
                                        new_tokens=sum(len(t) for t in generate(prompts, params).token_ids))
-    # its two programs alone, timed inside the same calls: the prefill's GEMMs have a row per
-    # prompt token, the decode's one per slot
+    # its two programs alone, timed inside further generate calls (the whole call's best above
+    # stays as it was measured before): the prefill's GEMMs have a row per prompt token, the
+    # decode's one per slot
     split = program_seconds(jax_sampler, ("prefill_pages", "decode_until_refill"),
                             lambda: generate(prompts, params), repeats)
     for label, program, flops in (("prefill", "prefill_pages", prefill), ("decode", "decode_until_refill", decode)):

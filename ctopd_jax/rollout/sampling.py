@@ -118,7 +118,7 @@ def categorical(keys: jax.Array, logits: jax.Array, block: int = 256) -> jax.Arr
     ~14 ms of a 32-slot decode step over SmolLM2's 49,152 columns on a 2-core CPU, against
     ~0.5 ms for this (benchmarks/RESULTS.md, "The rollout's draw")."""
     rows, vocab = logits.shape
-    if vocab <= block:
+    if vocab <= block:   # one block: jax's own draw, the same tokens for a seed as before
         return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
     blocks = jnp.pad(logits, ((0, 0), (0, -vocab % block)), constant_values=NEG_INF)
     blocks = blocks.reshape(rows, -1, block)
