@@ -4,7 +4,8 @@ Compiling a program allocates a few hundred MB on the host (LLVM, the HLO passes
 when done; glibc's malloc keeps those freed pages mapped for reuse, so a process that compiled
 stays that much larger (on the character pair, 0.69 GiB resident after the compiling steps, 0.49
 GiB after a trim; benchmarks/trl_peer.py). `trim()` asks malloc to give them back; the loop calls
-it after a step that compiled (trainer.step). Elsewhere than glibc it does nothing.
+it after a step that compiled (trainer.step). Under tcmalloc (preloaded for long runs, README)
+it asks tcmalloc instead, whose free lists glibc's trim cannot reach. Elsewhere it does nothing.
 
 `settled_resident_bytes()` is what each metrics row records as `host_rss_bytes`
 (common/metrics.py): the RSS once the step's last buffers are gone. XLA's runtime frees a
@@ -20,10 +21,15 @@ import time
 
 _LIBC = ctypes.util.find_library("c")
 _MALLOC_TRIM = getattr(ctypes.CDLL(_LIBC), "malloc_trim", None) if _LIBC else None
+_TCMALLOC_RELEASE = getattr(ctypes.CDLL(None), "MallocExtension_ReleaseFreeMemory", None)
 
 
 def trim() -> bool:
-    """Return the heap's free pages to the OS; True when malloc released any."""
+    """Return the heap's free pages to the OS; True when malloc released any (tcmalloc does not
+    say: True when asked)."""
+    if _TCMALLOC_RELEASE is not None:
+        _TCMALLOC_RELEASE()
+        return True
     return bool(_MALLOC_TRIM(0)) if _MALLOC_TRIM is not None else False
 
 
