@@ -8,6 +8,10 @@ samples every `--interval` seconds, from outside the process: its resident memor
 /proc/<pid>/status), the step reached, the sizes of metrics.jsonl, samples.jsonl and the
 TensorBoard folder, and the checkpoint folder (bytes and committed steps).
 
+The run inherits the environment: `LD_PRELOAD=libtcmalloc_minimal.so.4 python benchmarks/soak.py`
+soaks it under tcmalloc (README's setting for long runs; benchmarks/RESULTS.md, "Soak, fourth
+pass").
+
 Also the resident memory at the same point of every step, its end, as the trainer itself reads
 it into the step's metrics row (`host_rss_bytes`): a step's own buffers, which come and go
 within it, do not make two such readings differ (a reading polled from outside as the row
@@ -19,6 +23,8 @@ Reported (<out>/soak.json, <out>/soak.png, and printed):
   (max - min) / min over every sample, which the issue wants within 5 %, and per tenth of the
   steps its median and peak, whose spreads tell a leak (every block higher) from the buffers
   a step allocates and frees;
+- both until the last step: its row's reading and the samples after it are the run's end (its
+  final evaluation compiles, the heap is trimmed after it, the process exits), given apart;
 - the checkpoint folder: the most committed steps ever seen at once (<= keep: the older ones
   are deleted as new ones commit), and its size at the end;
 - the logs: bytes per step of metrics.jsonl from a least-squares line over the samples and
@@ -71,9 +77,9 @@ def sample(proc, run: Path, started: float) -> dict | None:
 
 
 def step_ends(samples: list[dict], steps: int, warmup: float) -> dict | None:
-    """RSS at the end of each step after the warm-up (`samples`: {"step", "rss_mb"} from the
-    metrics rows), and its least-squares drift per 1,000 steps."""
-    after = [s for s in samples if s["step"] >= warmup * steps and s["rss_mb"]]
+    """RSS at the end of each step after the warm-up and before the last (`samples`: {"step",
+    "rss_mb"} from the metrics rows), and its least-squares drift per 1,000 steps."""
+    after = [s for s in samples if warmup * steps <= s["step"] < steps and s["rss_mb"]]
     if not after:
         return None
     rss = [s["rss_mb"] for s in after]
@@ -115,8 +121,9 @@ def spread(values) -> float:
 
 def summarize(samples: list[dict], ends: list[dict], steps: int, keep: int,
               warmup: float) -> dict:
-    after = [s for s in samples if s["step"] >= warmup * steps and s["rss_mb"]]
+    after = [s for s in samples if warmup * steps <= s["step"] < steps and s["rss_mb"]]
     rss = [s["rss_mb"] for s in after]
+    end = [s["rss_mb"] for s in samples if s["step"] == steps and s["rss_mb"]]
     per_block = blocks(after, steps, int(warmup * steps))
     grown = [s for s in samples if s["step"] > 0]
     slope, r2 = linear_fit([s["step"] for s in grown], [s["metrics_bytes"] for s in grown])
@@ -126,6 +133,8 @@ def summarize(samples: list[dict], ends: list[dict], steps: int, keep: int,
         "rss_after_warmup_mb": {"min": round(min(rss), 1), "max": round(max(rss), 1),
                                 "first": round(rss[0], 1), "last": round(rss[-1], 1),
                                 "spread": spread(rss)} if rss else None,
+        "rss_at_the_end_mb": {"last_step_end": round(ends[-1]["rss_mb"], 1) if ends else None,
+                              "samples_after_it": [round(r, 1) for r in end]},
         "rss_blocks": per_block,
         "block_median_spread": spread([b["median"] for b in per_block]),
         "block_peak_spread": spread([b["peak"] for b in per_block]),
