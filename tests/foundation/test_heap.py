@@ -28,7 +28,8 @@ FREED_IN_THE_MIDDLE = textwrap.dedent("""
 
 def freed_mib(preload: str | None) -> int:
     """Run the program above in a fresh process (its own heap), with `preload` as LD_PRELOAD."""
-    env = dict(os.environ, **({"LD_PRELOAD": preload} if preload else {}))
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env.update({"LD_PRELOAD": preload} if preload else {})
     out = subprocess.run([sys.executable, "-c", FREED_IN_THE_MIDDLE], env=env, check=True,
                          capture_output=True, text=True).stdout.split()
     assert out[0] == "True"
