@@ -91,15 +91,15 @@ trl-venv: $(TRL_VENV)/.installed
 # from a venv of their own; skipped, with a line that says so, where no Python 3.12 is found:
 # the kernels and the strict losses (Pallas, custom VJPs), the models (nnx, sharding, LoRA,
 # GGUF), the mesh and the model options, the JAX sampler and its paged cache, the memory
-# kinds of the offload, the teacher's rows, Orbax checkpoints and resume, the step on one
-# device and on the mesh, packed rows. Not the objectives' arithmetic over jax.numpy
-# (tests/algorithms), the served clients, the graders or the config, which a jax version
-# does not reach.
+# kinds of the offload, the teacher's rows, Orbax checkpoints, the step on one device and on
+# the mesh. Not the trainer runs that only combine those (resume after a kill, packed rows:
+# ~2 min of this job), nor the objectives' arithmetic over jax.numpy (tests/algorithms), the
+# served clients, the graders or the config, which a jax version does not reach.
 NEXT_TESTS := tests/kernels tests/models tests/foundation/test_mesh.py \
     tests/foundation/test_model_options.py tests/rollout/test_paged_sampler.py \
     tests/rollout/test_jax_sampler.py tests/rollout/test_host_offload.py tests/test_losses.py \
-    tests/test_teacher.py tests/trainer/test_checkpoint.py tests/trainer/test_resume.py \
-    tests/trainer/test_student_step.py tests/trainer/test_sharded_step.py tests/trainer/test_packed_rows.py
+    tests/test_teacher.py tests/trainer/test_checkpoint.py tests/trainer/test_student_step.py \
+    tests/trainer/test_sharded_step.py
 PYTHON_NEXT ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3 /usr/bin/python3.12))
 NEXT_VENV := .venv-jax-next
 $(NEXT_VENV)/.installed: pyproject.toml
