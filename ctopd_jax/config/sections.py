@@ -25,7 +25,9 @@ class ModelSection:
     # Tokenizer directory or name (tiny_bpe, tiny_unigram, qwen2.5, llama3); "" = the model's dir.
     student_tokenizer: str = ""
     teacher_tokenizer: str = ""      # the same for the teacher
-    dtype: Literal["float32", "bfloat16"] = "float32"        # compute dtype
+    # Compute dtype. bfloat16 on a CPU with AVX512-BF16: about twice the float32 matmul rate
+    # (the projections sum in float32, models/decoder.py: project); slower on a CPU without it.
+    dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"  # storage dtype of the weights
     remat: bool = False                                      # gradient checkpointing per layer
     # The frozen teacher's storage dtype; "" = param_dtype. bf16 halves its memory, while the
