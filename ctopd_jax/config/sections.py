@@ -26,7 +26,7 @@ class ModelSection:
     student_tokenizer: str = ""
     teacher_tokenizer: str = ""      # the same for the teacher
     # Compute dtype. bfloat16 on a CPU with AVX512-BF16: about twice the float32 matmul rate
-    # (the projections sum in float32, models/decoder.py: project); slower on a CPU without it.
+    # (the projections sum in float32, models/projection.py); slower on a CPU without it.
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"  # storage dtype of the weights
     remat: bool = False                                      # gradient checkpointing per layer

@@ -46,6 +46,7 @@ from ctopd_jax.models.attention import AttentionMask, attend, resolve_implementa
 from ctopd_jax.models.config import ModelConfig
 from ctopd_jax.models.kv_cache import PagedKVCache
 from ctopd_jax.models.lora import TARGETS, add_lora_path, lora_weight
+from ctopd_jax.models.projection import project
 
 INIT_STD = 0.02
 
@@ -117,45 +118,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------- blocks
-def project(x: jax.Array, w: jax.Array, dims: int = 1) -> jax.Array:
-    """x [..., *in] @ w [*in, *out] (`in`: the last `dims` axes of x) as ONE 2-D matmul over the
-    flattened tokens. Why not an einsum over [B, T, ...]: its weight gradient contracts two
-    token axes, and XLA CPU then writes the activation gradient transposed inside an
-    elementwise fusion, a cache-hostile copy that took a third of the student step
-    (benchmarks/cpu_passes.py); the 2-D form's gradients are plain matmuls."""
-    lead, inner = x.shape[:x.ndim - dims], math.prod(x.shape[x.ndim - dims:])
-    x2, w2 = x.reshape(-1, inner), w.reshape(inner, -1)
-    narrow_on_cpu = x.dtype != jnp.float32 and jax.default_backend() == "cpu"
-    y = matmul_float32_sums(x2, w2) if narrow_on_cpu else x2 @ w2
-    return y.reshape(*lead, *w.shape[dims:])
-
-
-@jax.custom_vjp
-def matmul_float32_sums(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w for bfloat16 (or float16) x and w, summed in float32 and rounded to x's dtype, and
-    the same form for the two matmuls of its gradient. Why: XLA CPU runs a bfloat16 GEMM at the
-    AVX512-BF16 rate (about twice the float32 rate) only when it accumulates into float32; a
-    GEMM with a bfloat16 result runs below the float32 rate, and jax's own gradient of this
-    function contracts float32 cotangents with the weights upcast, float32 GEMMs
-    (benchmarks/RESULTS.md, "bfloat16 compute on the CPU"). Same values as a bfloat16 GEMM
-    that sums in float32, which is what a GPU's does; the GPU path keeps plain `@`."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def _matmul_forward(x, w):
-    return matmul_float32_sums(x, w), (x, w)
-
-
-def _matmul_backward(residuals, g):
-    x, w = residuals
-    dx = jnp.dot(g, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
-    dw = jnp.dot(x.T, g, preferred_element_type=jnp.float32).astype(w.dtype)
-    return dx, dw
-
-
-matmul_float32_sums.defvjp(_matmul_forward, _matmul_backward)
-
-
 class RMSNorm(nnx.Module):
     def __init__(self, size: int, eps: float, param_dtype, *, rngs: nnx.Rngs):
         self.scale = _param(rngs, (size,), (None,), param_dtype, init="ones")

@@ -1,6 +1,6 @@
 """bfloat16 compute on the CPU: the projections' matmuls sum in float32, forward and backward.
 
-`decoder.project` takes `matmul_float32_sums` for bfloat16 inputs on the CPU (XLA CPU runs a
+`models/projection.py: project` takes `matmul_float32_sums` for bfloat16 inputs on the CPU (XLA CPU runs a
 bfloat16 GEMM at its fast rate only when it accumulates into float32). References: float64
 numpy for the matmul and its gradient, HF torch autograd in float32 for a whole model's.
 """
@@ -17,7 +17,7 @@ from flax import nnx
 
 from hf_fixtures import VARIANTS, save_hf
 from ctopd_jax.models import weights
-from ctopd_jax.models.decoder import matmul_float32_sums, project
+from ctopd_jax.models.projection import matmul_float32_sums, project
 
 
 def bf16(a):
