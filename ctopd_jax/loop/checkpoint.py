@@ -87,6 +87,7 @@ def _quiet_closed_loop_callbacks() -> None:
     `RuntimeError: Event loop is closed` with a traceback, from background threads while the
     run goes on and at exit, around the one line that reports the failure. They carry no
     information; this hook (installed once, by the first Checkpointer) drops exactly those, and
+    the write's own error where it arrives without a traceback (`_names_a_checkpoint_write`);
     every other unraisable exception reaches the previous hook."""
     previous = sys.unraisablehook
     if getattr(previous, "ctopd_quiet", False):
@@ -94,7 +95,9 @@ def _quiet_closed_loop_callbacks() -> None:
 
     def hook(unraisable):
         value = unraisable.exc_value
-        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+        closed_loop = isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+        bare = value is not None and value.__traceback__ is None   # tensorstore's write error
+        if not (closed_loop or bare and _names_a_checkpoint_write(f"{unraisable.object!r} {value}")):
             previous(unraisable)
     hook.ctopd_quiet = True
     sys.unraisablehook = hook
@@ -105,19 +108,28 @@ class _QuietOrbaxThreads(logging.Filter):
     failed write, one per thread, and asyncio's "Task exception was never retrieved" for its
     sibling write tasks (one fragment's failure ends the gather; the others' exceptions are
     logged whenever their tasks are collected, at exit too): the failure reaches the caller as
-    one exception, which the command reports in one line (--debug still raises it)."""
+    one exception, which the command reports in one line (--debug still raises it). An
+    exception tensorstore set without a traceback is known by its text instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
             return True
         if "orbax" in record.pathname:
             return False
-        tb = record.exc_info[1].__traceback__ if record.exc_info and record.exc_info[1] else None
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and exc.__traceback__ is None:
+            return not _names_a_checkpoint_write(f"{record.getMessage()} {exc}")
+        tb = exc.__traceback__ if exc is not None else None
         while tb is not None:
             if "orbax" in tb.tb_frame.f_code.co_filename:
                 return False
             tb = tb.tb_next
         return True
+
+
+def _names_a_checkpoint_write(text: str) -> bool:
+    """Whether an exception's text (and its task's) names a checkpoint's writers."""
+    return any(name in text.lower() for name in ("orbax", "tensorstore", "ocdbt"))
 
 
 def _quiet_orbax_write_tasks() -> None:
