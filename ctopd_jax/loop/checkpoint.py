@@ -87,7 +87,7 @@ def _quiet_closed_loop_callbacks() -> None:
     `RuntimeError: Event loop is closed` with a traceback, from background threads while the
     run goes on and at exit, around the one line that reports the failure. They carry no
     information; this hook (installed once, by the first Checkpointer) drops exactly those, and
-    the write's own error where it arrives without a traceback (`_names_a_checkpoint_write`);
+    the write's own error where it arrives without a traceback (`_bare_write_error`);
     every other unraisable exception reaches the previous hook."""
     previous = sys.unraisablehook
     if getattr(previous, "ctopd_quiet", False):
@@ -96,8 +96,7 @@ def _quiet_closed_loop_callbacks() -> None:
     def hook(unraisable):
         value = unraisable.exc_value
         closed_loop = isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
-        bare = value is not None and value.__traceback__ is None   # tensorstore's write error
-        if not (closed_loop or bare and _names_a_checkpoint_write(f"{unraisable.object!r} {value}")):
+        if not (closed_loop or _bare_write_error(value, repr(unraisable.object))):
             previous(unraisable)
     hook.ctopd_quiet = True
     sys.unraisablehook = hook
@@ -114,12 +113,10 @@ class _QuietOrbaxThreads(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
             return True
-        if "orbax" in record.pathname:
-            return False
         exc = record.exc_info[1] if record.exc_info else None
-        if exc is not None and exc.__traceback__ is None:
-            return not _names_a_checkpoint_write(f"{record.getMessage()} {exc}")
-        tb = exc.__traceback__ if exc is not None else None
+        if "orbax" in record.pathname or _bare_write_error(exc, record.getMessage()):
+            return False
+        tb = getattr(exc, "__traceback__", None)
         while tb is not None:
             if "orbax" in tb.tb_frame.f_code.co_filename:
                 return False
@@ -127,9 +124,12 @@ class _QuietOrbaxThreads(logging.Filter):
         return True
 
 
-def _names_a_checkpoint_write(text: str) -> bool:
-    """Whether an exception's text (and its task's) names a checkpoint's writers."""
-    return any(name in text.lower() for name in ("orbax", "tensorstore", "ocdbt"))
+def _bare_write_error(exc: BaseException | None, context: str) -> bool:
+    """`exc` without a traceback (as tensorstore sets its write errors) whose text or `context`
+    (the task or record that carried it) names a checkpoint's writers."""
+    text = f"{context} {exc}".lower()
+    bare = exc is not None and exc.__traceback__ is None
+    return bare and any(name in text for name in ("orbax", "tensorstore", "ocdbt"))
 
 
 def _quiet_orbax_write_tasks() -> None:
